@@ -1,0 +1,254 @@
+"""Find a model's config.json (directory, file or Hugging Face id) and size its weights.
+
+Run by autoconfig in the container-start process and by the CLI. Reads local
+files only, unless the caller allows the network, in which case it fetches
+config.json alone through huggingface_hub (imported lazily). The weights size
+comes from the safetensors index, else the weight files, else an estimate
+from the config (``estimate_num_params`` below).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from autoconfig.model_kv import KvLayoutInfo, ModelConfigError, kv_layout_from_config, text_section
+from lmi_cache.errors import UserError
+
+__all__ = ["ModelInfo", "ModelNotFoundError", "estimate_num_params", "hf_hub_cache_dir",
+           "load_model_info", "read_config", "resolve_config_path"]
+
+
+class ModelNotFoundError(UserError):
+    """The model argument names no directory, file or locally cached Hugging Face model."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # the HF id, or the directory name
+    config_path: str
+    kv: KvLayoutInfo
+    weights_bytes: int
+    weights_source: str  # how weights_bytes was found (one of three phrases, see _weights)
+    notes: list[str] = field(default_factory=list)
+
+
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def load_model_info(
+    model: str,
+    *,
+    kv_cache_dtype: str = "auto",
+    dtype: str = "auto",
+    hf_home: str | None = None,
+    allow_network: bool = False,
+    bf16_supported: bool = True,
+) -> ModelInfo:
+    """Resolve ``model``, read its config.json, derive the KV layout and the weights size."""
+    config_path, name, notes = resolve_config_path(model, hf_home=hf_home, allow_network=allow_network)
+    config = read_config(config_path)
+    sidecar = config_path.parent / "hf_quant_config.json"
+    if "quantization_config" not in config and sidecar.is_file():
+        # vllm/transformers_utils/config.py: ModelOpt <= 0.29 keeps its quantization
+        # config beside config.json, and vLLM reads it as quantization_config.
+        config = {**config, "quantization_config": read_config(sidecar)}
+        notes.append(f"quantization config read from {sidecar}")
+    kv = kv_layout_from_config(config, kv_cache_dtype=kv_cache_dtype, dtype=dtype, source=str(config_path),
+                               model_name=name, bf16_supported=bf16_supported)
+    weights_bytes, weights_source = _weights(config_path.parent, config)
+    return ModelInfo(name=name, config_path=str(config_path), kv=kv, weights_bytes=weights_bytes,
+                     weights_source=weights_source, notes=notes)
+
+
+def hf_hub_cache_dir(hf_home: str | None = None) -> Path:
+    """Where huggingface_hub keeps models: HF_HUB_CACHE, else $HF_HOME/hub, else the XDG default."""
+    if hf_home:
+        return Path(hf_home).expanduser() / "hub"
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def resolve_config_path(model: str, *, hf_home: str | None = None,
+                        allow_network: bool = False) -> tuple[Path, str, list[str]]:
+    """(path of config.json, model name, notes) for a directory, a file or a HF model id."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise ModelNotFoundError(f"{path}: no config.json in this directory; pass the model's directory "
+                                     "(the one that holds config.json) or the config file itself")
+        return config, path.resolve().name, []
+    if path.is_file():
+        return path, path.resolve().parent.name, []
+    looks_like_path = model.startswith((".", "/", "~")) or model.count("/") > 1 or not _HF_ID.match(model)
+    if looks_like_path:
+        raise ModelNotFoundError(f"{model}: no such file or directory; pass a model directory, "
+                                 "a config.json or a Hugging Face model id (org/name)")
+    cache = hf_hub_cache_dir(hf_home)
+    found = _from_hf_cache(cache, model)
+    if found is not None:
+        return found[0], model, found[1]
+    if allow_network:
+        return _download_config(model, hf_home), model, [f"config.json of {model} fetched from the Hugging Face Hub"]
+    raise ModelNotFoundError(
+        f"{model}: not in the local Hugging Face cache ({cache}); pass the model's directory "
+        "(the one with config.json), or set HF_HOME / HF_HUB_CACHE to the cache that holds it"
+    )
+
+
+def _from_hf_cache(cache: Path, model_id: str) -> tuple[Path, list[str]] | None:
+    repo = cache / ("models--" + model_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        revision = ref.read_text(encoding="utf-8").strip()
+        config = snapshots / revision / "config.json"
+        if config.is_file():
+            return config, [f"{model_id} resolved from the HF cache, refs/main = {revision}"]
+    candidates = sorted((p for p in snapshots.glob("*/config.json") if p.is_file()),
+                        key=lambda p: p.stat().st_mtime, reverse=True)
+    if not candidates:
+        return None
+    note = f"{model_id}: no usable refs/main in the HF cache; using the newest snapshot {candidates[0].parent.name}"
+    return candidates[0], [note]
+
+
+def _download_config(model_id: str, hf_home: str | None) -> Path:
+    try:
+        from huggingface_hub import hf_hub_download  # optional: only for allow_network
+    except ImportError:
+        raise ModelNotFoundError(f"{model_id}: not cached locally and huggingface_hub is not installed; "
+                                 "pip install huggingface_hub or pass the model's directory") from None
+    try:
+        cache_dir = str(hf_hub_cache_dir(hf_home)) if hf_home else None
+        return Path(hf_hub_download(repo_id=model_id, filename="config.json", cache_dir=cache_dir))
+    except Exception as exc:  # the hub raises many types; the user needs one line
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ModelNotFoundError(f"{model_id}: could not fetch config.json from the Hugging Face Hub "
+                                 f"({first_line}); check the id and HF_TOKEN, or pass a local directory") from None
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """Parse a JSON object from ``path``; one-line ModelConfigError naming the file otherwise."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ModelConfigError(f"{path}: cannot read ({exc.strerror or exc}); check the path and permissions") from None
+    except UnicodeDecodeError:
+        raise ModelConfigError(f"{path}: not a UTF-8 text file; pass the model's config.json") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{path}: not valid JSON (line {exc.lineno} column {exc.colno}: {exc.msg}); "
+                               "fix or re-download the file") from None
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object, got {type(data).__name__}; "
+                               "pass the model's config.json")
+    return data
+
+
+def _weights(model_dir: Path, config: Mapping[str, Any]) -> tuple[int, str]:
+    for index in sorted(model_dir.glob("*.safetensors.index.json"), key=lambda p: p.name != "model.safetensors.index.json"):
+        try:
+            total = json.loads(index.read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+            return total, "safetensors index metadata.total_size"
+    files = [p for p in model_dir.glob("*.safetensors")]
+    if any(not p.name.startswith("consolidated") for p in files):
+        files = [p for p in files if not p.name.startswith("consolidated")]  # Mistral ships both layouts
+    if not files:
+        files = [p for p in model_dir.glob("*.bin") if p.name not in ("training_args.bin", "optimizer.bin")]
+    total = 0
+    for p in files:
+        try:
+            total += p.stat().st_size  # follows the HF cache's snapshot -> blob symlinks
+        except OSError:
+            continue
+    if total > 0:
+        return total, "sum of *.safetensors/*.bin file sizes"
+    num_params = estimate_num_params(config)
+    per_param = _bytes_per_param(config)
+    return int(num_params * per_param), f"estimated from config: {num_params} params x {per_param:g} bytes"
+
+
+def _bytes_per_param(config: Mapping[str, Any]) -> float:
+    quant = config.get("quantization_config")
+    if isinstance(quant, Mapping):
+        method = str(quant.get("quant_method", "")).lower()
+        inner: Mapping[str, Any] = quant.get("quantization") or quant
+        inner = inner if isinstance(inner, Mapping) else quant
+        algo = str(inner.get("quant_algo", "")).upper()
+        bits = quant.get("bits") or quant.get("w_bit")
+        groups = quant.get("config_groups")
+        if isinstance(groups, Mapping):
+            group: Any = next(iter(groups.values()), None)
+            weights = group.get("weights") if isinstance(group, Mapping) else None
+            if isinstance(weights, Mapping):
+                bits = bits or weights.get("num_bits")
+        if method in ("fp8", "fbgemm_fp8") or algo.startswith("FP8") or bits == 8:
+            return 1.0
+        if algo == "NVFP4" or bits == 4 or method in ("awq", "mxfp4"):
+            return 0.5
+    text, _ = text_section(config)
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or "bfloat16")
+    return 4.0 if dtype in ("float32", "float") else 2.0
+
+
+def estimate_num_params(config: Mapping[str, Any]) -> int:
+    """Language-model parameters from the config: embeddings, attention, MLP/MoE, norms, lm_head.
+
+    Biases and any vision tower are left out (under 2% for the models we size).
+    """
+    t, _ = text_section(config)
+    hidden = int(t.get("hidden_size") or t.get("n_embd") or 0)
+    layers = int(t.get("num_hidden_layers") or t.get("n_layer") or 0)
+    heads = int(t.get("num_attention_heads") or t.get("n_head") or 1)
+    vocab = int(t.get("vocab_size") or config.get("vocab_size") or 0)
+    model_type = str(t.get("model_type") or config.get("model_type") or "")
+    if t.get("kv_lora_rank"):
+        attn = _mla_params(t, hidden, heads)
+    else:
+        kv_heads = 1 if t.get("multi_query") and not t.get("new_decoder_architecture") else int(
+            t.get("num_key_value_heads") or t.get("n_head_kv") or t.get("num_kv_heads") or heads)
+        head_dim = int(t.get("head_dim") or hidden // heads)
+        attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    inter = t.get("intermediate_size")
+    dense_mlp = 3 * hidden * int(inter) if inter else 2 * hidden * 4 * hidden  # gated vs plain 4x MLP
+    num_experts = int(t.get("num_experts") or t.get("n_routed_experts") or t.get("num_local_experts") or 0)
+    num_moe = 0
+    moe_mlp = 0
+    if num_experts:
+        expert_inter = int(t.get("moe_intermediate_size") or inter or 4 * hidden)
+        shared = int(t.get("n_shared_experts") or 0) * expert_inter + int(t.get("shared_expert_intermediate_size") or 0)
+        moe_mlp = 3 * hidden * expert_inter * num_experts + 3 * hidden * shared + hidden * num_experts
+        dense_layers = set(range(int(t.get("first_k_dense_replace") or 0))) | set(t.get("mlp_only_layers") or [])
+        step = int(t.get("decoder_sparse_step") or 1)
+        num_moe = sum(1 for i in range(layers) if i not in dense_layers and (i + 1) % step == 0)
+    per_layer_norms = 2 * hidden
+    blocks = layers * (attn + per_layer_norms) + (layers - num_moe) * dense_mlp + num_moe * moe_mlp
+    tied = t.get("tie_word_embeddings", config.get("tie_word_embeddings"))
+    if tied is None:  # transformers' per-model defaults
+        tied = model_type.startswith("gemma") or model_type == "falcon"
+    embeddings = vocab * hidden * (1 if tied else 2)
+    return blocks + embeddings + hidden
+
+
+def _mla_params(t: Mapping[str, Any], hidden: int, heads: int) -> int:
+    rope, nope = int(t.get("qk_rope_head_dim") or 0), int(t.get("qk_nope_head_dim") or 0)
+    v_dim, kv_rank = int(t.get("v_head_dim") or nope), int(t["kv_lora_rank"])
+    q_rank = t.get("q_lora_rank")
+    q = hidden * int(q_rank) + int(q_rank) * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+    return q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden

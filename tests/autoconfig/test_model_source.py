@@ -1,0 +1,242 @@
+"""Model resolution (dir / file / HF cache / hub), weights size and the parameter estimate."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autoconfig.model_kv import ModelConfigError
+from autoconfig.model_source import (
+    ModelNotFoundError,
+    estimate_num_params,
+    hf_hub_cache_dir,
+    load_model_info,
+    read_config,
+)
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs"
+LLAMA = FIXTURES / "llama-3.1-8b-instruct"
+
+
+@pytest.fixture(autouse=True)
+def _clean_hf_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # never read the real ~/.cache
+
+
+def model_dir(tmp_path: Path, fixture: Path = LLAMA) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    shutil.copy(fixture / "config.json", d / "config.json")
+    return d
+
+
+def fake_hf_cache(hub: Path, model_id: str, *, revision: str = "abc123", ref: bool = True,
+                  weights: dict[str, int] | None = None) -> Path:
+    """The huggingface_hub layout: blobs/, snapshots/<rev>/ symlinks, refs/main."""
+    repo = hub / ("models--" + model_id.replace("/", "--"))
+    snap = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True)
+    files = {"config.json": (LLAMA / "config.json").read_bytes()}
+    files.update({name: b"\0" * size for name, size in (weights or {}).items()})
+    for i, (name, data) in enumerate(files.items()):
+        blob = repo / "blobs" / f"{revision}-{i}"
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snap), snap / name)
+    if ref:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(revision)
+    return snap
+
+
+def test_directory_and_config_file(tmp_path: Path) -> None:
+    d = model_dir(tmp_path)
+    by_dir = load_model_info(str(d))
+    by_file = load_model_info(str(d / "config.json"))
+    assert by_dir.config_path == by_file.config_path == str(d / "config.json")
+    assert by_dir.name == "model" and by_dir.kv.layout.kv_bytes_per_token == 131072
+    assert by_dir.kv.layout.model_name == "model"
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="no config.json") as err:
+        load_model_info(str(tmp_path))
+    assert str(tmp_path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="no such file or directory"):
+        load_model_info(str(tmp_path / "nope" / "x"))
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_CACHE", "HF_HOME", "hf_home", "XDG_CACHE_HOME", "default"])
+def test_hf_cache_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    root = tmp_path / "cache"
+    hub = {"HF_HUB_CACHE": root, "HF_HOME": root / "hub", "hf_home": root / "hub",
+           "XDG_CACHE_HOME": root / "huggingface" / "hub",
+           "default": tmp_path / "home" / ".cache" / "huggingface" / "hub"}[how]
+    if how in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.setenv(how, str(root))
+    snap = fake_hf_cache(hub, "meta-llama/Llama-3.1-8B-Instruct")
+    info = load_model_info("meta-llama/Llama-3.1-8B-Instruct", hf_home=str(root) if how == "hf_home" else None)
+    assert Path(info.config_path) == snap / "config.json"
+    assert info.name == "meta-llama/Llama-3.1-8B-Instruct"
+    assert any("refs/main = abc123" in n for n in info.notes)
+
+
+def test_hf_cache_follows_refs_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    old = fake_hf_cache(tmp_path, "org/m", revision="old", ref=False)
+    fake_hf_cache(tmp_path, "org/m", revision="new")
+    os.utime(old / "config.json", (4e9, 4e9), follow_symlinks=True)  # refs/main wins over a newer snapshot
+    assert Path(load_model_info("org/m").config_path).parent.name == "new"
+
+
+def test_hf_cache_without_refs_uses_newest_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    old = fake_hf_cache(tmp_path, "org/m", revision="r1", ref=False)
+    new = fake_hf_cache(tmp_path, "org/m", revision="r2", ref=False)
+    os.utime(old / "config.json", (1000, 1000), follow_symlinks=True)
+    os.utime(new / "config.json", (2000, 2000), follow_symlinks=True)
+    info = load_model_info("org/m")
+    assert Path(info.config_path).parent.name == "r2" and any("newest snapshot" in n for n in info.notes)
+
+
+def test_not_cached_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelNotFoundError) as err:
+        load_model_info("org/not-here")
+    message = str(err.value)
+    assert "not in the local Hugging Face cache" in message and "HF_HOME" in message
+    assert str(tmp_path) in message and "\n" not in message
+
+
+def test_network_fetches_only_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    calls: list[dict[str, Any]] = []
+    downloaded = model_dir(tmp_path) / "config.json"
+
+    def hf_hub_download(**kwargs: Any) -> str:
+        calls.append(kwargs)
+        return str(downloaded)
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(hf_hub_download=hf_hub_download))
+    info = load_model_info("org/remote", allow_network=True)
+    assert calls == [{"repo_id": "org/remote", "filename": "config.json", "cache_dir": None}]
+    assert info.config_path == str(downloaded) and info.weights_source.startswith("estimated from config")
+
+
+def test_network_error_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+
+    def hf_hub_download(**kwargs: Any) -> str:
+        raise OSError("401 Client Error\nmore details")
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(hf_hub_download=hf_hub_download))
+    with pytest.raises(ModelNotFoundError, match="401 Client Error") as err:
+        load_model_info("org/gated", allow_network=True)
+    assert "\n" not in str(err.value)
+
+
+# --- weights size ---
+
+def test_weights_from_index(tmp_path: Path) -> None:
+    d = model_dir(tmp_path)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 16060522496}}))
+    (d / "model-00001-of-00004.safetensors").write_bytes(b"\0" * 10)
+    info = load_model_info(str(d))
+    assert info.weights_bytes == 16060522496 and info.weights_source == "safetensors index metadata.total_size"
+
+
+def test_weights_from_cached_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    fake_hf_cache(tmp_path, "org/m", weights={"model-1.safetensors": 1000, "model-2.safetensors": 234,
+                                               "consolidated.safetensors": 1234})
+    info = load_model_info("org/m")
+    assert info.weights_bytes == 1234 and info.weights_source == "sum of *.safetensors/*.bin file sizes"
+
+
+def test_weights_from_bin_files(tmp_path: Path) -> None:
+    d = model_dir(tmp_path)
+    (d / "pytorch_model.bin").write_bytes(b"\0" * 500)
+    (d / "training_args.bin").write_bytes(b"\0" * 7)
+    assert load_model_info(str(d)).weights_bytes == 500
+
+
+def test_weights_estimated(tmp_path: Path) -> None:
+    info = load_model_info(str(model_dir(tmp_path)))
+    params = estimate_num_params(json.loads((LLAMA / "config.json").read_text()))
+    assert info.weights_bytes == params * 2
+    assert info.weights_source == f"estimated from config: {params} params x 2 bytes"
+    fp8 = load_model_info(str(FIXTURES / "deepseek-v3"))  # fp8 weights: one byte per parameter
+    assert fp8.weights_source.endswith("x 1 bytes") and 600e9 < fp8.weights_bytes < 720e9
+    ct = load_model_info(str(FIXTURES / "llama-3.1-8b-instruct-fp8-kv"))  # compressed-tensors, 8-bit weights
+    assert ct.weights_bytes == params and ct.kv.layout.kv_dtype == "fp8"
+
+
+@pytest.mark.parametrize("fixture,published", [
+    ("llama-3.1-8b-instruct", 8.03e9),
+    ("qwen2.5-72b-instruct", 72.7e9),
+    ("qwen2.5-7b-instruct", 7.61e9),
+    ("qwen3-30b-a3b", 30.5e9),  # MoE: all 128 experts count
+    ("deepseek-v3", 671e9),  # MLA + MoE, main model without the MTP layer
+    ("gemma-2-9b-it", 9.24e9),  # tied embeddings
+    ("llama-3.3-70b-instruct", 70.6e9),
+])
+def test_param_estimate_within_10_percent(fixture: str, published: float) -> None:
+    estimate = estimate_num_params(json.loads((FIXTURES / fixture / "config.json").read_text()))
+    assert abs(estimate - published) / published < 0.10, estimate
+
+
+def test_modelopt_sidecar_sets_kv_dtype(tmp_path: Path) -> None:
+    d = model_dir(tmp_path)
+    (d / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt", "version": "0.19.0"},
+         "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}))
+    info = load_model_info(str(d))
+    assert info.kv.layout.kv_dtype == "fp8_e4m3" and any("hf_quant_config.json" in n for n in info.notes)
+    assert info.weights_source.endswith("x 1 bytes")
+
+
+# --- unreadable files ---
+
+def test_invalid_json(tmp_path: Path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text('{"num_hidden_layers": 32,\n  oops}')
+    with pytest.raises(ModelConfigError, match="not valid JSON \\(line 2 column 3") as err:
+        read_config(bad)
+    assert str(err.value).startswith(str(bad)) and "\n" not in str(err.value)
+
+
+def test_non_object_file(tmp_path: Path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ModelConfigError, match="expected a JSON object, got list"):
+        load_model_info(str(bad))
+
+
+def test_bad_key_names_the_file(tmp_path: Path) -> None:
+    d = model_dir(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError) as err:
+        load_model_info(str(d))
+    assert str(err.value).startswith(str(d / "config.json")) and "'num_hidden_layers'" in str(err.value)
+
+
+def test_hf_hub_cache_dir_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home_hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub_cache"))
+    assert hf_hub_cache_dir() == tmp_path / "hub_cache"
+    assert hf_hub_cache_dir(str(tmp_path / "explicit")) == tmp_path / "explicit" / "hub"
+    monkeypatch.delenv("HF_HUB_CACHE")
+    assert hf_hub_cache_dir() == tmp_path / "home_hf" / "hub"
