@@ -1,0 +1,85 @@
+"""Click commands ``lmi-cache serve`` and ``lmi-cache sagemaker deploy``.
+
+``serve`` runs in the container as its entrypoint; ``sagemaker deploy`` runs
+on a developer's machine. Both are thin shells over ``autoconfig.serve`` and
+``autoconfig.sagemaker_deploy``. ``autoconfig.cli`` adds them to the
+``lmi-cache`` group through ``register``; user errors become one line and
+exit 2 there (and in this module's own ``main`` for ``python -m``).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+@click.command()
+@click.option("--model-dir", type=click.Path(file_okay=False),
+              help="Model directory with serving.properties and/or the model (default /opt/ml/model).")
+@click.option("--host", "host_file", type=click.Path(dir_okay=False),
+              help="Host snapshot JSON (from 'lmi-cache probe --json') instead of probing; for --dry-run what-ifs.")
+@click.option("--dry-run", is_flag=True, help="Print the summary and the vLLM command instead of starting it.")
+def serve(model_dir: str | None, host_file: str | None, dry_run: bool) -> None:
+    """Container entrypoint: configure the KV cache, then exec vLLM's OpenAI server on :8080."""
+    from autoconfig.serve import run_serve
+
+    run_serve(model_dir, dry_run, host_file=host_file, echo=click.echo)
+
+
+@click.group()
+def sagemaker() -> None:
+    """Deploy the lmi-cache container to Amazon SageMaker."""
+
+
+@sagemaker.command()
+@click.option("--name", required=True, help="Name of the model, endpoint config and endpoint.")
+@click.option("--image", "image_uri", required=True, help="Container image URI (ECR).")
+@click.option("--model-data", help="s3:// prefix (uncompressed model) or s3://.../model.tar.gz.")
+@click.option("--instance-type", required=True, help="e.g. ml.g6e.12xlarge")
+@click.option("--role", "role_arn", required=True, help="SageMaker execution role ARN.")
+@click.option("--option", "option_pairs", multiple=True, metavar="KEY=VALUE",
+              help="LMI option, sent as env OPTION_<KEY> (repeatable), e.g. tensor_parallel_degree=4.")
+@click.option("--instance-count", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--startup-timeout", "startup_timeout_s", type=click.IntRange(min=60), default=1800,
+              show_default=True, help="Seconds SageMaker waits for /ping after the container starts.")
+@click.option("--region", help="AWS region (default: the AWS configuration).")
+@click.option("--endpoint-url", help="SageMaker API endpoint (e.g. a local test server).")
+@click.option("--dry-run", is_flag=True, help="Print the three requests as JSON; send nothing.")
+def deploy(name: str, image_uri: str, model_data: str | None, instance_type: str, role_arn: str,
+           option_pairs: tuple[str, ...], instance_count: int, startup_timeout_s: int, region: str | None,
+           endpoint_url: str | None, dry_run: bool) -> None:
+    """Create a SageMaker model, endpoint config and endpoint with the KV cache on."""
+    from autoconfig.sagemaker_deploy import DeploySpec, build_requests, deploy as send, parse_option_pairs
+
+    spec = DeploySpec(name=name, image_uri=image_uri, instance_type=instance_type, role_arn=role_arn,
+                      model_data=model_data, options=parse_option_pairs(option_pairs),
+                      instance_count=instance_count, startup_timeout_s=startup_timeout_s)
+    requests = build_requests(spec)
+    if dry_run:
+        click.echo(json.dumps(requests, indent=2))
+        return
+    arns = send(requests, region=region, endpoint_url=endpoint_url)
+    for key, arn in arns.items():
+        click.echo(f"{key}: {arn}")
+    click.echo(f"endpoint {name} is being created; wait with: aws sagemaker wait endpoint-in-service "
+               f"--endpoint-name {name}")
+
+
+def register(group: click.Group) -> None:
+    """Called by autoconfig.cli for each module in its COMMAND_MODULES."""
+    group.add_command(serve)
+    group.add_command(sagemaker)
+
+
+def main() -> None:
+    """``python -m autoconfig.cli_serve ...``: the same commands under the lmi-cache error handling."""
+    from autoconfig.cli import LmiCacheGroup
+
+    group = LmiCacheGroup(name="lmi-cache", help="lmi-cache serve / sagemaker")
+    register(group)
+    group.main(sys.argv[1:], prog_name="lmi-cache")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The container-start step: properties + env -> probe -> plan -> files for the server.
+
+Run once by ``lmi-cache configure`` (and by ``lmi-cache serve`` before it
+starts vLLM). Everything is computed first and written last, each file through
+a temporary file and a rename, so an error leaves nothing half-written.
+
+Files written under the output directory:
+  lmcache.yaml      LMCache-format config (auto mode)
+  plan.json         the ``plan --json`` document (auto mode)
+  vllm_args.json    JSON list of extra vLLM arguments
+  env.json          environment the server must run with (LMCACHE_CONFIG_FILE, ...)
+  env.sh            the same as ``export`` lines, for shell entrypoints
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from autoconfig.properties import ResolvedProperties, resolve_properties
+from lmi_cache.errors import UserError
+
+if TYPE_CHECKING:
+    from autoconfig.host import HostSnapshot
+    from autoconfig.plan_types import TierPlan
+
+DEFAULT_MODEL_DIR = "/opt/ml/model"  # SageMaker / LMI convention
+DEFAULT_OUTPUT_DIR = "/tmp/lmi-cache"
+RUNTIME_DIR_ENV = "LMI_CACHE_RUNTIME_DIR"
+OUTPUT_FILES = ("lmcache.yaml", "plan.json", "vllm_args.json", "env.json", "env.sh")
+
+
+class ConfigureError(UserError):
+    """The configure step cannot produce a usable configuration (names what to fix)."""
+
+
+@dataclass(frozen=True)
+class ConfigureResult:
+    mode: str  # "auto" (planned), "file" (user's lmcache_config_file) or "off"
+    output_dir: Path
+    written: dict[str, Path]
+    properties: ResolvedProperties
+    plan: "TierPlan | None" = None
+    env: dict[str, str] = field(default_factory=dict)
+    vllm_args: list[str] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)
+
+
+def default_output_dir(env: Mapping[str, str]) -> Path:
+    return Path(env.get(RUNTIME_DIR_ENV) or DEFAULT_OUTPUT_DIR)
+
+
+def configure(
+    model_dir: str | Path | None = None,
+    output_dir: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    host: "HostSnapshot | None" = None,
+    probe: "Callable[[], HostSnapshot] | None" = None,
+) -> ConfigureResult:
+    """Resolve properties, probe (unless ``host`` is given), plan and write the files."""
+    from autoconfig.render.vllm_args import vllm_args as render_args
+
+    env = dict(os.environ if env is None else env)
+    mdir = Path(model_dir) if model_dir is not None else Path(DEFAULT_MODEL_DIR)
+    out = Path(output_dir) if output_dir is not None else default_output_dir(env)
+    if host is None:
+        if probe is None:
+            from autoconfig.probe import probe_host
+
+            probe = probe_host
+        host = probe()
+    props = resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=len(host.gpus))
+    messages = [f"option {line}" for line in props.summary_lines()]
+    plan = None
+    run_env: dict[str, str] = {}
+    files: dict[str, str] = {}
+    if props.auto_config:
+        plan = _plan(props, mdir, host, env)
+        yaml_path = out / "lmcache.yaml"
+        files["lmcache.yaml"] = _yaml_text(plan)
+        files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
+        run_env = {"LMCACHE_CONFIG_FILE": str(yaml_path), **plan.env}
+        args = list(plan.vllm_args)
+        messages += [f"warning: {w}" for w in plan.warnings]
+        mode = "auto"
+    elif props.config_file is not None:
+        _check_user_config(props.config_file)
+        run_env = {"LMCACHE_CONFIG_FILE": str(props.config_file)}
+        args = render_args(None, props.settings)
+        mode = "file"
+    else:
+        # No cache requested: still hand vLLM the parallel flags, without a connector.
+        args = render_args(None, props.settings)[2:]
+        mode = "off"
+        messages.append("LMCache off: set option.lmcache_auto_config=true or option.lmcache_config_file")
+    files["vllm_args.json"] = json.dumps(args) + "\n"
+    files["env.json"] = json.dumps(run_env, indent=2, sort_keys=True) + "\n"
+    files["env.sh"] = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(run_env.items()))
+    written = write_files_atomically(out, files)
+    return ConfigureResult(mode, out, written, props, plan, run_env, args, messages)
+
+
+def _plan(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str]) -> "TierPlan":
+    from autoconfig.model_source import load_model_info
+    from autoconfig.planner import plan_tiers
+
+    model = props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
+    if model is None:
+        raise ConfigureError(f"no model: {mdir} has no config.json and option.model_id / HF_MODEL_ID is unset; "
+                             "set one of them or pass --model-dir")
+    info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
+                           hf_home=env.get("HF_HOME"), allow_network=False)
+    return plan_tiers(host, info, props.settings, cpu_kvcache_space_gib=cpu_kvcache_space_from_env(env))
+
+
+def cpu_kvcache_space_from_env(env: Mapping[str, str]) -> int | None:
+    """VLLM_CPU_KVCACHE_SPACE as vLLM reads it (whole GiB), or None when unset/empty."""
+    raw = env.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise ConfigureError(f"environment variable VLLM_CPU_KVCACHE_SPACE={raw!r}: must be a whole number of GiB >= 1")
+    return value
+
+
+def _yaml_text(plan: "TierPlan") -> str:
+    from autoconfig.render.lmcache_yaml import render_yaml
+
+    header = (f"Written by lmi-cache configure for {plan.model_name or 'the model'}: sizes are GiB per rank.\n"
+              "See plan.json beside this file for how each number was computed.")
+    return render_yaml(plan.lmcache_config, header=header)
+
+
+def _check_user_config(path: Path) -> None:
+    from lmi_cache.config import load_config
+
+    if not path.is_file():
+        raise ConfigureError(f"option.lmcache_config_file: {path} does not exist; fix the path "
+                             "(relative paths are resolved against the model directory)")
+    load_config(str(path), env={})  # raises ConfigError naming the file and key
+
+
+def write_files_atomically(out: Path, files: Mapping[str, str]) -> dict[str, Path]:
+    """Write every file to a temp name, then rename them all; on any error remove the temps.
+
+    Files of ours from an earlier run that this run does not write are removed,
+    so a stale lmcache.yaml never outlives a switch to another mode.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigureError(f"--output-dir {out}: cannot create it ({err.strerror}); choose a writable directory")
+    temps: dict[str, Path] = {}
+    try:
+        for name, text in files.items():
+            tmp = out / f".{name}.tmp-{os.getpid()}"
+            temps[name] = tmp
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+    except OSError as err:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+        raise ConfigureError(f"--output-dir {out}: cannot write ({err.strerror}); choose a writable directory")
+    written = {}
+    for name, tmp in temps.items():
+        os.replace(tmp, out / name)
+        written[name] = out / name
+    for stale in set(OUTPUT_FILES) - set(files):
+        (out / stale).unlink(missing_ok=True)
+    return written

@@ -1,0 +1,252 @@
+"""The tier planner: (host snapshot, model geometry, serving settings) -> TierPlan.
+
+A pure function, run once at container start (``lmi-cache configure``) or by
+``lmi-cache plan`` for what-if questions. Every number it produces carries a
+one-line explanation; every estimate says what it assumes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from autoconfig.host import HostSnapshot
+from autoconfig.plan_disk import mount_of
+from autoconfig.plan_types import (
+    GIB, KIB, GpuPlan, LmiReference, ModelInfoLike, PlanError, PlanModel, TierPlan,
+)
+from autoconfig.plan_sizing import cpu_tier, disk_tier, gib_floor_bytes  # noqa: F401 (re-exported)
+from autoconfig.settings import ServingSettings
+from lmi_cache.kv_layout import KvLayout
+
+# vLLM's KV block size: 16 on CUDA by default; the CPU backend (vllm/platforms/cpu.py,
+# 0.32) forces 128, except the reference MLA kernel which needs 16.
+CUDA_BLOCK_TOKENS = 16
+CPU_BLOCK_TOKENS = 128
+CPU_MLA_BLOCK_TOKENS = 16
+
+DEFAULT_CHUNK_TOKENS = 256  # LMCache's default, a multiple of every block size above
+MIN_CHUNK_BYTES = 256 * KIB  # below this, per-chunk costs (hash, index, syscall) dominate I/O
+MAX_CHUNK_TOKENS = 2048  # larger chunks waste the unfilled tail of short prompts
+FALLBACK_MAX_MODEL_LEN = 8192  # when neither settings nor config.json give one
+
+# GPU memory vLLM keeps outside the KV cache besides weights: CUDA context and
+# NCCL buffers (non-torch memory), the profiling run's peak activations and CUDA
+# graphs. vLLM measures this at start-up; we can only estimate it.
+ACTIVATION_RESERVE_MIN_BYTES = 1 * GIB
+ACTIVATION_RESERVE_FRACTION = 0.05
+
+
+def plan_tiers(
+    host: HostSnapshot,
+    model: PlanModel | ModelInfoLike | KvLayout,
+    settings: ServingSettings,
+    *,
+    cpu_kvcache_space_gib: int | None = None,
+) -> TierPlan:
+    """Size the GPU (or CPU-backend) KV cache, the CPU tier and the disk tier.
+
+    ``cpu_kvcache_space_gib`` is VLLM_CPU_KVCACHE_SPACE when already set by the
+    user (CPU backend only); None lets the planner choose it.
+    """
+    from autoconfig.render.lmcache_yaml import lmcache_dict
+    from autoconfig.render.vllm_args import vllm_args
+
+    m = PlanModel.coerce(model)
+    _check_settings(settings)
+    why: list[str] = []
+    warn: list[str] = []
+    tp, pp = settings.tp, settings.pp
+    bpt = m.layout.kv_bytes_per_token
+    bpt_rank = m.layout.kv_bytes_per_token_per_rank(tp, pp)
+    why.append(f"kv_bytes_per_token = {bpt:,}: {_layout_text(m.layout)}")
+    why.append(f"kv_bytes_per_token_per_rank = {bpt_rank:,}: {_rank_text(m.layout, tp, pp)}")
+    why += [f"model: {note}" for note in m.notes]
+    max_model_len = settings.max_model_len or m.max_position_embeddings or FALLBACK_MAX_MODEL_LEN
+    if not settings.max_model_len and not m.max_position_embeddings:
+        warn.append(f"max_model_len unknown: assuming {FALLBACK_MAX_MODEL_LEN}; set option.max_model_len")
+
+    ranks = _ranks_per_host(host, settings, why, warn)
+    gpu = _gpu_plan(host, m, settings, bpt_rank, ranks, max_model_len, cpu_kvcache_space_gib, why, warn)
+    chunk = _chunk_size(settings, bpt_rank, gpu.block_size, max_model_len, why)
+    cpu = cpu_tier(host, m, settings, gpu, bpt_rank, ranks, chunk, why, warn)
+    disk = disk_tier(host, settings, gpu, cpu, bpt_rank, ranks, chunk, why, warn)
+    ref = lmi_reference(host, m.weights_bytes, tp)
+    why.append(
+        f"LMI formula for comparison: (available RAM - max(2 x weights, 20%)) / tp = "
+        f"{ref.cpu_gib_per_rank} GiB CPU per rank; (/tmp total - max(2 x weights, 20%)) / tp = "
+        f"{_opt(ref.disk_gib_per_rank)} GiB disk per rank (ignores cgroup, GPU, DP, free space, disk type)"
+    )
+    plan = TierPlan(
+        model_name=m.name, kv_dtype=m.layout.kv_dtype, kv_bytes_per_token=bpt,
+        kv_bytes_per_token_per_rank=bpt_rank, weights_bytes=m.weights_bytes,
+        max_model_len=max_model_len, tp=tp, pp=pp, dp=settings.dp, ranks_per_host=ranks,
+        gpu=gpu, cpu=cpu, disk=disk, chunk_size=chunk, lmi_reference=ref, engine=settings.engine,
+        env=_server_env(gpu, settings, why),
+        warnings=warn, explanation=why,
+    )
+    return replace(plan, lmcache_config=lmcache_dict(plan), vllm_args=vllm_args(plan, settings))
+
+
+def _server_env(gpu: GpuPlan, s: ServingSettings, why: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if gpu.backend == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(gpu.cpu_kvcache_space_gib)
+    if s.engine == "lmcache":
+        # Upstream LMCache's default 'builtin' chunk hash is Python's hash(): without a
+        # fixed seed, every process (and restart) computes different keys for the same tokens.
+        env["PYTHONHASHSEED"] = "0"
+        why.append("env PYTHONHASHSEED=0: upstream LMCache hashes chunks with Python's hash()")
+    return env
+
+
+def _check_settings(s: ServingSettings) -> None:
+    for name, value in (("tensor_parallel_degree", s.tp), ("pipeline_parallel_degree", s.pp),
+                        ("data_parallel_degree", s.dp)):
+        if value < 1:
+            raise PlanError(f"{name}={value}: must be 1 or more")
+    if not 0 < s.gpu_memory_utilization <= 1:
+        raise PlanError(f"gpu_memory_utilization={s.gpu_memory_utilization}: must be in (0, 1]")
+    if s.max_model_len is not None and s.max_model_len < 1:
+        raise PlanError(f"max_model_len={s.max_model_len}: must be 1 or more")
+    if s.engine not in ("lmi_cache", "lmcache"):
+        raise PlanError(f"engine={s.engine!r}: use 'lmi_cache' or 'lmcache'")
+
+
+def _ranks_per_host(host: HostSnapshot, s: ServingSettings, why: list[str], warn: list[str]) -> int:
+    model_ranks = s.tp * s.pp
+    if not host.gpus:
+        why.append(f"ranks_per_host = {s.ranks_per_host}: tp {s.tp} x pp {s.pp} x dp {s.dp} CPU workers")
+        return s.ranks_per_host
+    num_gpus = len(host.gpus)
+    if model_ranks > num_gpus:
+        raise PlanError(
+            f"tensor_parallel_degree={s.tp} x pipeline_parallel_degree={s.pp} needs {model_ranks} GPUs "
+            f"but this host has {num_gpus}: lower tensor_parallel_degree (multi-node serving is out of scope)"
+        )
+    replicas = min(s.dp, num_gpus // model_ranks)
+    if replicas < s.dp:
+        warn.append(
+            f"data_parallel_degree={s.dp} needs {s.ranks_per_host} GPUs, this host has {num_gpus}: planning "
+            f"for the {replicas} replica(s) that fit here (multi-node serving is out of scope)"
+        )
+    ranks = replicas * model_ranks
+    why.append(f"ranks_per_host = {ranks}: tp {s.tp} x pp {s.pp} x {replicas} DP replica(s) on {num_gpus} GPU(s)")
+    return ranks
+
+
+def _gpu_plan(host: HostSnapshot, m: PlanModel, s: ServingSettings, bpt_rank: int, ranks: int,
+              max_model_len: int, cpu_space_gib: int | None, why: list[str], warn: list[str]) -> GpuPlan:
+    weights_rank = math.ceil(m.weights_bytes / (s.tp * s.pp))
+    if not host.gpus:
+        return _cpu_backend_plan(host, m, bpt_rank, ranks, max_model_len, cpu_space_gib, why, warn)
+    used = sorted(host.gpus, key=lambda g: g.index)[:ranks]
+    total = min(g.memory_total_bytes for g in used)
+    budget = int(total * s.gpu_memory_utilization)
+    reserve = max(ACTIVATION_RESERVE_MIN_BYTES, int(total * ACTIVATION_RESERVE_FRACTION))
+    kv_bytes = budget - weights_rank - reserve
+    if kv_bytes < bpt_rank * CUDA_BLOCK_TOKENS:
+        raise PlanError(
+            f"weights {_gib(weights_rank)} per GPU (tensor_parallel_degree={s.tp}) + reserve {_gib(reserve)} "
+            f"leave no KV cache in {_gib(budget)} (gpu_memory_utilization={s.gpu_memory_utilization}): "
+            "raise tensor_parallel_degree or gpu_memory_utilization"
+        )
+    tokens = kv_bytes // bpt_rank // CUDA_BLOCK_TOKENS * CUDA_BLOCK_TOKENS
+    why.append(
+        f"gpu.kv_capacity_tokens = {tokens:,} per rank: {_gib(total)} x {s.gpu_memory_utilization} - weights "
+        f"{_gib(weights_rank)} (1/{s.tp * s.pp}) - reserve {_gib(reserve)} (estimate: max(1 GiB, 5%) for "
+        f"CUDA context, activations, CUDA graphs; vLLM measures it) = {_gib(kv_bytes)} / {bpt_rank:,} B"
+    )
+    for g in used:
+        if g.memory_free_bytes < budget:
+            warn.append(f"GPU {g.index} has {_gib(g.memory_free_bytes)} free, less than gpu_memory_utilization "
+                        f"x total = {_gib(budget)}: vLLM will refuse to start; free the GPU or lower it")
+            break
+    if tokens < max_model_len:
+        warn.append(f"GPU KV cache holds {tokens:,} tokens < max_model_len {max_model_len:,}: vLLM will "
+                    "refuse to start; lower max_model_len or raise tensor_parallel_degree")
+    return GpuPlan("cuda", len(host.gpus), kv_bytes, tokens, CUDA_BLOCK_TOKENS, None)
+
+
+def _cpu_backend_plan(host: HostSnapshot, m: PlanModel, bpt_rank: int, ranks: int, max_model_len: int,
+                      space_gib: int | None, why: list[str], warn: list[str]) -> GpuPlan:
+    block = CPU_MLA_BLOCK_TOKENS if m.layout.is_mla else CPU_BLOCK_TOKENS
+    if space_gib is not None:
+        how = "VLLM_CPU_KVCACHE_SPACE set by the user"
+    else:
+        # Left unset, vLLM 0.32 takes total RAM x gpu_memory_utilization - RSS per worker,
+        # starving the CPU tier (and failing on NUMA hosts): we set it to what one
+        # full-length sequence needs, at least 1 GiB.
+        space_gib = max(1, math.ceil(max_model_len * bpt_rank / GIB))
+        how = f"chosen: one max_model_len ({max_model_len:,}) sequence, at least 1 GiB; sets VLLM_CPU_KVCACHE_SPACE"
+    kv_bytes = space_gib * GIB
+    tokens = kv_bytes // bpt_rank // block * block
+    why.append(f"gpu.kv_capacity_tokens = {tokens:,} per rank: no GPU, vLLM's CPU backend keeps its KV "
+               f"cache in RAM: {space_gib} GiB ({how}) / {bpt_rank:,} B")
+    if tokens < max_model_len:
+        warn.append(f"VLLM_CPU_KVCACHE_SPACE={space_gib} holds {tokens:,} tokens < max_model_len "
+                    f"{max_model_len:,}: vLLM will refuse to start; raise it or lower max_model_len")
+    return GpuPlan("cpu", 0, kv_bytes, tokens, block, space_gib)
+
+
+def _chunk_size(s: ServingSettings, bpt_rank: int, block: int, max_model_len: int,
+                why: list[str]) -> int:
+    override = s.overrides.chunk_size
+    if override is not None:
+        if override <= 0 or override % block:
+            raise PlanError(f"lmcache_chunk_size={override}: must be a positive multiple of vLLM's "
+                            f"block size {block} on this backend")
+        why.append(f"chunk_size = {override}: set by lmcache_chunk_size")
+        return override
+    chunk = DEFAULT_CHUNK_TOKENS
+    reason = f"LMCache's default; {_size(chunk * bpt_rank)} per chunk per rank is large enough to amortise I/O"
+    while chunk * bpt_rank < MIN_CHUNK_BYTES and chunk * 2 <= MAX_CHUNK_TOKENS:
+        chunk *= 2
+        reason = (f"doubled from 256 so one chunk is >= 256 KiB per rank "
+                  f"({chunk * bpt_rank:,} B): small chunks make per-chunk costs dominate")
+    if chunk > max_model_len:
+        chunk = max(block, max_model_len // block * block)
+        reason = f"max_model_len {max_model_len} is shorter than a chunk; largest block multiple that fits"
+    why.append(f"chunk_size = {chunk} tokens: {reason} (multiple of block size {block})")
+    return chunk
+
+
+def lmi_reference(host: HostSnapshot, weights_bytes: int, tp: int) -> LmiReference:
+    """AWS LMI's formula: (available - max(2 x weights, 20%)) / tp, in whole GiB (it writes int())."""
+    weights_gib = weights_bytes / GIB
+    avail_gib = host.memory.available_bytes / GIB
+    cpu = max(0.0, avail_gib - max(2 * weights_gib, 0.2 * avail_gib)) / tp
+    tmp = mount_of(host, "/tmp")
+    disk: int | None = None
+    if tmp is not None:
+        total_gib = tmp.total_bytes / GIB  # LMI reads the TOTAL size of /tmp, not the free space
+        disk = int(max(0.0, total_gib - max(2 * weights_gib, 0.2 * total_gib)) / tp)
+    return LmiReference(cpu_gib_per_rank=int(cpu), disk_gib_per_rank=disk)
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:,.2f} GiB"
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", KIB)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:,.2f} {unit}"
+    return f"{num_bytes} B"
+
+
+def _opt(value: int | None) -> str:
+    return "n/a (no /tmp)" if value is None else str(value)
+
+
+def _layout_text(lay: KvLayout) -> str:
+    if lay.is_mla:
+        return f"{lay.num_layers} layers x latent {lay.head_dim} x {lay.dtype_bytes} B ({lay.kv_dtype}, MLA)"
+    return (f"{lay.num_layers} layers x 2 (K,V) x {lay.num_kv_heads} KV heads x head_dim {lay.head_dim} "
+            f"x {lay.dtype_bytes} B ({lay.kv_dtype})")
+
+
+def _rank_text(lay: KvLayout, tp: int, pp: int) -> str:
+    layers = f"{lay.layers_per_rank(pp)} layers (ceil({lay.num_layers}/pp {pp}))"
+    if lay.is_mla:
+        return f"{layers}; MLA latent replicated on each of the {tp} TP rank(s)"
+    return f"{layers} x {lay.kv_heads_per_rank(tp)} KV head(s) (max(1, {lay.num_kv_heads}//tp {tp}))"

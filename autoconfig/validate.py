@@ -1,0 +1,168 @@
+"""Check a hand-written LMCache YAML against a host and a model (``lmi-cache validate``).
+
+Run by the CLI process. Findings cover key typos (with a did-you-mean hint),
+bad values, sizes that cannot fit RAM or disk times the ranks on this host, and
+disk paths that are missing or not writable. The size checks reuse the planner:
+the config's sizes become planner overrides, which the planner checks.
+Environment ``LMCACHE_*`` overrides are not applied: the file is checked alone.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from autoconfig.host import HostSnapshot
+from autoconfig.plan_types import ModelInfoLike, PlanError, PlanModel
+from autoconfig.settings import ServingSettings, TierOverrides
+from lmi_cache.errors import ConfigError, UserError
+
+# Planner override name -> the LMCache key it stands for in the file.
+_OVERRIDE_KEYS = {
+    "lmcache_chunk_size": ("chunk_size", "chunk_size"),
+    "lmcache_max_local_cpu_size": ("max_local_cpu_size", "cpu_size_gib"),
+    "lmcache_max_local_disk_size": ("max_local_disk_size", "disk_size_gib"),
+    "lmcache_local_disk": ("local_disk", "disk_path"),
+}
+
+
+class ValidateInputError(UserError):
+    """The config file itself cannot be read (missing, unreadable, not YAML)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # "error" or "warning"
+    key: str  # the LMCache key concerned, or "settings"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.level.upper():<7} {self.key}: {self.message}"
+
+
+def validate_config(
+    config_path: str,
+    model: PlanModel | ModelInfoLike,
+    settings: ServingSettings,
+    host: HostSnapshot,
+    *,
+    check_local_paths: bool = True,
+) -> list[Finding]:
+    """All findings for ``config_path``; errors first. ``check_local_paths``: the host is this machine."""
+    from lmi_cache.config import config_from_dict
+
+    data = _read(config_path)
+    findings = _key_typos(data, config_path)
+    known = {k: v for k, v in data.items() if not any(f.key == k for f in findings)}
+    try:
+        cfg, notes = config_from_dict(known, config_path)
+    except ConfigError as err:
+        findings.append(Finding("error", _key_in(str(err), known) or "value", str(err)))
+        return _sorted(findings)
+    findings += [Finding("warning", _key_in(n, known) or "config", n) for n in notes]
+    overrides = TierOverrides(
+        cpu_size_gib=cfg.max_local_cpu_size if cfg.local_cpu else 0.0,
+        disk_size_gib=cfg.max_local_disk_size if cfg.local_disk else 0.0,
+        disk_path=cfg.local_disk[0] if cfg.local_disk else None,
+        chunk_size=cfg.chunk_size,
+        use_odirect=cfg.use_odirect if cfg.local_disk else None,
+    )
+    if len(cfg.local_disk) > 1:
+        findings.append(Finding("warning", "local_disk", f"{len(cfg.local_disk)} paths: sizes are checked "
+                                "against the first path's filesystem only"))
+    findings += _plan_findings(model, settings, host, overrides)
+    if check_local_paths:
+        for path in cfg.local_disk:
+            findings += _path_findings(path)
+    return _sorted(findings)
+
+
+def _read(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except FileNotFoundError:
+        raise ValidateInputError(f"{path}: no such file; give the LMCache YAML to check") from None
+    except OSError as err:
+        raise ValidateInputError(f"{path}: cannot read ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValidateInputError(f"{path}: not valid YAML{line}; check indentation and quoting") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValidateInputError(f"{path}: expected a mapping of LMCache keys at the top level")
+    return {str(k): v for k, v in data.items()}
+
+
+def _key_typos(data: Mapping[str, Any], path: str) -> list[Finding]:
+    from lmi_cache.config_keys import DEPRECATED_ALIASES, LEGACY_KEYS, LMCACHE_KEYS
+
+    valid = list(LMCACHE_KEYS) + list(DEPRECATED_ALIASES) + list(LEGACY_KEYS)
+    out = []
+    for key in data:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else "; not an LMCache key"
+            out.append(Finding("error", key, f"{path}: unknown key {key!r}{hint}"))
+    return out
+
+
+def _plan_findings(model: PlanModel | ModelInfoLike, settings: ServingSettings, host: HostSnapshot,
+                   overrides: TierOverrides) -> list[Finding]:
+    """Plan with the file's sizes as overrides; each PlanError names one key: drop it and retry."""
+    from autoconfig.planner import plan_tiers
+
+    out: list[Finding] = []
+    for _ in range(len(_OVERRIDE_KEYS) + 1):
+        try:
+            plan = plan_tiers(host, model, replace(settings, overrides=overrides))
+        except PlanError as err:
+            message = str(err)
+            hit = next((name for name in _OVERRIDE_KEYS if name in message), None)
+            if hit is None:
+                out.append(Finding("error", "settings", message))
+                return out
+            key, field_name = _OVERRIDE_KEYS[hit]
+            out.append(Finding("error", key, message.replace(hit, key)))
+            overrides = replace(overrides, **{field_name: None})
+            if field_name == "disk_path":
+                overrides = replace(overrides, disk_size_gib=None)
+            continue
+        for warning in plan.warnings:
+            hit = next((name for name in _OVERRIDE_KEYS if name in warning), None)
+            key = _OVERRIDE_KEYS[hit][0] if hit else "settings"
+            out.append(Finding("warning", key, warning.replace(hit, key) if hit else warning))
+        return out
+    return out
+
+
+def _path_findings(path: str) -> list[Finding]:
+    """The directory must exist and be writable, or be creatable under a writable parent."""
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            return [Finding("error", "local_disk", f"{path} exists but is not a directory")]
+        if not os.access(p, os.W_OK | os.X_OK):
+            return [Finding("error", "local_disk", f"{path} is not writable by this user; fix its permissions")]
+        return []
+    parent = p
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return [Finding("error", "local_disk", f"{path} does not exist and {parent} is not writable: it "
+                        "cannot be created; create it or choose another path")]
+    return [Finding("warning", "local_disk", f"{path} does not exist yet; it will be created under {parent}")]
+
+
+def _key_in(message: str, data: Mapping[str, Any]) -> str | None:
+    return next((k for k in sorted(data, key=len, reverse=True) if f"'{k}'" in message or k in message), None)
+
+
+def _sorted(findings: list[Finding]) -> list[Finding]:
+    return sorted(findings, key=lambda f: f.level != "error")
