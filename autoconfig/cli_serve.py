@@ -15,12 +15,15 @@ import click
 
 
 @click.command()
+# SageMaker starts images as `docker run IMAGE serve`: with ENTRYPOINT ["lmi-cache", "serve"]
+# that arrives here as one extra word, accepted and ignored.
+@click.argument("sagemaker_arg", required=False, metavar="[serve]", type=click.Choice(["serve"]))
 @click.option("--model-dir", type=click.Path(file_okay=False),
               help="Model directory with serving.properties and/or the model (default /opt/ml/model).")
 @click.option("--host", "host_file", type=click.Path(dir_okay=False),
               help="Host snapshot JSON (from 'lmi-cache probe --json') instead of probing; for --dry-run what-ifs.")
 @click.option("--dry-run", is_flag=True, help="Print the summary and the vLLM command instead of starting it.")
-def serve(model_dir: str | None, host_file: str | None, dry_run: bool) -> None:
+def serve(sagemaker_arg: str | None, model_dir: str | None, host_file: str | None, dry_run: bool) -> None:
     """Container entrypoint: configure the KV cache, then exec vLLM's OpenAI server on :8080."""
     from autoconfig.serve import run_serve
 

