@@ -1,0 +1,273 @@
+"""Persistent disk tier: one file per chunk, async writes, index rebuilt at start (torch-free, worker).
+
+Layout: ``<dir>/<hex[:2]>/<hex>.lmc`` (see ``disk_io``). Several directories
+share the budget equally; a chunk's directory is chosen by its digest. At
+start-up the directories are scanned (names and stat only) to rebuild the
+index in mtime order, so a restarted process serves what the last one wrote
+and evicts oldest-first; loads refresh the mtime to keep that order.
+
+Writes go through a bounded queue to a few worker threads: when the queue is
+full the store is dropped and counted, the caller never waits. The read
+path (``disk_reads``) serves queued chunks from memory and verifies files.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from lmi_cache.chunk_format import BytesLike, ChunkHeader
+from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.tiers import disk_io
+from lmi_cache.tiers.base import RemoveCallback, Tier
+from lmi_cache.tiers.disk_index import DiskIndex
+from lmi_cache.tiers.disk_reads import DiskReads, PendingWrite
+
+logger = logging.getLogger(__name__)
+
+
+class DiskTier(DiskReads, Tier):
+    name = "disk"
+
+    def __init__(
+        self,
+        dirs: Sequence[str],
+        capacity_bytes: int,
+        *,
+        metrics: CacheMetrics,
+        warner: RateLimitedWarner,
+        policy_name: str = "LRU",
+        use_odirect: bool = False,
+        fsync: bool = False,
+        num_workers: int = 2,
+        queue_depth: int = 64,
+        on_remove: RemoveCallback | None = None,
+    ) -> None:
+        self._metrics = metrics
+        self._warner = warner
+        self._fsync = fsync
+        self._on_remove = on_remove
+        self._index = DiskIndex(dirs, capacity_bytes, policy_name, use_odirect)
+        self._lock = threading.Lock()  # guards the write queue state; the index has its own
+        self._pending: dict[bytes, PendingWrite] = {}
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
+        self._queue: queue.Queue[PendingWrite | None] = queue.Queue(maxsize=queue_depth)
+        for number in range(len(self._index.shards)):
+            self._open_shard(number)
+        self._report_usage()
+        self._workers = [
+            threading.Thread(target=self._work, name=f"lmi-disk-writer-{i}", daemon=True) for i in range(num_workers)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    def _open_shard(self, number: int) -> None:
+        shard = self._index.shards[number]
+        try:
+            disk_io.ensure_dir(shard.root)
+            files = disk_io.scan_root(shard.root)
+        except OSError as err:
+            self._metrics.error(self.name, "scan")
+            logger.warning("disk tier: cannot use %s (%s); it stays empty", shard.root, err.strerror)
+            return
+        victims = self._index.adopt(number, files)  # over budget if the budget shrank since last run
+        self._evicted(number, victims)
+        if files:
+            logger.info("disk tier: %d chunks (%d bytes) found in %s", len(files), shard.used_bytes, shard.root)
+
+    # ------------------------------------------------------------ Tier
+    @property
+    def used_bytes(self) -> int:
+        return self._index.used_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._index.capacity_bytes
+
+    @property
+    def uses_odirect(self) -> bool:
+        """Whether any directory still writes with O_DIRECT (False after a fallback)."""
+        return any(shard.odirect for shard in self._index.shards)
+
+    @property
+    def queued_writes(self) -> int:
+        return self._inflight
+
+    def contains(self, digest: bytes) -> bool:
+        return digest in self._index or digest in self._pending
+
+    def digests(self) -> list[bytes]:
+        return self._index.digests()
+
+    def remove(self, digest: bytes) -> bool:
+        where = self._index.forget(digest)
+        if where is None:
+            return False
+        self._delete(where[0], [digest], notify=False)
+        self._report_usage()
+        return True
+
+    def clear(self) -> None:
+        self.flush()
+        for digest, number in self._index.clear():
+            self._delete(number, [digest], notify=False)
+        self._report_usage()
+
+    def close(self) -> None:
+        self.flush()
+        for _ in self._workers:
+            self._queue.put(None)
+        for worker in self._workers:
+            worker.join(timeout=5.0)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until queued writes are done; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._inflight:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+        return True
+
+    # ------------------------------------------------------------ store
+    def put(
+        self,
+        key: ChunkKey,
+        header: ChunkHeader,
+        payload: BytesLike,
+        release: Callable[[], None] | None = None,
+        object_buffer: np.ndarray | None = None,
+    ) -> bool:
+        """Queue a write of one chunk object; never blocks (False: dropped).
+
+        ``release`` runs once the payload is no longer needed. ``object_buffer``
+        (see ``disk_io.write_object_file``) lets O_DIRECT skip a copy.
+        """
+        digest = key.digest
+        shard = self._index.shards[self._index.shard_for(digest)]
+        reason = None
+        with self._lock:
+            if digest in self._index or digest in self._pending:
+                reason = "present"
+            elif disk_io.round_up(header.total_bytes) > shard.capacity_bytes:
+                reason = "too_large"
+            else:
+                job = PendingWrite(key, header, payload, release, object_buffer)
+                try:
+                    self._queue.put_nowait(job)
+                except queue.Full:
+                    reason = "queue_full"
+                else:
+                    self._pending[digest] = job
+                    self._inflight += 1
+        if reason is not None:
+            if release is not None:
+                release()
+            if reason != "present":
+                self._metrics.dropped(self.name, reason)
+            return reason == "present"
+        return True
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._write(job)
+            except Exception:  # a bug must not kill the writer thread
+                logger.exception("disk tier: unexpected error writing a chunk")
+            finally:
+                with self._idle:
+                    self._pending.pop(job.key.digest, None)
+                    self._inflight -= 1
+                    self._idle.notify_all()
+                    job.done = True
+                    release_now = job.readers == 0
+                if release_now and job.release is not None:
+                    job.release()
+
+    def _write(self, job: PendingWrite) -> None:
+        start_s = time.perf_counter()
+        digest = job.key.digest
+        number = self._index.shard_for(digest)
+        shard = self._index.shards[number]
+        header = job.header.with_checksum(job.payload)
+        reserve = disk_io.round_up(header.total_bytes) if shard.odirect else header.total_bytes
+        self._evicted(number, self._index.reserve(number, reserve))
+        path = disk_io.object_path(shard.root, digest)
+        size = 0
+        try:
+            try:
+                size = disk_io.write_object_file(
+                    path, header, job.payload, odirect=shard.odirect, fsync=self._fsync, object_buffer=job.object_buffer
+                )
+            except disk_io.OdirectUnsupported:
+                shard.odirect = False
+                logger.warning("disk tier: %s refuses O_DIRECT; using buffered I/O there", shard.root)
+                size = disk_io.write_object_file(path, header, job.payload, odirect=False, fsync=self._fsync)
+        except OSError as err:
+            self._index.unreserve(number, reserve)
+            self._fault("write", err, path)
+            self._notify_removed([digest])
+            return
+        self._index.commit(number, digest, reserve, size)
+        self._metrics.stored(self.name, header.num_tokens, size, time.perf_counter() - start_s)
+        self._report_usage()
+
+    def _evicted(self, number: int, victims: list[bytes]) -> None:
+        if victims:
+            self._metrics.evicted(self.name, len(victims))
+            self._delete(number, victims)
+
+    def _delete(self, number: int, digests: list[bytes], notify: bool = True) -> None:
+        """Unlink files already taken out of the index (outside the lock)."""
+        root = self._index.shards[number].root
+        for digest in digests:
+            try:
+                os.unlink(disk_io.object_path(root, digest))
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                self._fault("delete", err, root)
+        if notify and digests:
+            self._notify_removed(digests)
+
+    def _notify_removed(self, digests: list[bytes]) -> None:
+        if self._on_remove is not None:
+            for digest in digests:
+                self._on_remove(digest)
+
+    def _fault(self, op: str, err: OSError, path: str) -> None:
+        code = errno.errorcode.get(err.errno or 0, "error")
+        self._metrics.error(self.name, op)
+        self._warner.warn(f"disk-{op}-{code}", f"disk tier: {op} failed for {path}: {code} ({err.strerror}); treated as a miss")
+
+    def _forget(self, digest: bytes, unlink: bool = False) -> None:
+        where = self._index.forget(digest)
+        if where is not None:
+            if unlink:
+                self._delete(where[0], [digest], notify=False)
+            self._notify_removed([digest])
+            self._report_usage()
+
+    def _report_usage(self) -> None:
+        self._metrics.usage(self.name, self.used_bytes, self.capacity_bytes)
+
+
+def scan_persisted_digests_in(dirs: Sequence[str]) -> set[bytes]:
+    """Digests of object files in ``dirs`` by name only (nothing is read or deleted)."""
+    digests: set[bytes] = set()
+    for root in dirs:
+        digests.update(f.digest for f in disk_io.scan_root(root, remove_garbage=False))
+    return digests

@@ -1,0 +1,139 @@
+"""Tests for lmi_cache.config: LMCache YAML + LMCACHE_* env parsing."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmi_cache.config import CacheConfig, config_from_dict, config_to_dict, load_config
+from lmi_cache.config_keys import IMPLEMENTED_KEYS, LMCACHE_KEYS
+from lmi_cache.errors import ConfigError, UserError
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_match_lmcache_table() -> None:
+    config = CacheConfig()
+    for key in ("chunk_size", "local_cpu", "max_local_cpu_size", "max_local_disk_size", "save_unfull_chunk",
+                "save_decode_cache", "cache_policy", "min_retrieve_tokens", "remote_url"):
+        assert getattr(config, key) == LMCACHE_KEYS[key][1], key
+
+
+def test_file_keys_parsed(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+chunk_size: 128
+local_cpu: false
+max_local_cpu_size: 2.5
+local_disk: "file:///mnt/a/,file:///mnt/b/"
+max_local_disk_size: 10
+save_unfull_chunk: true
+cache_policy: fifo
+min_retrieve_tokens: 64
+remote_url: redis://cache:6379
+extra_config: {use_odirect: true, disk_feed: demote}
+""")
+    config, warnings = load_config(path, env={})
+    assert config.chunk_size == 128 and config.local_cpu is False
+    assert config.max_local_cpu_size == 2.5 and config.max_local_disk_size == 10.0
+    assert config.local_disk == ("/mnt/a", "/mnt/b")
+    assert config.save_unfull_chunk and config.cache_policy == "FIFO" and config.min_retrieve_tokens == 64
+    assert config.use_odirect and config.disk_feed == "demote"
+    assert config.remote_url == "redis://cache:6379"
+    assert any("remote_url" in w for w in warnings)
+    assert config.cpu_capacity_bytes == 0  # local_cpu false
+    assert config.disk_capacity_bytes == 10 * 1024**3
+
+
+def test_env_overrides_file_and_is_typed(tmp_path: Path) -> None:
+    path = write(tmp_path, "chunk_size: 128\nmax_local_cpu_size: 1\n")
+    env = {"LMCACHE_CONFIG_FILE": path, "LMCACHE_CHUNK_SIZE": "512", "LMCACHE_LOCAL_CPU": "False",
+           "LMCACHE_EXTRA_CONFIG": '{"use_odirect": true}', "LMCACHE_LOCAL_DISK": "/data/kv",
+           "LMCACHE_MAX_LOCAL_DISK_SIZE": "3", "LMCACHE_LOG_LEVEL": "DEBUG"}
+    config, _ = load_config(env=env)
+    assert config.chunk_size == 512 and config.max_local_cpu_size == 1.0
+    assert config.local_cpu is False and config.use_odirect is True
+    assert config.local_disk == ("/data/kv",) and config.max_local_disk_size == 3.0
+
+
+def test_unknown_key_has_did_you_mean(tmp_path: Path) -> None:
+    path = write(tmp_path, "chunk_sise: 256\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert path in message and "chunk_sise" in message and "did you mean 'chunk_size'" in message
+    assert "\n" not in message and isinstance(info.value, UserError)
+
+
+def test_unimplemented_keys_one_warning() -> None:
+    _, warnings = config_from_dict({"enable_p2p": True, "use_layerwise": False, "chunk_size": 64}, "x.yaml")
+    hits = [w for w in warnings if "not implemented" in w]
+    assert len(hits) == 1 and "enable_p2p" in hits[0] and "use_layerwise" in hits[0]
+
+
+def test_legacy_and_deprecated_keys_warn_with_replacement() -> None:
+    _, warnings = config_from_dict({"local_device": "cpu", "nixl_role": "sender"}, "x.yaml")
+    assert any("local_device" in w and "local_cpu" in w for w in warnings)
+    assert any("nixl_role" in w and "pd_role" in w for w in warnings)
+
+
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"chunk_size": "abc"}, "chunk_size"),
+        ({"chunk_size": True}, "chunk_size"),
+        ({"max_local_cpu_size": -1}, "max_local_cpu_size"),
+        ({"max_local_cpu_size": "lots"}, "max_local_cpu_size"),
+        ({"local_cpu": "maybe"}, "local_cpu"),
+        ({"local_disk": "relative/path"}, "local_disk"),
+        ({"local_disk": "gds:///x"}, "local_disk"),
+        ({"remote_url": "ftp://x"}, "remote_url"),
+        ({"remote_url": "redis://host"}, "remote_url"),
+        ({"remote_url": "redis://host:notaport"}, "remote_url"),
+        ({"cache_policy": "RANDOM"}, "cache_policy"),
+        ({"extra_config": {"disk_feed": "sideways"}}, "disk_feed"),
+        ({"extra_config": "not a mapping ["}, "extra_config"),
+    ],
+)
+def test_bad_values_name_file_and_key(data: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, "conf.yaml")
+    assert "conf.yaml" in str(info.value) and key in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_env_value_names_env_var() -> None:
+    with pytest.raises(ConfigError, match="LMCACHE_MAX_LOCAL_CPU_SIZE"):
+        load_config(env={"LMCACHE_MAX_LOCAL_CPU_SIZE": "five"})
+
+
+def test_missing_and_broken_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "nope.yaml"), env={})
+    with pytest.raises(ConfigError, match="line"):
+        load_config(write(tmp_path, "chunk_size: [1,\n"), env={})
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"), env={})
+
+
+def test_fallback_policy_and_extra_warnings() -> None:
+    config, warnings = config_from_dict({"cache_policy": "LFU", "extra_config": {"foo": 1}}, "c.yaml")
+    assert config.cache_policy == "LRU"
+    assert any("LFU" in w for w in warnings) and any("foo" in w for w in warnings)
+
+
+def test_round_trip_through_dict() -> None:
+    config = CacheConfig(chunk_size=64, local_disk=("/a", "/b"), max_local_disk_size=2.0, use_odirect=True)
+    again, _ = config_from_dict(config_to_dict(config))
+    assert again == config
+    assert set(config_to_dict(config)) <= IMPLEMENTED_KEYS
+
+
+def test_config_import_is_torch_free() -> None:
+    code = "import sys, lmi_cache.config, lmi_cache.chunk_hashing; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,293 @@
+"""Tests for lmi_cache.tiers.disk_tier / disk_io: persistence, verification, budget, faults."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lmi_cache.chunk_format import HEADER_BYTES, ChunkHeader
+from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
+from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.tiers import disk_io
+from lmi_cache.tiers.disk_tier import DiskTier, scan_persisted_digests_in
+
+NS = KeyNamespace("m", "uint8", "test-v1")
+KEYS = chunk_keys(list(range(64 * 16)), NS, 16)
+
+
+def payload_for(key: ChunkKey, size: int = 10_000) -> np.ndarray:
+    return np.random.default_rng(key.start).integers(0, 256, size, dtype=np.uint8)
+
+
+def make_tier(dirs: list[Path], capacity: int = 1 << 24, **kwargs: Any) -> DiskTier:
+    return DiskTier([str(d) for d in dirs], capacity, metrics=CacheMetrics(),
+                    warner=RateLimitedWarner(logging.getLogger("test")), **kwargs)
+
+
+def put(tier: DiskTier, key: ChunkKey, size: int = 10_000) -> bool:
+    data = payload_for(key, size)
+    return tier.put(key, ChunkHeader.for_key(key, data.nbytes, "uint8", (data.nbytes,)), data)
+
+
+def loads_correctly(tier: DiskTier, key: ChunkKey, size: int = 10_000) -> bool:
+    obj = tier.load_object(key)
+    return obj is not None and bytes(obj[HEADER_BYTES : HEADER_BYTES + size]) == payload_for(key, size).tobytes()
+
+
+def stats(tier: DiskTier) -> dict[str, float]:
+    return tier._metrics.snapshot()
+
+
+def test_round_trip_layout_and_permissions(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    tier = make_tier([root])
+    assert put(tier, KEYS[0])
+    assert tier.contains(KEYS[0].digest)  # visible while queued
+    assert tier.flush()
+    path = Path(disk_io.object_path(str(root), KEYS[0].digest))
+    assert path.parent.name == KEYS[0].hex[:2] and path.name == KEYS[0].hex + ".lmc"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert loads_correctly(tier, KEYS[0])
+    assert tier.load_object(KEYS[1]) is None
+    tier.close()
+
+
+def test_restart_rebuilds_index_and_cleans_tmp(tmp_path: Path) -> None:
+    tier = make_tier([tmp_path])
+    for key in KEYS[:5]:
+        put(tier, key)
+    tier.close()
+    sub = tmp_path / KEYS[9].hex[:2]
+    sub.mkdir(exist_ok=True)
+    dead_tmp = sub / f"{KEYS[9].hex}.lmc.999999999-1.tmp"  # no such pid
+    dead_tmp.write_bytes(b"torn")
+    short = sub / f"{KEYS[9].hex}.lmc"
+    short.write_bytes(b"x" * 10)  # shorter than a header: torn
+    assert scan_persisted_digests_in([str(tmp_path)]) == {k.digest for k in KEYS[:5]}  # not the torn one
+    again = make_tier([tmp_path])
+    assert not dead_tmp.exists() and not short.exists()
+    assert all(loads_correctly(again, key) for key in KEYS[:5])
+    assert again.used_bytes == sum(os.path.getsize(disk_io.object_path(str(tmp_path), k.digest)) for k in KEYS[:5])
+    again.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty_payload_flip_header"])
+def test_damaged_file_is_a_counted_miss_and_removed(tmp_path: Path, damage: str) -> None:
+    tier = make_tier([tmp_path])
+    put(tier, KEYS[0])
+    tier.flush()
+    path = Path(disk_io.object_path(str(tmp_path), KEYS[0].digest))
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[HEADER_BYTES + 5000] ^= 1
+    elif damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    else:
+        raw[20] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert tier.load_object(KEYS[0]) is None
+    assert stats(tier)["disk_corrupted_reads"] == 1
+    assert not path.exists() and not tier.contains(KEYS[0].digest)
+    tier.close()
+
+
+def test_fingerprint_mismatch_is_a_miss(tmp_path: Path) -> None:
+    tier = make_tier([tmp_path])
+    put(tier, KEYS[0])
+    tier.flush()
+    foreign = ChunkKey(KEYS[0].digest, KEYS[0].start, KEYS[0].end, KEYS[0].fingerprint ^ 1)
+    assert tier.load_object(foreign) is None
+    assert stats(tier)["disk_fingerprint_mismatches"] == 1
+    tier.close()
+
+
+def test_budget_evicts_oldest(tmp_path: Path) -> None:
+    file_bytes = HEADER_BYTES + 10_000
+    tier = make_tier([tmp_path], capacity=3 * file_bytes)
+    for key in KEYS[:3]:
+        put(tier, key)
+        tier.flush()
+    assert loads_correctly(tier, KEYS[0])  # refresh 0: 1 is now the oldest
+    put(tier, KEYS[3])
+    tier.flush()
+    assert [tier.contains(k.digest) for k in KEYS[:4]] == [True, False, True, True]
+    assert not os.path.exists(disk_io.object_path(str(tmp_path), KEYS[1].digest))
+    assert tier.used_bytes <= tier.capacity_bytes and stats(tier)["disk_evictions"] == 1
+    tier.close()
+    smaller = make_tier([tmp_path], capacity=2 * file_bytes)  # restart with a smaller budget
+    assert smaller.used_bytes <= 2 * file_bytes and len(smaller.digests()) == 2
+    smaller.close()
+
+
+def test_multiple_dirs_share_load(tmp_path: Path) -> None:
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    tier = make_tier(dirs)
+    for key in KEYS[:40]:
+        put(tier, key, 100)
+    tier.flush()
+    counts = [len(scan_persisted_digests_in([str(d)])) for d in dirs]
+    assert sum(counts) == 40 and min(counts) >= 8
+    assert all(loads_correctly(tier, key, 100) for key in KEYS[:40])
+    tier.close()
+
+
+def test_full_queue_drops_without_waiting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    real_write = disk_io.write_object_file
+
+    def slow_write(*args: Any, **kwargs: Any) -> int:
+        gate.wait(10)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(disk_io, "write_object_file", slow_write)
+    tier = make_tier([tmp_path], num_workers=1, queue_depth=2)
+    start = time.perf_counter()
+    results = [put(tier, key) for key in KEYS[:6]]
+    elapsed = time.perf_counter() - start
+    gate.set()
+    tier.flush()
+    assert elapsed < 1.0
+    assert 2 <= sum(results) <= 3 and stats(tier)["disk_dropped_queue_full"] == 6 - sum(results)
+    tier.close()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_write_fault_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    removed: list[bytes] = []
+    tier = make_tier([tmp_path], on_remove=removed.append)
+    real_write = os.write
+
+    def failing_write(fd: int, data: Any) -> int:
+        if threading.current_thread().name.startswith("lmi-disk-writer"):
+            raise OSError(code, os.strerror(code))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", failing_write)
+    put(tier, KEYS[0])
+    tier.flush()
+    monkeypatch.undo()
+    assert not tier.contains(KEYS[0].digest) and tier.load_object(KEYS[0]) is None
+    assert removed == [KEYS[0].digest] and tier.used_bytes == 0
+    assert list(tmp_path.rglob("*.tmp")) == [] and list(tmp_path.rglob("*.lmc")) == []
+    assert stats(tier)["disk_errors_write"] == 1
+    put(tier, KEYS[0])  # the tier still works afterwards
+    tier.flush()
+    assert loads_correctly(tier, KEYS[0])
+    tier.close()
+
+
+def test_permission_denied_and_read_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier([tmp_path])
+    put(tier, KEYS[0])
+    tier.flush()
+    real_open = os.open
+
+    def denied_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if str(path).startswith(str(tmp_path)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied_open)
+    assert tier.load_object(KEYS[0]) is None  # EACCES on read: a miss, the entry is kept
+    put(tier, KEYS[1])
+    tier.flush()
+    monkeypatch.undo()
+    assert stats(tier)["disk_errors_read"] == 1 and stats(tier)["disk_errors_write"] == 1
+    assert loads_correctly(tier, KEYS[0]) and not tier.contains(KEYS[1].digest)
+    tier.close()
+
+
+def test_odirect_writes_aligned_files(tmp_path: Path) -> None:
+    tier = make_tier([tmp_path], use_odirect=True)
+    put(tier, KEYS[0], 5000)
+    tier.flush()
+    path = disk_io.object_path(str(tmp_path), KEYS[0].digest)
+    if tier.uses_odirect:  # this filesystem accepted O_DIRECT
+        assert os.path.getsize(path) % disk_io.ALIGN_BYTES == 0
+    assert loads_correctly(tier, KEYS[0], 5000)
+    tier.close()
+
+
+def test_odirect_refused_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    real_open = os.open
+
+    def tmpfs_like_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", tmpfs_like_open)
+    tier = make_tier([tmp_path], use_odirect=True)
+    with caplog.at_level(logging.WARNING):
+        put(tier, KEYS[0])
+        tier.flush()
+    assert not tier.uses_odirect and any("O_DIRECT" in r.message for r in caplog.records)
+    assert loads_correctly(tier, KEYS[0]) and stats(tier).get("disk_errors_write", 0) == 0
+    tier.close()
+
+
+def test_aligned_buffer() -> None:
+    for size in (1, 4095, 4096, 70_000):
+        buffer = disk_io.aligned_buffer(size)
+        assert buffer.ctypes.data % 4096 == 0 and len(buffer) % 4096 == 0 and len(buffer) >= size
+
+
+@pytest.mark.parametrize("odirect", [False, True])
+def test_load_into_caller_buffer(tmp_path: Path, odirect: bool) -> None:
+    tier = make_tier([tmp_path], use_odirect=odirect)
+    put(tier, KEYS[0])
+    put(tier, KEYS[1])
+    out = np.zeros(10_000, dtype=np.uint8)
+    header = tier.load_into(KEYS[0], out)  # may still be pending: served from memory
+    assert header is not None and bytes(out) == payload_for(KEYS[0]).tobytes()
+    tier.flush()
+    out[:] = 0
+    header = tier.load_into(KEYS[0], out)
+    assert header is not None and header.payload_bytes == 10_000 and bytes(out) == payload_for(KEYS[0]).tobytes()
+    with pytest.raises(ValueError):
+        tier.load_into(KEYS[0], np.zeros(9_999, dtype=np.uint8))  # the caller's mistake: file kept
+    assert tier.contains(KEYS[0].digest)
+    assert tier.load_into(KEYS[2], out) is None
+    path = Path(disk_io.object_path(str(tmp_path), KEYS[1].digest))
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + 1234] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert tier.load_into(KEYS[1], out) is None and not path.exists()
+    assert stats(tier)["disk_corrupted_reads"] == 1
+    path = Path(disk_io.object_path(str(tmp_path), KEYS[0].digest))
+    path.write_bytes(path.read_bytes()[:5000])  # torn: shorter than the caller's buffer
+    assert tier.load_into(KEYS[0], out) is None
+    tier.close()
+
+
+def test_disk_index_budget_bookkeeping() -> None:
+    from lmi_cache.tiers.disk_index import DiskIndex
+
+    index = DiskIndex(["/a", "/b"], 2000, "LRU", odirect=False)
+    assert index.capacity_bytes == 2000 and len(index.shards) == 2
+    digests = [bytes([i]) * 16 for i in range(6)]
+    number = index.shard_for(digests[0])
+    same_shard = [d for d in digests if index.shard_for(d) == number]
+    assert index.adopt(number, [disk_io.ScannedFile(d, 400, i) for i, d in enumerate(same_shard)]) == (
+        same_shard[: max(0, len(same_shard) - 2)]  # 1000 bytes per shard: the two newest fit
+    )
+    kept = same_shard[-2:]
+    assert index.lookup(kept[0]) == (number, 400)  # kept[0] is now the most recent
+    victims = index.reserve(number, 300)
+    assert victims == [kept[1]] and kept[1] not in index
+    index.unreserve(number, 300)
+    assert index.shards[number].used_bytes == 400
+    index.commit(number, b"\xff" * 16, 0, 100)
+    assert index.used_bytes == 500 and index.forget(b"\xff" * 16) == (number, 100)
+    assert index.clear() == [(kept[0], number)] and index.used_bytes == 0

@@ -1,0 +1,271 @@
+"""Tests for lmi_cache.engine.CacheEngine: the API contract the connector relies on."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace
+from lmi_cache.config import CacheConfig
+from lmi_cache.engine import CacheEngine, scan_persisted_digests
+from lmi_cache.tiers import disk_io
+
+NS = KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1")
+TOKENS = list(range(1000, 1000 + 16 * 20))
+CHUNK_SHAPE = (2, 16, 8)  # 1 KiB of float32 per chunk
+CHUNK_OBJECT_BYTES = 4096  # the CPU tier's size class for one chunk
+
+
+def data_for(key: ChunkKey) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.float32).reshape(CHUNK_SHAPE) + key.start
+
+
+def config(tmp_path: Path | None = None, **kwargs: object) -> CacheConfig:
+    fields: dict[str, object] = {"chunk_size": 16, "max_local_cpu_size": 1 / 1024}
+    if tmp_path is not None:
+        fields.update(local_disk=(str(tmp_path),), max_local_disk_size=1 / 1024)
+    fields.update(kwargs)
+    return CacheConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_store_retrieve_lookup(tmp_path: Path) -> None:
+    with CacheEngine(config()) as engine:
+        keys = engine.keys_for(TOKENS, NS)
+        for key in keys[:3] + keys[4:6]:
+            data = data_for(key)
+            assert engine.store(key, data)
+            data.zero_()  # the engine copied it
+        assert engine.lookup(keys) == keys[2].end == engine.lookup_tokens(TOKENS, NS)
+        assert engine.contains(keys[0]) == "cpu" and engine.contains(keys[3]) is None
+        got = engine.retrieve(keys[1])
+        assert got is not None and torch.equal(got, data_for(keys[1]))
+        out = torch.empty(CHUNK_SHAPE)
+        assert engine.retrieve(keys[2], out=out) is out and torch.equal(out, data_for(keys[2]))
+        assert engine.retrieve(keys[3]) is None
+        assert engine.lookup([]) == 0
+        stats = engine.stats()
+        assert stats["lookups"] == 3 and stats["cpu_hit_tokens"] == 2 * 48 and stats["cpu_entries"] == 5
+
+
+def test_bfloat16_and_odd_shapes() -> None:
+    with CacheEngine(config()) as engine:
+        key = engine.keys_for(TOKENS, NS)[0]
+        data = torch.randn(3, 1, 7).to(torch.bfloat16)
+        assert engine.store(key, data)
+        got = engine.retrieve(key)
+        assert got is not None and got.dtype == torch.bfloat16 and torch.equal(got, data)
+
+
+def test_min_retrieve_tokens_and_partial_chunks() -> None:
+    with CacheEngine(config(min_retrieve_tokens=40, save_unfull_chunk=True)) as engine:
+        keys = engine.keys_for(TOKENS[:40], NS)
+        assert [(k.start, k.end) for k in keys] == [(0, 16), (16, 32), (32, 40)]
+        engine.store(keys[0], data_for(keys[0]))
+        assert engine.lookup(keys) == 0  # 16 < 40
+        engine.store(keys[1], data_for(keys[1]))
+        engine.store(keys[2], torch.ones(2, 8, 8))
+        assert engine.lookup_tokens(TOKENS[:40], NS) == 40
+
+
+def test_namespaces_isolate(tmp_path: Path) -> None:
+    with CacheEngine(config()) as engine:
+        for key in engine.keys_for(TOKENS, NS):
+            engine.store(key, data_for(key))
+        assert engine.lookup_tokens(TOKENS, NS) == len(TOKENS)
+        for other in (KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1", cache_salt="t2"),
+                      KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1", lora="a"),
+                      KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1", tp_rank=1, tp_size=2)):
+            assert engine.lookup_tokens(TOKENS, other) == 0
+
+
+def test_disk_hit_is_promoted_and_events(tmp_path: Path) -> None:
+    # CPU holds 4 chunks, disk holds all 20: early chunks fall out of CPU but stay on disk.
+    with CacheEngine(config(tmp_path, max_local_cpu_size=4 * CHUNK_OBJECT_BYTES / 1024**3)) as engine:
+        keys = engine.keys_for(TOKENS, NS)
+        for key in keys:
+            assert engine.store(key, data_for(key))
+            engine.flush()  # written through: the CPU copy is unpinned and evictable again
+        stored, removed = engine.drain_events()
+        assert stored == [k.digest for k in keys] and removed == []  # evicted from CPU, still on disk
+        assert engine.contains(keys[0]) == "disk"
+        assert engine.lookup(keys) == keys[-1].end
+        got = engine.retrieve(keys[0])
+        assert got is not None and torch.equal(got, data_for(keys[0]))
+        assert engine.contains(keys[0]) == "cpu"
+        engine.clear()
+        assert engine.lookup(keys) == 0 and set(engine.drain_events()[1]) == {k.digest for k in keys}
+        assert scan_persisted_digests(engine.config) == set()
+
+
+def test_removed_events_when_gone_from_all_tiers() -> None:
+    with CacheEngine(config(max_local_cpu_size=2 * CHUNK_OBJECT_BYTES / 1024**3)) as engine:
+        keys = engine.keys_for(TOKENS, NS)[:3]
+        for key in keys:
+            engine.store(key, data_for(key))
+        stored, removed = engine.drain_events()
+        assert stored == [k.digest for k in keys] and removed == [keys[0].digest]
+        assert engine.drain_events() == ([], [])
+
+
+def test_demote_feed_writes_on_eviction(tmp_path: Path) -> None:
+    cfg = config(tmp_path, max_local_cpu_size=2 * CHUNK_OBJECT_BYTES / 1024**3, disk_feed="demote")
+    with CacheEngine(cfg) as engine:
+        keys = engine.keys_for(TOKENS, NS)[:6]
+        for key in keys:
+            engine.store(key, data_for(key))
+        engine.flush()
+        assert len(scan_persisted_digests(cfg)) == 4  # only what the CPU tier evicted
+        for key in keys:
+            got = engine.retrieve(key)
+            assert got is not None and torch.equal(got, data_for(key))
+        assert engine.drain_events()[1] == []
+
+
+def test_disk_only_engine(tmp_path: Path) -> None:
+    with CacheEngine(config(tmp_path, local_cpu=False)) as engine:
+        key = engine.keys_for(TOKENS, NS)[0]
+        data = data_for(key)
+        assert engine.store(key, data)
+        data.zero_()
+        engine.flush()
+        got = engine.retrieve(key)
+        assert got is not None and torch.equal(got, data_for(key))
+        out = torch.empty(CHUNK_SHAPE)
+        assert engine.retrieve(key, out=out) is out and torch.equal(out, data_for(key))
+        assert engine.retrieve(key, out=torch.empty(CHUNK_SHAPE, dtype=torch.int32)) is None  # dtype mismatch
+        keys = engine.keys_for(TOKENS, NS)[1:5]
+        for other in keys:
+            engine.store(other, data_for(other))
+        outs = [torch.empty(CHUNK_SHAPE) for _ in keys]
+        results = engine.retrieve_many(keys, outs)
+        assert all(r is o and torch.equal(o, data_for(k)) for r, o, k in zip(results, outs, keys))
+        assert [torch.equal(r, data_for(k)) for r, k in zip(engine.retrieve_many(keys), keys)] == [True] * 4  # type: ignore[arg-type]
+
+
+def test_faults_never_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with CacheEngine(config(tmp_path, local_cpu=False)) as engine:
+        keys = engine.keys_for(TOKENS, NS)
+        assert not engine.store(keys[0], torch.zeros(4, 4).t())  # not contiguous: refused
+        engine.store(keys[1], data_for(keys[1]))
+        engine.flush()
+        path = Path(disk_io.object_path(str(tmp_path / "rank0"), keys[1].digest))
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0x10
+        path.write_bytes(bytes(raw))
+        assert engine.retrieve(keys[1]) is None  # a flipped byte is a miss, never wrong data
+        assert engine.stats()["disk_corrupted_reads"] == 1
+        assert engine.drain_events()[1] == [keys[1].digest]
+
+        def boom(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("bug")
+
+        monkeypatch.setattr(engine._disk, "load_object", boom)
+        assert engine.retrieve(keys[1]) is None and engine.stats()["engine_errors_load"] == 1
+
+
+def test_restart_in_a_new_process_serves_old_entries(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import torch
+        from lmi_cache.chunk_hashing import KeyNamespace
+        from lmi_cache.config import CacheConfig
+        from lmi_cache.engine import CacheEngine
+        ns = KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1")
+        cfg = CacheConfig(chunk_size=16, local_disk=({str(tmp_path)!r},), max_local_disk_size=1 / 1024)
+        with CacheEngine(cfg) as engine:
+            for key in engine.keys_for({TOKENS!r}, ns):
+                engine.store(key, torch.arange(256, dtype=torch.float32).reshape(2, 16, 8) + key.start)
+            engine.flush()
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, env=dict(os.environ, PYTHONHASHSEED="7"))
+    cfg = config(tmp_path)
+    assert len(scan_persisted_digests(cfg)) == len(TOKENS) // 16
+    with CacheEngine(cfg) as engine:
+        keys = engine.keys_for(TOKENS, NS)
+        assert engine.lookup(keys) == len(TOKENS)
+        for key in keys:
+            got = engine.retrieve(key)
+            assert got is not None and torch.equal(got, data_for(key))
+
+
+def test_cpu_full_of_unwritten_chunks_stores_straight_to_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    real_write = disk_io.write_object_file
+
+    def slow_write(*args: Any, **kwargs: Any) -> int:
+        gate.wait(10)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(disk_io, "write_object_file", slow_write)
+    with CacheEngine(config(tmp_path, max_local_cpu_size=2 * CHUNK_OBJECT_BYTES / 1024**3)) as engine:
+        keys = engine.keys_for(TOKENS, NS)[:4]
+        start = time.perf_counter()
+        assert all(engine.store(key, data_for(key)) for key in keys)  # never blocks on the writer
+        assert time.perf_counter() - start < 2.0
+        assert [engine.contains(k) for k in keys] == ["cpu", "cpu", "disk", "disk"]  # 2, 3 queued
+        got = engine.retrieve(keys[3])  # served from the pending write
+        assert got is not None and torch.equal(got, data_for(keys[3]))
+        gate.set()
+        engine.flush()
+        for key in keys:
+            got = engine.retrieve(key)
+            assert got is not None and torch.equal(got, data_for(key))
+
+
+@pytest.mark.parametrize("feed", ["write_through", "demote"])
+def test_concurrent_stores_and_loads_never_return_wrong_bytes(tmp_path: Path, feed: str) -> None:
+    cfg = config(tmp_path, max_local_cpu_size=4 * CHUNK_OBJECT_BYTES / 1024**3, disk_feed=feed,
+                 disk_queue_depth=4)
+    errors: list[str] = []
+    with CacheEngine(cfg) as engine:
+        keys = engine.keys_for(TOKENS, NS)
+
+        def writer(seed: int) -> None:
+            for i in range(200):
+                key = keys[(i * 7 + seed) % len(keys)]
+                engine.store(key, data_for(key))
+
+        def reader(seed: int) -> None:
+            out = torch.empty(CHUNK_SHAPE)
+            for i in range(200):
+                key = keys[(i * 5 + seed) % len(keys)]
+                got = engine.retrieve(key, out=out if i % 2 else None)
+                if got is not None and not torch.equal(got, data_for(key)):
+                    errors.append(f"wrong bytes for chunk at {key.start}")
+
+        threads = [threading.Thread(target=writer, args=(s,)) for s in (0, 3)]
+        threads += [threading.Thread(target=reader, args=(s,)) for s in (1, 2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        engine.flush()
+        stats = engine.stats()
+        assert stats["cpu_used_bytes"] <= stats["cpu_capacity_bytes"]
+        assert stats["disk_used_bytes"] <= stats["disk_capacity_bytes"]
+    assert not errors
+
+
+def test_ranks_sharing_a_path_keep_separate_dirs_and_budgets(tmp_path: Path) -> None:
+    cfg = config(tmp_path, local_cpu=False, max_local_disk_size=3 * 4096 / 1024**3)  # 3 chunk files per rank
+    ns = [KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1", tp_rank=r, tp_size=2) for r in (0, 1)]
+    with CacheEngine(cfg, rank_label="0") as rank0, CacheEngine(cfg, rank_label="1") as rank1:
+        keys0, keys1 = rank0.keys_for(TOKENS, ns[0])[:3], rank1.keys_for(TOKENS, ns[1])[:3]
+        for key in keys0:
+            rank0.store(key, data_for(key))
+        for key in keys1:
+            rank1.store(key, data_for(key))
+        rank0.flush()
+        rank1.flush()
+    assert scan_persisted_digests(cfg) == {k.digest for k in keys0 + keys1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+    with CacheEngine(cfg, rank_label="0") as again:  # a restart adopts only its own files
+        assert again.stats()["disk_entries"] == 3 and again.lookup(keys0) == keys0[-1].end
+        assert again.lookup(keys1) == 0
