@@ -110,10 +110,10 @@ def _write_model(out_dir: Path, spec: TinyModelSpec, seed: int) -> None:
         eos_token_id=2,
         pad_token_id=3,
         tie_word_embeddings=False,
-        torch_dtype="float32",
     )
+    config.dtype = "float32"  # saved as the checkpoint dtype; vLLM then serves float32 when asked
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     model.save_pretrained(str(out_dir), safe_serialization=True)
 
 
