@@ -105,15 +105,16 @@ def configure(
 
 
 def _plan(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str]) -> "TierPlan":
-    from autoconfig.model_source import load_model_info
+    from autoconfig.model_source import hub_access_from_env, load_model_info
     from autoconfig.planner import plan_tiers
 
     model = props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
     if model is None:
         raise ConfigureError(f"no model: {mdir} has no config.json and option.model_id / HF_MODEL_ID is unset; "
                              "set one of them or pass --model-dir")
+    hf_home, allow_network = hub_access_from_env(env)
     info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                           hf_home=env.get("HF_HOME"), allow_network=False)
+                           hf_home=hf_home, allow_network=allow_network)
     return plan_tiers(host, info, props.settings, cpu_kvcache_space_gib=cpu_kvcache_space_from_env(env))
 
 

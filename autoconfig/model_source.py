@@ -252,3 +252,15 @@ def _mla_params(t: Mapping[str, Any], hidden: int, heads: int) -> int:
     q_rank = t.get("q_lora_rank")
     q = hidden * int(q_rank) + int(q_rank) * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
     return q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
+
+
+def hub_access_from_env(env: Mapping[str, str]) -> tuple[str | None, bool]:
+    """``(hf_home, allow_network)`` as huggingface_hub would see them in ``env``.
+
+    ``HF_HUB_CACHE`` beats ``HF_HOME`` (so pass no hf_home then), and the network
+    (fetching only config.json) is allowed unless ``HF_HUB_OFFLINE`` is truthy:
+    a fresh container given only ``HF_MODEL_ID`` must still be planned.
+    """
+    hf_home = None if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") else env.get("HF_HOME")
+    offline = env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return hf_home, not offline

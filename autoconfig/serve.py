@@ -186,7 +186,7 @@ def check_user_config(
     props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str]
 ) -> list[str]:
     """Validate option.lmcache_config_file against this host; errors fail, warnings are returned."""
-    from autoconfig.model_source import load_model_info
+    from autoconfig.model_source import hub_access_from_env, load_model_info
     from autoconfig.validate import validate_config
 
     assert props.config_file is not None
@@ -195,8 +195,9 @@ def check_user_config(
         raise ServeError(f"{where}: {props.config_file} does not exist; fix the path "
                          "(relative paths are resolved against the model directory)")
     try:
+        hf_home, allow_network = hub_access_from_env(env)
         info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                               hf_home=env.get("HF_HOME"), allow_network=False)
+                               hf_home=hf_home, allow_network=allow_network)
     except UserError as err:
         # The YAML's keys are still checked by configure; only the size checks need config.json.
         return [f"sizes in {props.config_file} not checked against the host: {err}"]

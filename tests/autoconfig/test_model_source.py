@@ -240,3 +240,14 @@ def test_hf_hub_cache_dir_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert hf_hub_cache_dir(str(tmp_path / "explicit")) == tmp_path / "explicit" / "hub"
     monkeypatch.delenv("HF_HUB_CACHE")
     assert hf_hub_cache_dir() == tmp_path / "home_hf" / "hub"
+
+
+def test_hub_access_follows_huggingface_hub_env_rules() -> None:
+    from autoconfig.model_source import hub_access_from_env
+
+    assert hub_access_from_env({}) == (None, True)
+    assert hub_access_from_env({"HF_HOME": "/h"}) == ("/h", True)
+    # HF_HUB_CACHE wins over HF_HOME, as in huggingface_hub.
+    assert hub_access_from_env({"HF_HOME": "/h", "HF_HUB_CACHE": "/c"}) == (None, True)
+    assert hub_access_from_env({"HF_HUB_OFFLINE": "1"}) == (None, False)
+    assert hub_access_from_env({"HF_HUB_OFFLINE": "0"}) == (None, True)
