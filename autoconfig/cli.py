@@ -92,12 +92,18 @@ def _parallel_options(func: Any) -> Any:
               show_default=True, help="vLLM --gpu-memory-utilization.")
 @click.option("--max-model-len", type=click.IntRange(min=1), help="vLLM --max-model-len (default: the model's).")
 @click.option("--chunk-size", type=int, help="Tokens per chunk (default: chosen by the planner).")
+@click.option("--cpu-size-gib", type=click.FloatRange(min=0), help="Override: CPU tier GiB per rank (0: off); "
+              "checked against the host (option.lmcache_max_local_cpu_size).")
+@click.option("--disk-size-gib", type=click.FloatRange(min=0), help="Override: disk tier GiB per rank (0: off); "
+              "checked against free space (option.lmcache_max_local_disk_size).")
+@click.option("--disk-path", help="Override: disk tier directory (option.lmcache_local_disk).")
 @click.option("--engine", type=click.Choice(["lmi_cache", "lmcache"]), default="lmi_cache", show_default=True,
               help="lmcache: upstream LMCache's LMCacheConnectorV1.")
 @_host_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan JSON contract.")
 def plan(model: str, tp: int, pp: int, dp: int, kv_cache_dtype: str, dtype: str, gpu_memory_utilization: float,
-         max_model_len: int | None, chunk_size: int | None, engine: str, host_file: str | None,
+         max_model_len: int | None, chunk_size: int | None, cpu_size_gib: float | None,
+         disk_size_gib: float | None, disk_path: str | None, engine: str, host_file: str | None,
          instance_type: str | None, as_json: bool) -> None:
     """Size the KV tiers for MODEL on this host (or a snapshot / instance type)."""
     from autoconfig.model_source import load_model_info
@@ -106,7 +112,8 @@ def plan(model: str, tp: int, pp: int, dp: int, kv_cache_dtype: str, dtype: str,
 
     settings = ServingSettings(tp=tp, pp=pp, dp=dp, gpu_memory_utilization=gpu_memory_utilization,
                                max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
-                               engine=engine, overrides=TierOverrides(chunk_size=chunk_size))
+                               engine=engine, overrides=TierOverrides(chunk_size=chunk_size, cpu_size_gib=cpu_size_gib,
+                                                              disk_size_gib=disk_size_gib, disk_path=disk_path))
     info = load_model_info(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, allow_network=False)
     host, label, live = _load_host(host_file, instance_type, info.weights_bytes)
     space = _env_cpu_space() if live else None

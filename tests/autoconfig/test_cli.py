@@ -179,3 +179,14 @@ def test_real_process_prints_one_line_without_traceback() -> None:
                           capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("lmi-cache: error: ")
+
+
+def test_plan_tier_overrides_are_honoured_and_checked(tmp_path: Path) -> None:
+    base = ["plan", "--model", f"{MODELS}/qwen2.5-72b-instruct", "--tp", "8", "--instance-type", "ml.p4de.24xlarge"]
+    result = _run(base + ["--cpu-size-gib", "50", "--disk-size-gib", "0", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["tiers"]["cpu"]["bytes_per_rank"] == 50 << 30
+    assert data["tiers"]["disk"]["enabled"] is False
+    assert data["lmcache_config"]["max_local_cpu_size"] == 50
+    _assert_one_line_error(_run(base + ["--cpu-size-gib", "100000"]), "lmcache_max_local_cpu_size")
