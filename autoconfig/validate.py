@@ -80,23 +80,12 @@ def validate_config(
 
 
 def _read(path: str) -> dict[str, Any]:
-    import yaml
+    from lmi_cache.config import read_yaml_mapping
 
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
-    except FileNotFoundError:
-        raise ValidateInputError(f"{path}: no such file; give the LMCache YAML to check") from None
-    except OSError as err:
-        raise ValidateInputError(f"{path}: cannot read ({err.strerror})") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ValidateInputError(f"{path}: not valid YAML{line}; check indentation and quoting") from None
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise ValidateInputError(f"{path}: expected a mapping of LMCache keys at the top level")
+        data = read_yaml_mapping(path)
+    except ConfigError as err:
+        raise ValidateInputError(str(err)) from None
     return {str(k): v for k, v in data.items()}
 
 

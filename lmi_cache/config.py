@@ -280,12 +280,13 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> tuple[C
     return config, warnings
 
 
-def _read_yaml(path: str) -> Mapping[str, Any]:
+def read_yaml_mapping(path: str) -> Mapping[str, Any]:
+    """The top-level mapping of an LMCache YAML file; ConfigError (one line naming the file) otherwise."""
     try:
         with open(path, encoding="utf-8") as handle:
             data = yaml.safe_load(handle)
     except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found; fix {CONFIG_FILE_ENV} or the path given") from None
+        raise ConfigError(f"{path}: no such file; fix {CONFIG_FILE_ENV} or the path given") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config file ({err.strerror})") from None
     except yaml.YAMLError as err:
@@ -307,7 +308,7 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -
     fields: dict[str, Any] = {}
     source = path or "environment"
     if path:
-        data = _read_yaml(path)
+        data = read_yaml_mapping(path)
         fields.update(_merge({str(k): v for k, v in data.items()}, lambda k: f"{path}: key {k!r}", path, warnings, True))
     # Only names from the tables are read: other LMCACHE_* vars (log level, ...) are not ours.
     env_values = {
