@@ -113,7 +113,7 @@ def test_bad_env_value_names_env_var() -> None:
 
 
 def test_missing_and_broken_files(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError, match="no such file"):
         load_config(str(tmp_path / "nope.yaml"), env={})
     with pytest.raises(ConfigError, match="line"):
         load_config(write(tmp_path, "chunk_size: [1,\n"), env={})
