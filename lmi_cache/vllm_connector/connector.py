@@ -152,8 +152,12 @@ class LmiCacheConnector(KVConnectorBase_V1):
 
         def make_engine() -> Any:
             from lmi_cache.engine import CacheEngine
+            from lmi_cache.metrics_server import serve_metrics
 
-            return CacheEngine(config, rank_label=str(self._rank_index()))
+            rank = self._rank_index()
+            engine = CacheEngine(config, rank_label=str(rank))
+            serve_metrics(engine.metrics.registry, rank)
+            return engine
 
         self._worker = WorkerSide(
             rank_index=0, geometry=geometry, chunk_size_tokens=config.chunk_size, engine_factory=make_engine
