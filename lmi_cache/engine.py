@@ -62,7 +62,7 @@ from lmi_cache.eviction.base import make_policy
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers import disk_io
 from lmi_cache.tiers.buffers import copy_bytes, copy_payload_out, dtype_name, torch_dtype
-from lmi_cache.tiers.cpu_tier import CpuEntry, CpuTier
+from lmi_cache.tiers.cpu_tier import CpuEntry, CpuTier, PayloadFill
 from lmi_cache.tiers.disk_tier import DiskTier, scan_persisted_digests_in
 from lmi_cache.tiers.factory import create_tier
 
@@ -144,17 +144,34 @@ class CacheEngine:
     # ------------------------------------------------------------ store
     def store(self, key: ChunkKey, data: torch.Tensor) -> bool:
         try:
-            return self._store(key, data)
+            if data.device.type != "cpu" or not data.is_contiguous():
+                raise ValueError("store() takes a contiguous CPU tensor")
+            payload = data.detach().reshape(-1).view(torch.uint8)
+            header = ChunkHeader.for_key(key, int(payload.numel()), dtype_name(data.dtype), tuple(data.shape))
+            return self._store(key, header, payload)
         except Exception as err:  # the failure policy: never raise into vLLM
             self.metrics.dropped("engine", "error")
             self._warner.warn("store", f"cache store failed ({err!r}); chunk not cached")
             return False
 
-    def _store(self, key: ChunkKey, data: torch.Tensor) -> bool:
-        if data.device.type != "cpu" or not data.is_contiguous():
-            raise ValueError("store() takes a contiguous CPU tensor")
-        payload = data.detach().reshape(-1).view(torch.uint8)
-        header = ChunkHeader.for_key(key, int(payload.numel()), dtype_name(data.dtype), tuple(data.shape))
+    def store_from(self, key: ChunkKey, shape: tuple[int, ...], dtype: torch.dtype, fill: PayloadFill) -> bool:
+        """Like ``store``, but ``fill(out)`` writes the chunk straight into engine memory.
+
+        ``out`` is a CPU tensor of ``shape``/``dtype``; the connector gathers KV
+        blocks into it, saving the copy through a staging buffer (the save is on
+        vLLM's critical path). ``fill`` is not called when the CPU tier already
+        holds the chunk. A ``fill`` that raises makes a refused store, never an entry.
+        """
+        try:
+            num_bytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            header = ChunkHeader.for_key(key, num_bytes, dtype_name(dtype), tuple(shape))
+            return self._store(key, header, fill)
+        except Exception as err:  # the failure policy: never raise into vLLM
+            self.metrics.dropped("engine", "error")
+            self._warner.warn("store", f"cache store failed ({err!r}); chunk not cached")
+            return False
+
+    def _store(self, key: ChunkKey, header: ChunkHeader, payload: torch.Tensor | PayloadFill) -> bool:
         was_present = self.contains(key) is not None
         stored = False
         if self._cpu is not None:
@@ -167,7 +184,11 @@ class CacheEngine:
         if not stored and self._disk is not None:
             # No CPU tier (or it is full of pinned entries): the disk writer needs its own copy.
             obj = disk_io.aligned_buffer(header.total_bytes)  # aligned: O_DIRECT writes it as is
-            copy_bytes(torch.from_numpy(obj[HEADER_BYTES : header.total_bytes]), payload)
+            target = torch.from_numpy(obj[HEADER_BYTES : header.total_bytes])
+            if isinstance(payload, torch.Tensor):
+                copy_bytes(target, payload)
+            else:
+                payload(target.view(torch_dtype(header.dtype)).view(header.shape))
             stored = self._disk.put(key, header, obj[HEADER_BYTES : header.total_bytes], object_buffer=obj)
         if stored and not was_present:
             with self._events_lock:

@@ -14,8 +14,10 @@ unpinned entries or refuses the store at once; nothing blocks or spins.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, cast
@@ -28,7 +30,10 @@ from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.eviction.base import EvictionPolicy
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers.base import Tier
-from lmi_cache.tiers.buffers import PAGE_BYTES, copy_bytes, copy_payload_out, size_class_bytes
+from lmi_cache.tiers.buffers import PAGE_BYTES, copy_bytes, copy_payload_out, size_class_bytes, torch_dtype
+
+# Writes a chunk's payload in place (given it as a tensor of the stored dtype and shape).
+PayloadFill = Callable[[torch.Tensor], None]
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +128,15 @@ class CpuTier(Tier):
         self._report_usage()
 
     # ------------------------------------------------------------ store
-    def put(self, key: ChunkKey, header: ChunkHeader, payload: torch.Tensor, pin: bool = False) -> CpuEntry | None:
+    def put(self, key: ChunkKey, header: ChunkHeader, payload: torch.Tensor | PayloadFill,
+            pin: bool = False) -> CpuEntry | None:
         """Copy ``payload`` (uint8, 1-D) into a new entry; None if refused.
 
+        ``payload`` may instead be a function that writes the payload straight
+        into the entry (given the entry's payload as a tensor of the header's
+        dtype and shape): the connector gathers KV blocks into it with no
+        intermediate copy. If it raises, the entry is released and the error
+        propagates (the engine turns it into a refused store).
         With ``pin=True`` the returned entry is pinned once (caller must ``unpin``).
         An entry already present is refreshed and returned instead.
         """
@@ -150,7 +161,17 @@ class CpuTier(Tier):
                 self._metrics.dropped(self.name, "error")
                 return None
         buffer[:HEADER_BYTES].numpy()[:] = np.frombuffer(header.pack(), dtype=np.uint8)
-        copy_bytes(buffer[HEADER_BYTES : header.total_bytes], payload)
+        target = buffer[HEADER_BYTES : header.total_bytes]
+        if isinstance(payload, torch.Tensor):
+            copy_bytes(target, payload)
+        else:
+            try:
+                payload(target.view(torch_dtype(header.dtype)).view(header.shape))
+            except BaseException:
+                with self._lock:
+                    self._used_bytes -= class_bytes
+                    self._recycle_locked(buffer)
+                raise
         entry = CpuEntry(key.digest, header, buffer, pins=int(pin))
         with self._lock:
             existing = self._index.get(key.digest)
@@ -211,11 +232,13 @@ class CpuTier(Tier):
                 self._pin = False
                 logger.warning("cpu tier: pinned host memory unavailable (%s); using pageable memory", err)
         try:
+            if raw is None and class_bytes >= HUGE_PAGE_BYTES:
+                return _huge_page_buffer(class_bytes)
             if raw is None:
                 raw = torch.empty(class_bytes + PAGE_BYTES, dtype=torch.uint8)
             offset = (-raw.data_ptr()) % PAGE_BYTES
             return raw[offset : offset + class_bytes]
-        except (RuntimeError, MemoryError) as err:
+        except (RuntimeError, MemoryError, OSError) as err:
             self._warner.warn("cpu-alloc", f"cpu tier: cannot allocate {class_bytes} bytes ({err}); store dropped")
             return None
 
@@ -291,3 +314,25 @@ class CpuTier(Tier):
 
 class _Refused(Exception):
     """Internal: the store cannot be admitted (the caller maps it to None)."""
+
+
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def _huge_page_buffer(num_bytes: int) -> torch.Tensor:
+    """A page-aligned anonymous mapping that asks for transparent huge pages.
+
+    A new entry is written once, right after allocation, on vLLM's critical
+    path: with 4 KiB pages a 4 MiB chunk costs ~1,000 page faults (measured
+    here: first write 1.9 ms vs 1.0 ms with MADV_HUGEPAGE vs 0.4 ms into a
+    reused buffer). The tensor keeps the mapping alive.
+    """
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only; elsewhere plain pages
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP disabled: plain pages, still correct
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "non-writable buffer" does not apply to an anonymous mapping
+        return torch.frombuffer(mapping, dtype=torch.uint8)

@@ -109,23 +109,35 @@ class PagedChunkCopier(TransferHandler):
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self._device)
 
-    def gather_chunk(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def gather_chunk(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """All layers' blocks of one chunk as one host tensor of ``chunk_shape``.
+
+        With ``out`` (a host tensor of ``chunk_shape``/``dtype``, e.g. engine
+        memory) the blocks land there; otherwise in a reused staging buffer
+        that the next call overwrites.
+        """
         if len(block_ids) != self._blocks_per_chunk:
             raise ChunkShapeError(f"a full chunk has {self._blocks_per_chunk} blocks, got {len(block_ids)}")
+        host = self._host_staging if out is None else out
+        if tuple(host.shape) != self._chunk_shape or host.dtype != self._layout.dtype:
+            raise ChunkShapeError(
+                f"gather target {list(host.shape)} {host.dtype} does not match "
+                f"{list(self._chunk_shape)} {self._layout.dtype}"
+            )
         ids = self._ids(block_ids)
         if self._streams is None:
             for layer_idx, view in enumerate(self._views):
-                kernels.gather_blocks(view, ids, self._host_staging[layer_idx])
-            return self._host_staging
+                kernels.gather_blocks(view, ids, host[layer_idx])
+            return host
         assert self._device_staging is not None
         # The side stream must see this step's attention writes before reading blocks.
         self._save_stream.wait_stream(self._streams.current_stream(self._device))
         with self._streams.use(self._save_stream):
             for layer_idx, view in enumerate(self._views):
                 kernels.gather_blocks(view, ids, self._device_staging[layer_idx])
-            self._host_staging.copy_(self._device_staging, non_blocking=True)
+            host.copy_(self._device_staging, non_blocking=True)
         self._save_stream.synchronize()
-        return self._host_staging
+        return host
 
     def scatter_chunk(self, chunk: torch.Tensor, block_ids: Sequence[int], block_offset: int = 0) -> None:
         if tuple(chunk.shape) != self._chunk_shape or chunk.dtype != self._layout.dtype:

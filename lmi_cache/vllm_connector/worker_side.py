@@ -141,8 +141,10 @@ class WorkerSide:
                 continue
             key = transfer.keys[self.rank_index]
             try:
-                chunk = self.copier.gather_chunk(transfer.block_ids)
-                if self.engine.store(key, chunk):
+                copier, block_ids = self.copier, transfer.block_ids
+                # Gather straight into engine memory: one copy on the critical path, not two.
+                if self.engine.store_from(key, copier.chunk_shape, copier.dtype,
+                                          lambda out: copier.gather_chunk(block_ids, out)):
                     self.stats.num_chunks_saved += 1
                 else:
                     self.stats.num_saves_refused += 1

@@ -269,3 +269,61 @@ def test_ranks_sharing_a_path_keep_separate_dirs_and_budgets(tmp_path: Path) -> 
     with CacheEngine(cfg, rank_label="0") as again:  # a restart adopts only its own files
         assert again.stats()["disk_entries"] == 3 and again.lookup(keys0) == keys0[-1].end
         assert again.lookup(keys1) == 0
+
+
+@pytest.mark.parametrize("local_cpu", [True, False])
+def test_store_from_fills_engine_memory_in_place(tmp_path: Path, local_cpu: bool) -> None:
+    with CacheEngine(config(tmp_path, local_cpu=local_cpu)) as engine:
+        keys = engine.keys_for(TOKENS, NS)
+        calls: list[torch.Tensor] = []
+
+        def fill_for(key: ChunkKey):  # type: ignore[no-untyped-def]
+            def fill(out: torch.Tensor) -> None:
+                assert tuple(out.shape) == CHUNK_SHAPE and out.dtype == torch.float32
+                calls.append(out)
+                out.copy_(data_for(key))
+            return fill
+
+        assert engine.store_from(keys[0], CHUNK_SHAPE, torch.float32, fill_for(keys[0]))
+        engine.flush()
+        got = engine.retrieve(keys[0])
+        assert got is not None and torch.equal(got, data_for(keys[0])) and len(calls) == 1
+        if local_cpu:
+            # Already held: fill is not called again.
+            assert engine.store_from(keys[0], CHUNK_SHAPE, torch.float32, fill_for(keys[0]))
+            assert len(calls) == 1
+
+        def broken(out: torch.Tensor) -> None:
+            out.fill_(7.0)
+            raise RuntimeError("gather failed")
+
+        # A fill that raises is a refused store and leaves no entry behind (never half-written data).
+        assert engine.store_from(keys[1], CHUNK_SHAPE, torch.float32, broken) is False
+        engine.flush()
+        assert engine.contains(keys[1]) is None and engine.retrieve(keys[1]) is None
+        assert engine.stats()["engine_dropped_error"] == 1
+        if local_cpu:  # the reserved buffer was given back
+            assert engine.stats()["cpu_entries"] == 1 and engine.stats()["cpu_used_bytes"] == CHUNK_OBJECT_BYTES
+
+
+def test_huge_page_entries_round_trip_through_odirect_disk(tmp_path: Path) -> None:
+    # A 4 MiB chunk takes the huge-page allocation path; write-through must still O_DIRECT it to disk.
+    cfg = CacheConfig(chunk_size=16, max_local_cpu_size=0.05, local_disk=(str(tmp_path),),
+                      max_local_disk_size=0.05, use_odirect=True)
+    key = chunk_keys_for_big()
+    data = torch.randn(8, 2, 4, 128, 128)  # 4 MiB of float32
+    with CacheEngine(cfg) as engine:
+        assert engine.store(key, data)
+        got = engine.retrieve(key)
+        assert got is not None and torch.equal(got, data)
+        engine.flush()
+    with CacheEngine(cfg) as engine:  # a fresh engine sees only the disk
+        assert engine.contains(key) == "disk"
+        got = engine.retrieve(key)
+        assert got is not None and torch.equal(got, data)
+
+
+def chunk_keys_for_big() -> ChunkKey:
+    from lmi_cache.chunk_hashing import chunk_keys
+
+    return chunk_keys(list(range(16)), NS, 16)[0]

@@ -174,3 +174,15 @@ def test_side_stream_path_moves_the_same_bytes_in_the_right_order() -> None:
         "side1.wait_stream(compute)", "enter side1", "record on side1", "exit side1", "compute.wait_event"
     ]
     assert torch.equal(dst[0][:, 1], src[0][:, 9]) and not dst[0][:, 0].any()
+
+
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_gather_into_caller_memory_matches_staging_gather(kind: str) -> None:
+    layers = make_layers(kind, 7)
+    copier = copier_for(layers, 2)
+    expected = copier.gather_chunk([5, 1]).clone()
+    out = torch.full(copier.chunk_shape, float("nan"), dtype=copier.dtype)
+    assert copier.gather_chunk([5, 1], out) is out
+    assert torch.equal(out, expected)
+    with pytest.raises(ChunkShapeError):
+        copier.gather_chunk([5, 1], torch.empty(copier.chunk_shape, dtype=torch.float16))

@@ -32,6 +32,11 @@ class FakeEngine:
         self.events[0].append(key.digest)
         return True
 
+    def store_from(self, key: Any, shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> bool:
+        out = torch.empty(shape, dtype=dtype)
+        fill(out)  # a real engine hands out its own memory; the worker must gather into it
+        return self.store(key, out)
+
     def retrieve(self, key: Any) -> torch.Tensor | None:
         return self.data.get(key.digest)
 
