@@ -11,9 +11,9 @@
   reported removed so the scheduler's index heals, and the request's saves for
   this step are skipped (its KV may have been computed on zeroed blocks).
 * ``save`` (from ``wait_for_save``, after the forward pass): gathers each full
-  chunk into a staging buffer and hands it to the engine, whose ``store``
-  copies it and writes to disk asynchronously. The gather is the only cost on
-  the step; ``stats.save_seconds`` measures it.
+  chunk straight into engine memory (``CacheEngine.store_from``; one copy),
+  and the engine writes it to disk asynchronously. The gather is the only cost
+  on the step; ``stats.save_seconds`` measures it.
 * ``build_worker_meta``: this rank's stored/removed digests and layout tag.
 
 Every engine or transfer call is wrapped: a fault is a miss, a warning and a
