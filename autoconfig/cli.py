@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 # Modules that add commands to ``main``, e.g. "autoconfig.cli_commands.serve"; each has
 # ``register(group: click.Group) -> None`` (see autoconfig/cli_commands/__init__.py). Append yours.
-COMMAND_MODULES: tuple[str, ...] = ("autoconfig.cli_serve",)
+COMMAND_MODULES: tuple[str, ...] = ("autoconfig.cli_serve", "lmi_cache.bench.cli")
 
 
 class LmiCacheGroup(click.Group):

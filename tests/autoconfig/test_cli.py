@@ -170,7 +170,7 @@ def test_probe_json_runs_for_real_and_round_trips() -> None:
 
 
 def test_core_commands_registered_and_registry_is_a_tuple() -> None:
-    assert {"probe", "plan", "configure", "validate"} <= set(main.commands)
+    assert {"probe", "plan", "configure", "validate", "serve", "sagemaker", "bench"} <= set(main.commands)
     assert isinstance(COMMAND_MODULES, tuple)
 
 

@@ -1,0 +1,265 @@
+"""Connector benchmark on vLLM CPU: no cache vs vLLM prefix cache vs our tiers vs LMCache.
+
+Runs as a script (``python benchmarks/bench_connector.py [--quick]``): it makes
+the tiny random models, starts one vLLM OpenAI server per configuration (one
+at a time, 2 cores here), drives it with the ``lmi-cache bench`` long-document
+QA workload at concurrency 1 (so TTFT is prefill time, not queueing), and
+prints a markdown table. Configurations:
+
+1. no-cache:     prefix caching off, no connector
+2. vllm-prefix:  vLLM's own prefix cache
+3. ours-cpu:     our connector, CPU tier (prefix caching off: every hit is ours)
+4. ours-disk:    warm-up in one server, query in a fresh one (CPU tier empty)
+5. lmcache:      LMCache 0.5.6's connector from a separate venv (degraded on CPU)
+6. no-reuse throughput: unique documents with and without our connector
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lmi_cache.bench.client import OpenAiClient
+from lmi_cache.bench.report import fmt_ratio, fmt_seconds, markdown_table
+from lmi_cache.bench.runner import BenchResult, RequestRecord, run_long_doc_qa
+from lmi_cache.bench.paired import PairedThroughput, paired_no_reuse
+from lmi_cache.bench.stats import percentile
+from lmi_cache.bench.workloads import LongDocQaSpec
+from lmi_cache.bench.tokens import ServerTokenCounter
+from lmi_cache.bench.vllm_server import LMCACHE_CONNECTOR, OUR_CONNECTOR, ServerSpec, VllmServer
+
+CONFIGS = ("no-cache", "vllm-prefix", "ours-cpu", "ours-disk", "lmcache", "no-reuse")
+UNIQUE_SEED_OFFSET = 1000  # documents of the no-reuse rounds share nothing with the QA ones
+
+
+def connector_yaml(path: Path, disk_dir: Path | None) -> Path:
+    lines = ["chunk_size: 256", "local_cpu: true", "max_local_cpu_size: 2"]
+    if disk_dir is not None:
+        lines += [f"local_disk: file://{disk_dir}", "max_local_disk_size: 4"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+async def prime(url: str) -> None:
+    """One short unmeasured request: a fresh server's first request pays lazy set-up."""
+    async with OpenAiClient(url, "tiny") as client:
+        await client.complete("hello there", 2)
+
+
+async def drive(url: str, args: argparse.Namespace, rounds: tuple[str, ...], seed: int) -> BenchResult:
+    spec = LongDocQaSpec(args.num_documents, args.document_tokens, args.query_tokens, args.output_tokens, seed)
+    async with OpenAiClient(url, "tiny", timeout_s=600, extra_body={"ignore_eos": True}) as client:
+        return await run_long_doc_qa(client, spec, ServerTokenCounter(client), 1, round_names=rounds)
+
+
+def run_rounds(spec: ServerSpec, run_dir: Path, args: argparse.Namespace, rounds: tuple[str, ...]) -> dict:
+    """Start a server, run ``rounds``, stop it: ``warmup`` and the list of ``query`` rounds."""
+    started = time.monotonic()
+    out: dict = {}
+    with VllmServer(spec, run_dir) as server:
+        out["start_s"] = time.monotonic() - started
+        asyncio.run(prime(server.url))
+        qa = asyncio.run(drive(server.url, args, rounds, args.seed))
+        for item in qa.rounds:
+            if item.stats.name.startswith("query"):
+                out.setdefault("query", []).append(item)
+            else:
+                out[item.stats.name] = item
+        # Give an asynchronous store time to land before the server goes away.
+        time.sleep(args.settle_s)
+    return out
+
+
+def run_config(name: str, model_dir: Path, work: Path, args: argparse.Namespace) -> dict:
+    queries = ("query",) + tuple(f"query{i}" for i in range(2, args.query_rounds + 1))
+    both = ("warmup",) + queries
+    run_dir = work / name
+    work.mkdir(parents=True, exist_ok=True)
+    base = dict(model_dir=model_dir, max_model_len=args.document_tokens + 1024, kvcache_space_gib=args.kvcache_gib)
+    if name == "no-cache":
+        return run_rounds(ServerSpec(**base), run_dir, args, both)
+    if name == "vllm-prefix":
+        return run_rounds(ServerSpec(**base, prefix_caching=True), run_dir, args, both)
+    if name == "ours-cpu":
+        yaml = connector_yaml(work / "ours-cpu.yaml", None)
+        spec = ServerSpec(**base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml)
+        return run_rounds(spec, run_dir, args, both)
+    if name == "ours-disk":
+        disk = work / "ours-disk-store"
+        yaml = connector_yaml(work / "ours-disk.yaml", disk)
+        spec = ServerSpec(**base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml)
+        first = run_rounds(spec, run_dir / "warmup-process", args, ("warmup",))
+        # A fresh process: its CPU tier starts empty, so query hits come from disk.
+        second = run_rounds(spec, run_dir / "query-process", args, ("query",))
+        note = "query in a fresh server process"
+        return {"warmup": first["warmup"], "query": second["query"], "start_s": second["start_s"], "note": note}
+    if name == "lmcache":
+        python = Path(args.lmcache_venv) / "bin" / "python"
+        if not python.exists():
+            raise RuntimeError(f"no LMCache venv at {args.lmcache_venv}")
+        yaml = connector_yaml(work / "lmcache.yaml", None)
+        spec = ServerSpec(**base, python=str(python), kv_transfer_config=LMCACHE_CONNECTOR, lmcache_config_file=yaml)
+        # One query round: every LMCache request waits out its lookup timeout.
+        outcome = run_rounds(spec, run_dir, args, ("warmup", "query"))
+        log = (run_dir / "server.log").read_text(errors="replace")
+        if "degraded mode" in log:
+            outcome["note"] = "LMCache logged 'degraded mode' (no CPU connector)"
+        return outcome
+    if name == "no-reuse":
+        # Both servers up at once, requests alternating: see lmi_cache.bench.paired.
+        yaml = connector_yaml(work / "no-reuse.yaml", None)
+        ours = ServerSpec(**base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml)
+        # Twice the documents: more pairs, as the ratio is a small difference between noisy numbers.
+        qa_spec = LongDocQaSpec(2 * args.num_documents, args.document_tokens, args.query_tokens,
+                                args.output_tokens, args.seed + UNIQUE_SEED_OFFSET)
+        with VllmServer(ServerSpec(**base), run_dir / "no-connector") as a, VllmServer(ours, run_dir / "ours") as b:
+            paired = asyncio.run(paired_no_reuse(a.url, b.url, "tiny", qa_spec, extra_body={"ignore_eos": True}))
+        return {"paired": paired}
+    raise ValueError(name)
+
+
+def query_records(outcome: dict) -> list[RequestRecord]:
+    return [record for item in outcome.get("query", []) for record in item.records]
+
+
+def median_ttft(records: list[RequestRecord]) -> float | None:
+    # Medians: this machine is shared, and one descheduled request skews a mean.
+    return percentile([r.result.ttft_s for r in records], 50) if records else None
+
+
+def same_tokens(results: dict[str, dict], name: str) -> str:
+    reference = {r.request_id: r.result.text for r in query_records(results.get("no-cache", {}))}
+    mine = [r for r in query_records(results[name]) if r.request_id in reference]
+    if not reference or not mine:
+        return "—"
+    num_differ = sum(r.result.text != reference[r.request_id] for r in mine)
+    return "yes" if num_differ == 0 else f"NO ({num_differ}/{len(mine)} differ)"
+
+
+def model_table(size: str, results: dict[str, dict]) -> tuple[str, list[str]]:
+    """The per-model markdown table, plus the target checks as lines."""
+
+    def query_ttft(name: str) -> float | None:
+        outcome = results.get(name, {})
+        return None if "error" in outcome else median_ttft(query_records(outcome))
+
+    # Without a cache every request is a cold prefill, warm-up or query alike: pool
+    # them all for the reference, so load drift between two rounds weighs less.
+    cold = results.get("no-cache", {})
+    no_cache = None if "error" in cold or "warmup" not in cold else median_ttft(
+        cold["warmup"].records + query_records(cold))
+    prefix = query_ttft("vllm-prefix")
+    header = ["config", "warm-up TTFT (s)", "query TTFT (s)", "query/warm-up", "speed-up vs no cache (all cold)",
+              "TTFT / vLLM prefix-cache TTFT", "same tokens as no cache", "note"]
+    rows = []
+    for name, outcome in results.items():
+        if "paired" in outcome:
+            continue  # the no-reuse run has its own table
+        if "error" in outcome:
+            rows.append([f"{name} ({size})", "failed", "", "", "", "", "", outcome["error"][:120]])
+            continue
+        warm, query = median_ttft(outcome["warmup"].records), query_ttft(name)
+        assert warm is not None and query is not None
+        rows.append([
+            f"{name} ({size})", fmt_seconds(warm), fmt_seconds(query), fmt_ratio(query / warm),
+            fmt_ratio(no_cache / query) if no_cache else "—",
+            fmt_ratio(query / prefix) if prefix else "—", same_tokens(results, name), outcome.get("note", ""),
+        ])
+    checks = []
+    ours = query_ttft("ours-cpu")
+    if ours and no_cache:
+        checks.append(f"{size}: ours-cpu query TTFT {no_cache / ours:.1f}x lower than no cache (target >= 10x on 32m)")
+    if ours and prefix:
+        checks.append(f"{size}: ours-cpu / vLLM prefix hit TTFT {ours / prefix:.2f}x (target <= 1.5x)")
+    return markdown_table(header, rows), checks
+
+
+def throughput_line(size: str, results: dict[str, dict]) -> list[str] | None:
+    paired: PairedThroughput | None = results.get("no-reuse", {}).get("paired")
+    if paired is None:
+        return None
+    return [size, str(paired.num_requests), f"{paired.a_prompt_tokens_per_s:.0f}",
+            f"{paired.b_prompt_tokens_per_s:.0f}", fmt_ratio(paired.ratio), fmt_ratio(paired.median_pair_ratio)]
+
+
+def summary_of(outcome: dict) -> dict:
+    if "error" in outcome:
+        return {"error": outcome["error"]}
+    if "paired" in outcome:
+        return {"no_reuse": outcome["paired"].to_dict()}
+    out = {"warmup": outcome["warmup"].stats.to_dict()}
+    out["query"] = [item.stats.to_dict() for item in outcome.get("query", [])]
+    out["query_ttft_p50_s"] = median_ttft(query_records(outcome))
+    out["note"] = outcome.get("note", "")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CI smoke: 7m model, 2k-token documents, no LMCache")
+    parser.add_argument("--models", default=None, help="comma list of tiny model sizes (default 7m,32m)")
+    parser.add_argument("--configs", default=None, help=f"comma list from {','.join(CONFIGS)}")
+    parser.add_argument("--num-documents", type=int, default=None)
+    parser.add_argument("--document-tokens", type=int, default=None)
+    parser.add_argument("--query-tokens", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=8)
+    parser.add_argument("--query-rounds", type=int, default=None, help="query rounds per server (pooled)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kvcache-gib", type=int, default=2)
+    parser.add_argument("--settle-s", type=float, default=2.0, help="wait before stopping a server")
+    parser.add_argument("--lmcache-venv", default="/work/lmcache-venv")
+    parser.add_argument("--models-dir", default=str(Path(tempfile.gettempdir()) / "lmi-cache-tiny-models"))
+    parser.add_argument("--work-dir", default=None, help="run folders (default: a fresh temp folder, removed after)")
+    parser.add_argument("--json", default=None, help="write the headline numbers as JSON here")
+    args = parser.parse_args()
+    quick_configs = "no-cache,vllm-prefix,ours-cpu,ours-disk,no-reuse"
+    sizes = (args.models or ("7m" if args.quick else "7m,32m")).split(",")
+    configs = (args.configs or (quick_configs if args.quick else ",".join(CONFIGS))).split(",")
+    args.num_documents = args.num_documents or (2 if args.quick else 4)
+    args.query_rounds = args.query_rounds or (2 if args.quick else 3)
+    args.document_tokens = args.document_tokens or (2048 if args.quick else 8000)
+
+    from lmi_cache.devtools.tiny_model import make_tiny_model
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="lmi-bench-connector-"))
+    tables, checks, throughput, summary = [], [], [], {}
+    try:
+        for size in sizes:
+            model_dir = make_tiny_model(Path(args.models_dir) / size, size=size, seed=0)
+            results: dict[str, dict] = {}
+            for name in configs:
+                print(f"[{time.strftime('%H:%M:%S')}] {size} {name} ...", file=sys.stderr, flush=True)
+                try:
+                    results[name] = run_config(name, model_dir, work / size, args)
+                except Exception as err:  # one broken configuration must not hide the others
+                    results[name] = {"error": " ".join(f"{type(err).__name__}: {err}".split())}
+                    print(f"  {name} failed: {results[name]['error'][:300]}", file=sys.stderr, flush=True)
+            table, model_checks = model_table(size, results)
+            tables.append(f"### {size} model, {args.num_documents} documents x {args.document_tokens} tokens\n\n{table}")
+            checks += model_checks
+            line = throughput_line(size, results)
+            if line:
+                throughput.append(line)
+            summary[size] = {name: summary_of(r) for name, r in results.items()}
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print("\n\n".join(tables))
+    if throughput:
+        print("\nNo-reuse throughput (unique documents sent to both servers in turn, prompt tokens/s):\n")
+        header = ["model", "requests", "no connector", "our connector", "ratio (target >= 0.97)", "median pair ratio"]
+        print(markdown_table(header, throughput))
+    if checks:
+        print("\n" + "\n".join(f"- {line}" for line in checks))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""``lmi-cache bench`` against a real vLLM CPU server (tiny model, prefix caching on).
+
+Slow (one server start): checks what the fake server cannot, that documents
+are sized with vLLM's own ``/tokenize`` and that a repeated document is
+measured as a faster first token.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from lmi_cache.bench.cli import bench
+from lmi_cache.bench.vllm_server import ServerSpec, VllmServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_bench_long_doc_qa_on_vllm(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from lmi_cache.devtools.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "model", size="7m")
+    spec = ServerSpec(model_dir=model_dir, prefix_caching=True, max_model_len=2048)
+    out = tmp_path / "bench.json"
+    with VllmServer(spec, tmp_path / "run") as server:
+        run = CliRunner().invoke(
+            bench,
+            ["--url", server.url, "--num-documents", "2", "--document-tokens", "1024", "--output-tokens", "4",
+             "--concurrency", "1", "--ignore-eos", "--json", str(out)],
+        )
+    assert run.exit_code == 0, run.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["model"] == "tiny"
+    assert data["settings"]["token_count_source"] == "server"
+    for num_tokens in data["settings"]["measured_document_tokens"]:
+        assert 1024 - 3 <= num_tokens <= 1024
+    for request in data["requests"]:
+        assert request["completion_tokens"] == 4
+        assert 1024 < request["prompt_tokens"] < 1024 + 64
+    warmup, query = data["rounds"]
+    # 1024 tokens are 8 full blocks: the query round recomputes only the question.
+    assert query["ttft_s"]["mean"] < warmup["ttft_s"]["mean"]
