@@ -66,6 +66,12 @@ def _load_cache_config() -> Any:
     config, warnings = load_config()
     for warning in warnings:
         logger.warning("lmi-cache: %s", warning)
+    for key in ("save_unfull_chunk", "save_decode_cache"):
+        if getattr(config, key):
+            # The engine stores partial chunks, but vLLM's paged cache only hands
+            # over whole blocks: the connector saves full prompt chunks only.
+            logger.warning("lmi-cache: %s is set but the vLLM connector saves full prompt chunks only; "
+                           "it has no effect here", key)
     return config
 
 
