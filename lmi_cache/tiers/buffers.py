@@ -1,6 +1,8 @@
 """Byte-buffer helpers of the CPU tier and the engine: size classes, dtypes, copies (worker process)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -46,12 +48,18 @@ def copy_payload_out(obj: torch.Tensor, header: ChunkHeader, out: torch.Tensor |
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[:] = src`` for uint8 tensors, blocking.
 
-    CPU to CPU goes through numpy's single-threaded memcpy (it drops the GIL):
-    torch's OpenMP copy measured 20x slower on a busy 2-core host when a
-    worker thread was descheduled. Blocking on purpose: the source entry may
-    be unpinned and recycled right after.
+    On the caller's main thread (vLLM's worker loop, between forward passes)
+    torch's copy uses the intra-op thread pool: measured 2x numpy's memcpy on
+    an idle 2-core host. From other threads (disk workers, parallel reads)
+    numpy's single-threaded memcpy (it drops the GIL): there torch's OpenMP
+    copy contends with the main thread's pool and measured up to 20x slower
+    on a busy host. Blocking on purpose: the source entry may be unpinned and
+    recycled right after.
     """
-    if dst.device.type == "cpu" and src.device.type == "cpu":
+    if dst.device.type == "cpu" and src.device.type == "cpu" and threading.current_thread() is not _MAIN_THREAD:
         np.copyto(dst.detach().numpy(), src.detach().numpy())
     else:
         dst.copy_(src)
+
+
+_MAIN_THREAD = threading.main_thread()
