@@ -110,7 +110,7 @@ class WorkerSide:
             key = transfer.keys[self.rank_index]
             error: BaseException | None = None
             try:
-                chunk = self.engine.retrieve(key)
+                chunk = self.engine.retrieve(key, out=self.copier.reusable_host_buffer())
                 if chunk is not None:
                     self.copier.scatter_chunk(chunk, transfer.block_ids, transfer.block_offset)
                     self.stats.num_chunks_loaded += 1

@@ -162,6 +162,7 @@ def test_side_stream_path_moves_the_same_bytes_in_the_right_order() -> None:
     desc = describe_kv_caches({f"l{i}": t for i, t in enumerate(src)}, GEO)
     streams = RecordingStreams()
     copier = PagedChunkCopier(src, desc, 2, stream_ops=streams)
+    assert copier.reusable_host_buffer() is None  # async H2D copies may still read a host buffer
     chunk = copier.gather_chunk([4, 9]).clone()
     assert streams.log[:2] == ["side0.wait_stream(compute)", "enter side0"]
     assert streams.log[-1] == "side0.synchronize"  # host buffer complete before the engine sees it
@@ -186,3 +187,18 @@ def test_gather_into_caller_memory_matches_staging_gather(kind: str) -> None:
     assert torch.equal(out, expected)
     with pytest.raises(ChunkShapeError):
         copier.gather_chunk([5, 1], torch.empty(copier.chunk_shape, dtype=torch.float16))
+
+
+def test_reusable_host_buffer_only_without_async_streams() -> None:
+    layers = make_layers("cpu", 3)
+    copier = copier_for(layers, 2)
+    buf = copier.reusable_host_buffer()
+    assert buf is not None and tuple(buf.shape) == copier.chunk_shape
+    # Loading two different chunks through the same buffer still lands each one exactly.
+    first = copier.gather_chunk([0, 1]).clone()
+    second = copier.gather_chunk([2, 3]).clone()
+    buf.copy_(first)
+    copier.scatter_chunk(buf, [4, 5])
+    buf.copy_(second)
+    copier.scatter_chunk(buf, [6, 7])
+    assert torch.equal(copier.gather_chunk([4, 5]), first) and torch.equal(copier.gather_chunk([6, 7]), second)

@@ -37,8 +37,11 @@ class FakeEngine:
         fill(out)  # a real engine hands out its own memory; the worker must gather into it
         return self.store(key, out)
 
-    def retrieve(self, key: Any) -> torch.Tensor | None:
-        return self.data.get(key.digest)
+    def retrieve(self, key: Any, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        chunk = self.data.get(key.digest)
+        if chunk is None or out is None:
+            return chunk
+        return out.copy_(chunk)  # like the engine: the caller's buffer is filled and returned
 
     def drain_events(self) -> tuple[list[bytes], list[bytes]]:
         events, self.events = self.events, ([], [])
