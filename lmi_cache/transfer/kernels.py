@@ -1,46 +1,216 @@
-"""The one shim to the optional compiled gather/scatter extension (vLLM worker process).
+"""The one shim to the compiled gather/scatter kernels of ``csrc/`` (vLLM worker process).
 
-``csrc/`` may build ``lmi_cache._C`` with fused paged-block copy kernels. It is
-optional: when it is absent (CPU CI, pure-Python installs) the torch
-fallbacks below do the same work with ``index_select`` / ``index_copy_``,
-which are device-agnostic. Nothing else imports the extension.
+Two operations, each one call for all layers of a batch of chunks:
+
+* ``gather(layers, table, chunks)``: ``chunks[c][layer, slot] = layers[layer][block]``
+* ``scatter(layers, table, chunks)``: ``layers[layer][block] = chunks[c][layer, slot]``
+
+for every row ``(c, slot, block)`` of ``table`` (a CPU int64 tensor ``[n, 3]``).
+``layers`` are block-first views of vLLM's per-layer KV tensors (any strides);
+chunk buffers are contiguous ``[num_layers, blocks_per_chunk, *block_shape]``.
+Rows may come in any order and repeat blocks; when two rows write the same
+destination, the later row wins (both backends).
+
+``LMI_CACHE_KERNELS`` chooses the backend: ``native`` (the csrc extension,
+compiled on first use into a cache directory, see ``native_build``; failing to
+load it is a start-up error), ``torch`` (``index_select``/``index_copy_``) or
+``auto`` (default: native when it loads, else torch with one log line).
+:func:`backend` names the backend in use. No other module imports the extension.
 """
 from __future__ import annotations
 
-import importlib
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
-_EXT: ModuleType | None = None
-_EXT_CHECKED = False
+from lmi_cache.errors import UserError
+from lmi_cache.transfer import native_build
+
+logger = logging.getLogger(__name__)
+
+KERNELS_ENV = "LMI_CACHE_KERNELS"
+BACKEND_CHOICES = ("auto", "native", "torch")
+EXTENSION_NAME = "lmi_cache_kernels"
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+CPU_SOURCES = ("bindings.cpp", "paged_copy_cpu.cpp")
+CUDA_SOURCES = ("paged_copy_cuda.cu",)
+HEADERS = ("paged_copy.h",)
+
+_lock = threading.Lock()
+_backend: str | None = None
+_ext: ModuleType | None = None
+_loaded: ModuleType | None = None  # the extension once loaded (kept across reset())
 
 
-def compiled_extension() -> ModuleType | None:
-    """The compiled extension, or None when it is not built (imported once)."""
-    global _EXT, _EXT_CHECKED
-    if not _EXT_CHECKED:
-        _EXT_CHECKED = True
-        try:
-            _EXT = importlib.import_module("lmi_cache._C")
-        except ImportError:
-            _EXT = None
-    return _EXT
+class KernelBackendError(UserError):
+    """``LMI_CACHE_KERNELS`` is invalid, or ``native`` was asked for and cannot load."""
 
 
-def gather_blocks(block_view: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[i] = block_view[block_ids[i]]`` for a block-first view of one layer."""
-    ext = compiled_extension()
-    if ext is not None and hasattr(ext, "gather_blocks"):
-        ext.gather_blocks(block_view, block_ids, out)
+def _cuda_build_wanted() -> bool:
+    from torch.utils import cpp_extension
+
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def load_extension() -> ModuleType:
+    """Build (first use) or load the native extension; raises ``native_build.NativeBuildError``."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _build_or_load()
+    return _loaded
+
+
+def _build_or_load() -> ModuleType:
+    with_cuda = _cuda_build_wanted()
+    names = CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())
+    sources = [CSRC_DIR / n for n in names]
+    missing = [str(s) for s in sources if not s.is_file()]
+    if missing:
+        raise native_build.NativeBuildError(f"kernel sources not found: {', '.join(missing)}")
+    defines = ["-DLMI_CACHE_WITH_CUDA"] if with_cuda else []
+    module, built = native_build.load_or_build(
+        EXTENSION_NAME,
+        sources,
+        depends=[CSRC_DIR / h for h in HEADERS],
+        with_cuda=with_cuda,
+        extra_cflags=["-O3", *defines],
+        extra_cuda_cflags=["-O3", *defines],
+    )
+    if built:
+        logger.info("lmi-cache: compiled the native KV copy kernels (cuda=%s)", with_cuda)
+    if torch.cuda.is_available() and not getattr(module, "with_cuda", False):
+        raise native_build.NativeBuildError("the native kernels were built without CUDA (no CUDA toolkit: set CUDA_HOME)")
+    return module
+
+
+def _resolve() -> None:
+    global _backend, _ext
+    raw = os.environ.get(KERNELS_ENV, "auto")
+    choice = raw.strip().lower() or "auto"
+    if choice not in BACKEND_CHOICES:
+        raise KernelBackendError(f"{KERNELS_ENV}={raw!r} is not one of native, torch, auto; unset it for auto")
+    if choice == "torch":
+        _backend, _ext = "torch", None
         return
-    torch.index_select(block_view, 0, block_ids, out=out)
-
-
-def scatter_blocks(block_view: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-    """``block_view[block_ids[i]] = src[i]``, writing through the view into vLLM's cache."""
-    ext = compiled_extension()
-    if ext is not None and hasattr(ext, "scatter_blocks"):
-        ext.scatter_blocks(block_view, block_ids, src)
+    try:
+        ext = load_extension()
+    except native_build.NativeBuildError as err:
+        if choice == "native":
+            raise KernelBackendError(
+                f"{KERNELS_ENV}=native but the native kernels cannot load: {err}; "
+                f"install g++ and ninja, or set {KERNELS_ENV}=torch"
+            ) from None
+        logger.warning("lmi-cache: native KV copy kernels unavailable (%s); using torch copies", err)
+        _backend, _ext = "torch", None
         return
-    block_view.index_copy_(0, block_ids, src)
+    _backend, _ext = "native", ext
+
+
+def backend() -> str:
+    """``"native"`` or ``"torch"``: the backend in use (resolved, and compiled if needed, on first call)."""
+    with _lock:
+        if _backend is None:
+            _resolve()
+        assert _backend is not None
+        return _backend
+
+
+def reset() -> None:
+    """Forget the resolved backend so the next call reads ``LMI_CACHE_KERNELS`` again (tests, benchmarks)."""
+    global _backend, _ext
+    with _lock:
+        _backend, _ext = None, None
+
+
+def _last_wins(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """Drop rows whose destination a later row writes again."""
+    if torch.unique(dest).numel() == dest.numel():
+        return table
+    seen: set[int] = set()
+    keep: list[int] = []
+    for row, key in reversed(list(enumerate(dest.tolist()))):
+        if key not in seen:
+            seen.add(key)
+            keep.append(row)
+    return table[sorted(keep)]
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    # Same-size integer view: index ops then work for every KV dtype (fp8 included) and copy bits exactly.
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor if tensor.dtype == bits else tensor.view(bits)
+
+
+def _check_table(table: torch.Tensor) -> torch.Tensor:
+    if table.dtype != torch.int64 or table.device.type != "cpu" or table.dim() != 2 or table.size(1) != 3:
+        raise ValueError("paged copy: the table must be a CPU int64 tensor of shape [n, 3]")
+    return table.contiguous()
+
+
+def _torch_copy(layers: Sequence[torch.Tensor], table: torch.Tensor, chunks: Sequence[torch.Tensor], to_paged: bool) -> None:
+    views = [_as_bits(v) for v in layers]
+    bufs = [_as_bits(c) for c in chunks]
+    device = views[0].device
+    for c in torch.unique(table[:, 0]).tolist():
+        rows = table[table[:, 0] == c]
+        slots, ids = rows[:, 1], rows[:, 2].to(device)
+        first = int(slots[0])
+        consecutive = bool(torch.equal(slots, torch.arange(first, first + len(slots))))
+        slots_dev = slots.to(device)
+        for layer_idx, view in enumerate(views):
+            buf = bufs[c][layer_idx]
+            if to_paged:
+                src = buf.narrow(0, first, len(slots)) if consecutive else buf.index_select(0, slots_dev)
+                view.index_copy_(0, ids, src)
+            elif consecutive:
+                torch.index_select(view, 0, ids, out=buf.narrow(0, first, len(slots)))
+            else:
+                buf.index_copy_(0, slots_dev, view.index_select(0, ids))
+
+
+def _copy(layers: Sequence[torch.Tensor], table: torch.Tensor, chunks: Sequence[torch.Tensor], to_paged: bool,
+          via: str | None) -> None:
+    table = _check_table(table)
+    if table.size(0) == 0:
+        return
+    dest = table[:, 2] if to_paged else table[:, 0] * (chunks[0].size(1) if chunks[0].dim() > 1 else 1) + table[:, 1]
+    table = _last_wins(table, dest)
+    name = via or backend()
+    if name == "torch":
+        _torch_copy(layers, table, chunks, to_paged)
+        return
+    ext = _ext if via is None else load_extension()
+    assert ext is not None
+    (ext.scatter if to_paged else ext.gather)(list(layers), table, list(chunks))
+
+
+def gather(layers: Sequence[torch.Tensor], table: torch.Tensor, chunks: Sequence[torch.Tensor],
+           via: str | None = None) -> None:
+    """Paged blocks -> chunk buffers for every table row; ``via`` forces ``"native"``/``"torch"``."""
+    _copy(layers, table, chunks, False, via)
+
+
+def scatter(layers: Sequence[torch.Tensor], table: torch.Tensor, chunks: Sequence[torch.Tensor],
+            via: str | None = None) -> None:
+    """Chunk buffers -> paged blocks for every table row; ``via`` forces ``"native"``/``"torch"``."""
+    _copy(layers, table, chunks, True, via)
+
+
+def main() -> int:
+    """``python -m lmi_cache.transfer.kernels``: build/load now and print the backend (setup, CI)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(backend())
+    except KernelBackendError as err:
+        print(f"error: {err}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,10 +3,12 @@
 A chunk buffer holds every layer's blocks of one chunk on this rank:
 ``[num_layers, blocks_per_chunk, *block_shape]``, contiguous, on the host. The
 engine stores and returns such tensors; this module moves them in and out of
-vLLM's paged cache with ``index_select`` / ``index_copy_`` (via ``kernels``).
+vLLM's paged cache with one ``kernels.gather``/``kernels.scatter`` call per
+chunk or per batch of chunks (all layers at once; native or torch backend).
 
 CPU (vLLM CPU backend, tested in CI): gathers write straight into a reused host
-staging buffer, scatters read straight from the engine's tensor.
+staging buffer or the caller's memory, scatters read straight from the
+engine's tensor.
 
 CUDA: gathers run on a side stream that first waits for the compute stream,
 land in a device staging buffer and are copied to a pinned host buffer; the
@@ -76,6 +78,7 @@ class PagedChunkCopier(TransferHandler):
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
         self._layout = layout
+        self.backend = kernels.backend()  # resolves LMI_CACHE_KERNELS now: a bad choice fails at start-up
         self._views = [layout.block_view(layer) for layer in layers]
         self._device = layers[0].device
         self._blocks_per_chunk = blocks_per_chunk
@@ -87,10 +90,12 @@ class PagedChunkCopier(TransferHandler):
         pin = self._device.type == "cuda"
         self._host_staging = torch.empty(self._chunk_shape, dtype=layout.dtype, pin_memory=pin)
         self._device_staging: torch.Tensor | None = None
+        self._device_load_staging: torch.Tensor | None = None
         self._save_stream: Any = None
         self._load_stream: Any = None
         if self._streams is not None:
             self._device_staging = torch.empty(self._chunk_shape, dtype=layout.dtype, device=self._device)
+            self._device_load_staging = torch.empty(self._chunk_shape, dtype=layout.dtype, device=self._device)
             self._save_stream = self._streams.new_stream(self._device)
             self._load_stream = self._streams.new_stream(self._device)
 
@@ -106,8 +111,11 @@ class PagedChunkCopier(TransferHandler):
     def chunk_bytes(self) -> int:
         return self._host_staging.numel() * self._host_staging.element_size()
 
-    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self._device)
+    @staticmethod
+    def _table(block_ids: Sequence[int], block_offset: int = 0, chunk_index: int = 0) -> torch.Tensor:
+        # Rows (chunk index, slot in chunk, paged block id): the kernels' table (always on the host).
+        rows = [(chunk_index, block_offset + i, int(b)) for i, b in enumerate(block_ids)]
+        return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
 
     def gather_chunk(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """All layers' blocks of one chunk as one host tensor of ``chunk_shape``.
@@ -124,17 +132,15 @@ class PagedChunkCopier(TransferHandler):
                 f"gather target {list(host.shape)} {host.dtype} does not match "
                 f"{list(self._chunk_shape)} {self._layout.dtype}"
             )
-        ids = self._ids(block_ids)
+        table = self._table(block_ids)
         if self._streams is None:
-            for layer_idx, view in enumerate(self._views):
-                kernels.gather_blocks(view, ids, host[layer_idx])
+            kernels.gather(self._views, table, [host])
             return host
         assert self._device_staging is not None
         # The side stream must see this step's attention writes before reading blocks.
         self._save_stream.wait_stream(self._streams.current_stream(self._device))
         with self._streams.use(self._save_stream):
-            for layer_idx, view in enumerate(self._views):
-                kernels.gather_blocks(view, ids, self._device_staging[layer_idx])
+            kernels.gather(self._views, table, [self._device_staging])
             host.copy_(self._device_staging, non_blocking=True)
         self._save_stream.synchronize()
         return host
@@ -159,19 +165,20 @@ class PagedChunkCopier(TransferHandler):
             return
         if block_offset < 0 or block_offset + num > self._blocks_per_chunk:
             raise ChunkShapeError(f"blocks {block_offset}..{block_offset + num} outside a chunk of {self._blocks_per_chunk}")
-        ids = self._ids(block_ids)
-        src = chunk[:, block_offset : block_offset + num]
+        table = self._table(block_ids, block_offset)
         if self._streams is None:
-            for layer_idx, view in enumerate(self._views):
-                kernels.scatter_blocks(view, ids, src[layer_idx])
+            kernels.scatter(self._views, table, [chunk])
             return
+        assert self._device_load_staging is not None
         compute = self._streams.current_stream(self._device)
         # Blocks were zeroed on the compute stream; the load must land after that.
         self._load_stream.wait_stream(compute)
         with self._streams.use(self._load_stream):
-            src_dev = src.to(self._device, non_blocking=True)
-            for layer_idx, view in enumerate(self._views):
-                kernels.scatter_blocks(view, ids, src_dev[layer_idx])
+            # Only the blocks that load travel; copies on this one stream run in order,
+            # so the next load cannot overwrite the staging buffer before this scatter read it.
+            part = slice(block_offset, block_offset + num)
+            self._device_load_staging[:, part].copy_(chunk[:, part], non_blocking=True)
+            kernels.scatter(self._views, table, [self._device_load_staging])
             done = self._streams.new_event()
             done.record(self._load_stream)
         # The forward pass (on the compute stream) waits on the GPU, not the CPU.

@@ -1,0 +1,44 @@
+// CPU paged gather/scatter: every (table row, layer, run) is one memcpy,
+// spread over ATen's intra-op thread pool in pieces of about kGrainBytes.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "paged_copy.h"
+
+namespace lmi_cache {
+
+namespace {
+// Below this many bytes per task, thread hand-off costs more than it saves.
+constexpr int64_t kGrainBytes = 256 * 1024;
+}  // namespace
+
+void paged_copy_cpu(const PagedCopyArgs& a) {
+  const int64_t num_items = a.num_entries * a.num_layers;
+  const int64_t total_runs = num_items * a.num_runs;
+  if (total_runs == 0) return;
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, a.run_bytes));
+  at::parallel_for(0, total_runs, grain, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    while (i < end) {
+      const int64_t item = i / a.num_runs;
+      char* paged;
+      char* chunk;
+      item_addresses(a, item, &paged, &chunk);
+      // Runs of one item are consecutive in i: walk them without re-deriving the addresses.
+      const int64_t item_end = std::min(end, (item + 1) * a.num_runs);
+      for (int64_t r = i - item * a.num_runs; i < item_end; ++i, ++r) {
+        char* p = paged + a.run_offsets[r];
+        char* c = chunk + r * a.run_bytes;
+        if (a.to_paged) {
+          std::memcpy(p, c, static_cast<size_t>(a.run_bytes));
+        } else {
+          std::memcpy(c, p, static_cast<size_t>(a.run_bytes));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace lmi_cache
