@@ -179,19 +179,12 @@ def validate(ctx: click.Context, config: str, model: str, tp: int, pp: int, dp: 
 def _load_host(host_file: str | None, instance_type: str | None,
                weights_bytes: int) -> tuple["HostSnapshot", str, bool]:
     """(snapshot, where it came from, whether it is this machine)."""
-    from autoconfig.host import HostSnapshot, SnapshotError
+    from autoconfig.host import load_snapshot_file
 
     if host_file and instance_type:
         raise click.UsageError("use --host or --instance-type, not both")
     if host_file:
-        try:
-            with open(host_file, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except OSError as err:
-            raise SnapshotError(f"--host {host_file}: cannot read ({err.strerror})") from None
-        except ValueError as err:
-            raise SnapshotError(f"--host {host_file}: not valid JSON ({err}); use 'lmi-cache probe --json'") from None
-        return HostSnapshot.from_dict(data, host_file), host_file, False
+        return load_snapshot_file(host_file), host_file, False
     if instance_type:
         from autoconfig.catalog import host_snapshot_for
 

@@ -89,9 +89,50 @@ class HostSnapshot:
             for i, d in enumerate(_list(data["disks"], source, "disks"))
         ]
         cpu_count = data.get("cpu_count")
-        if cpu_count is not None and (not isinstance(cpu_count, int) or isinstance(cpu_count, bool)):
-            raise SnapshotError(f"{source}: 'cpu_count' must be an integer or null")
+        if cpu_count is not None and (not isinstance(cpu_count, int) or isinstance(cpu_count, bool)
+                                      or not 0 <= cpu_count <= _MAX_ITEMS):
+            raise SnapshotError(f"{source}: 'cpu_count' must be an integer from 0 to {_MAX_ITEMS} or null")
+        for i, disk in enumerate(disks):
+            problem = _mount_problem(disk.mount)
+            if problem:
+                raise SnapshotError(f"{source}: 'disks[{i}].mount' {problem}; run 'lmi-cache probe --json' for the format")
         return cls(gpus=gpus, memory=memory, disks=disks, cpu_count=cpu_count)
+
+
+def load_snapshot_file(path: str) -> HostSnapshot:
+    """Read ``--host FILE`` (bytes, UTF-8, bounded size and depth) into a snapshot; SnapshotError otherwise."""
+    import json
+
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(_MAX_FILE_BYTES + 1)
+    except OSError as err:
+        raise SnapshotError(f"--host {path}: cannot read ({err.strerror or err})") from None
+    if len(raw) > _MAX_FILE_BYTES:
+        raise SnapshotError(f"--host {path}: larger than {_MAX_FILE_BYTES >> 20} MiB; use 'lmi-cache probe --json'")
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise SnapshotError(f"--host {path}: not UTF-8 text; use 'lmi-cache probe --json'") from None
+    except json.JSONDecodeError as err:
+        raise SnapshotError(f"--host {path}: not valid JSON (line {err.lineno} column {err.colno}: {err.msg}); "
+                            "use 'lmi-cache probe --json'") from None
+    except (ValueError, RecursionError):
+        raise SnapshotError(f"--host {path}: not a host snapshot (NaN/Infinity, an over-long number or too deep "
+                            "nesting); use 'lmi-cache probe --json'") from None
+    return HostSnapshot.from_dict(data, path)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(name)
+
+
+def _mount_problem(mount: str) -> str | None:
+    if not mount.startswith("/"):
+        return f"must be an absolute path, got {mount[:60]!r}"
+    if any(ord(c) < 32 for c in mount):
+        return "contains a control character"
+    return None
 
 
 # name -> (types accepted, required)
@@ -129,9 +170,17 @@ _DISK_FIELDS: _Spec = {
 }
 
 
+_MAX_INT = (1 << 63) - 1  # byte counts the kernel reports are 64-bit
+_MAX_STR = 4096  # PATH_MAX
+_MAX_ITEMS = 1 << 16  # GPUs, disks, CPUs
+_MAX_FILE_BYTES = 16 << 20
+
+
 def _list(value: Any, source: str, key: str) -> list[Any]:
     if not isinstance(value, list):
         raise SnapshotError(f"{source}: '{key}' must be a list")
+    if len(value) > _MAX_ITEMS:
+        raise SnapshotError(f"{source}: '{key}' has more than {_MAX_ITEMS} entries")
     return value
 
 
@@ -150,8 +199,10 @@ def _take(obj: Any, source: str, where: str, spec: _Spec) -> dict[str, Any]:
             raise SnapshotError(f"{source}: '{where}.{name}' must be {_describe(types)}, got {value!r}")
         if not isinstance(value, types):
             raise SnapshotError(f"{source}: '{where}.{name}' must be {_describe(types)}, got {value!r}")
-        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
-            raise SnapshotError(f"{source}: '{where}.{name}' must not be negative, got {value}")
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= _MAX_INT:
+            raise SnapshotError(f"{source}: '{where}.{name}' must be from 0 to 2^63-1, got {str(value)[:30]}")
+        if isinstance(value, str) and len(value) > _MAX_STR:
+            raise SnapshotError(f"{source}: '{where}.{name}' is longer than {_MAX_STR} characters")
         out[name] = value
     return out
 

@@ -7,6 +7,7 @@ per token we plan with are the bytes vLLM will allocate on a CUDA host.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -31,6 +32,7 @@ class KvLayoutInfo:
     max_position_embeddings: int | None  # None: the file does not say
     sliding_window: int | None  # None: no sliding-window layers
     notes: list[str] = field(default_factory=list)  # one-line explanations, for `plan --explain`
+    num_attention_heads: int | None = None  # query heads (vLLM needs tensor_parallel_size to divide them)
 
 
 # Nested text sections of multimodal configs. transformers' get_text_config()
@@ -134,7 +136,7 @@ def kv_layout_from_config(
                       kv_dtype=kv_dtype, is_mla=is_mla, model_name=model_name)
     notes.append(f"{layout.kv_bytes_per_token} bytes of KV per token for the whole model ({num_layers} layers)")
     return KvLayoutInfo(layout=layout, model_dtype=model_dtype, max_position_embeddings=max_pos,
-                        sliding_window=sliding_window, notes=notes)
+                        sliding_window=sliding_window, notes=notes, num_attention_heads=num_heads)
 
 
 def _refuse_hybrid(config: Mapping[str, Any], text: Mapping[str, Any], prefix: str,
@@ -158,6 +160,15 @@ def _refuse_hybrid(config: Mapping[str, Any], text: Mapping[str, Any], prefix: s
         )
 
 
+# Upper bounds far above any real model, checked before any arithmetic: a config.json
+# with 1e15 layers or 1e308 heads is refused in one line instead of hanging or overflowing.
+MAX_LAYERS = 1 << 16
+MAX_DIMENSION = 1 << 24  # heads, head_dim, hidden size, latent ranks, window
+MAX_POSITIONS = 1 << 40
+_BOUNDS = {"num_hidden_layers": MAX_LAYERS, "n_layer": MAX_LAYERS, "num_layers": MAX_LAYERS,
+           "max_position_embeddings": MAX_POSITIONS, "sliding_window": MAX_POSITIONS}
+
+
 def _int_key(section: Mapping[str, Any], names: tuple[str, ...], prefix: str, source: str) -> int:
     for name in names:
         if section.get(name) is not None:
@@ -174,10 +185,16 @@ def _opt_int(section: Mapping[str, Any], name: str, prefix: str, source: str) ->
 
 
 def _positive(value: Any, key: str, source: str) -> int:
-    # JSON numbers like 4096.0 are accepted; True (a bool is an int) is not.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value <= 0:
-        raise ModelConfigError(f"{source}: '{key}' must be a positive integer, got {value!r}; fix the config.json")
-    return int(value)
+    # JSON numbers like 4096.0 are accepted; True (a bool is an int), NaN, inf and huge values are not.
+    limit = _BOUNDS.get(key.rpartition(".")[2], MAX_DIMENSION)
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
+        number = None
+    if number is None or not 0 < number <= limit:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ModelConfigError(f"{source}: '{key}' must be a positive integer up to {limit:,}, got {shown}; "
+                               "fix the config.json")
+    return int(number)
 
 
 def _kv_heads(text: Mapping[str, Any], model_type: str, num_heads: int, prefix: str,

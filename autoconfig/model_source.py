@@ -9,6 +9,7 @@ from the config (``estimate_num_params`` below).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -59,7 +60,10 @@ def load_model_info(
         notes.append(f"quantization config read from {sidecar}")
     kv = kv_layout_from_config(config, kv_cache_dtype=kv_cache_dtype, dtype=dtype, source=str(config_path),
                                model_name=name, bf16_supported=bf16_supported)
-    weights_bytes, weights_source = _weights(config_path.parent, config)
+    try:
+        weights_bytes, weights_source = _weights(config_path.parent, config)
+    except ModelConfigError as err:  # from the estimate, which does not know the file name
+        raise ModelConfigError(f"{config_path}: {err}") from None
     return ModelInfo(name=name, config_path=str(config_path), kv=kv, weights_bytes=weights_bytes,
                      weights_source=weights_source, notes=notes)
 
@@ -112,9 +116,12 @@ def _from_hf_cache(cache: Path, model_id: str) -> tuple[Path, list[str]] | None:
         return None
     ref = repo / "refs" / "main"
     if ref.is_file():
-        revision = ref.read_text(encoding="utf-8").strip()
+        try:
+            revision = ref.read_bytes()[:200].decode("ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            revision = ""
         config = snapshots / revision / "config.json"
-        if config.is_file():
+        if re.fullmatch(r"[\w.-]+", revision) and config.is_file():
             return config, [f"{model_id} resolved from the HF cache, refs/main = {revision}"]
     candidates = sorted((p for p in snapshots.glob("*/config.json") if p.is_file()),
                         key=lambda p: p.stat().st_mtime, reverse=True)
@@ -139,32 +146,54 @@ def _download_config(model_id: str, hf_home: str | None) -> Path:
                                  f"({first_line}); check the id and HF_TOKEN, or pass a local directory") from None
 
 
+MAX_CONFIG_BYTES = 64 << 20  # config.json files are kilobytes; the largest safetensors indexes a few MiB
+MAX_WEIGHTS_BYTES = 1 << 60  # 1 EiB: a total_size beyond this is corrupt
+
+
 def read_config(path: Path) -> dict[str, Any]:
-    """Parse a JSON object from ``path``; one-line ModelConfigError naming the file otherwise."""
+    """Parse a JSON object from ``path``; one-line ModelConfigError naming the file otherwise.
+
+    Read as bytes and decoded here: bad encodings, NaN/Infinity literals, numbers too long
+    to convert and nesting deeper than the parser allows each give one clear line.
+    """
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ModelConfigError(f"{path}: cannot read ({exc.strerror or exc}); check the path and permissions") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ModelConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB; pass the model's config.json")
+    try:
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise ModelConfigError(f"{path}: not a UTF-8 text file; pass the model's config.json") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
         raise ModelConfigError(f"{path}: not valid JSON (line {exc.lineno} column {exc.colno}: {exc.msg}); "
                                "fix or re-download the file") from None
+    except ValueError as exc:  # NaN/Infinity, or an integer literal over Python's digit limit
+        why = str(exc) if "JSON literal" in str(exc) else "a number in it has too many digits to be a real value"
+        raise ModelConfigError(f"{path}: {why}; fix or re-download the file") from None
+    except RecursionError:
+        raise ModelConfigError(f"{path}: JSON nested too deeply to be a model config; pass the model's config.json") from None
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path}: expected a JSON object, got {type(data).__name__}; "
                                "pass the model's config.json")
     return data
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"the JSON literal {name} is not a number a model config can use")
+
+
 def _weights(model_dir: Path, config: Mapping[str, Any]) -> tuple[int, str]:
     for index in sorted(model_dir.glob("*.safetensors.index.json"), key=lambda p: p.name != "model.safetensors.index.json"):
         try:
-            total = json.loads(index.read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+            total = read_config(index).get("metadata", {}).get("total_size")
+        except (UserError, AttributeError):
+            continue  # a broken index: fall back to the file sizes
+        if isinstance(total, int) and not isinstance(total, bool) and 0 < total <= MAX_WEIGHTS_BYTES:
             return total, "safetensors index metadata.total_size"
     files = [p for p in model_dir.glob("*.safetensors")]
     if any(not p.name.startswith("consolidated") for p in files):
@@ -210,33 +239,36 @@ def _bytes_per_param(config: Mapping[str, Any]) -> float:
 def estimate_num_params(config: Mapping[str, Any]) -> int:
     """Language-model parameters from the config: embeddings, attention, MLP/MoE, norms, lm_head.
 
-    Biases and any vision tower are left out (under 2% for the models we size).
+    Biases and any vision tower are left out (under 2% for the models we size). Every
+    field is read through ``_count`` (a bounded non-negative integer, else one-line error).
     """
-    t, _ = text_section(config)
-    hidden = int(t.get("hidden_size") or t.get("n_embd") or 0)
-    layers = int(t.get("num_hidden_layers") or t.get("n_layer") or 0)
-    heads = int(t.get("num_attention_heads") or t.get("n_head") or 1)
-    vocab = int(t.get("vocab_size") or config.get("vocab_size") or 0)
+    t, prefix = text_section(config)
+
+    def num(*names: str, default: int = 0, section: Mapping[str, Any] = t) -> int:
+        return _count(section, names, default, prefix if section is t else "")
+
+    hidden = num("hidden_size", "n_embd")
+    layers = min(num("num_hidden_layers", "n_layer"), _MAX_LAYERS)
+    heads = num("num_attention_heads", "n_head", default=1) or 1
+    vocab = num("vocab_size") or num("vocab_size", section=config)
     model_type = str(t.get("model_type") or config.get("model_type") or "")
     if t.get("kv_lora_rank"):
-        attn = _mla_params(t, hidden, heads)
+        attn = _mla_params(num, hidden, heads)
     else:
-        kv_heads = 1 if t.get("multi_query") and not t.get("new_decoder_architecture") else int(
-            t.get("num_key_value_heads") or t.get("n_head_kv") or t.get("num_kv_heads") or heads)
-        head_dim = int(t.get("head_dim") or hidden // heads)
+        kv_heads = 1 if t.get("multi_query") and not t.get("new_decoder_architecture") else (
+            num("num_key_value_heads", "n_head_kv", "num_kv_heads") or heads)
+        head_dim = num("head_dim") or hidden // heads
         attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    inter = t.get("intermediate_size")
-    dense_mlp = 3 * hidden * int(inter) if inter else 2 * hidden * 4 * hidden  # gated vs plain 4x MLP
-    num_experts = int(t.get("num_experts") or t.get("n_routed_experts") or t.get("num_local_experts") or 0)
+    inter = num("intermediate_size")
+    dense_mlp = 3 * hidden * inter if inter else 2 * hidden * 4 * hidden  # gated vs plain 4x MLP
+    num_experts = num("num_experts", "n_routed_experts", "num_local_experts")
     num_moe = 0
     moe_mlp = 0
     if num_experts:
-        expert_inter = int(t.get("moe_intermediate_size") or inter or 4 * hidden)
-        shared = int(t.get("n_shared_experts") or 0) * expert_inter + int(t.get("shared_expert_intermediate_size") or 0)
+        expert_inter = num("moe_intermediate_size") or inter or 4 * hidden
+        shared = num("n_shared_experts") * expert_inter + num("shared_expert_intermediate_size")
         moe_mlp = 3 * hidden * expert_inter * num_experts + 3 * hidden * shared + hidden * num_experts
-        dense_layers = set(range(int(t.get("first_k_dense_replace") or 0))) | set(t.get("mlp_only_layers") or [])
-        step = int(t.get("decoder_sparse_step") or 1)
-        num_moe = sum(1 for i in range(layers) if i not in dense_layers and (i + 1) % step == 0)
+        num_moe = _moe_layer_count(t, layers, num("first_k_dense_replace"), num("decoder_sparse_step") or 1)
     per_layer_norms = 2 * hidden
     blocks = layers * (attn + per_layer_norms) + (layers - num_moe) * dense_mlp + num_moe * moe_mlp
     tied = t.get("tie_word_embeddings", config.get("tie_word_embeddings"))
@@ -246,11 +278,39 @@ def estimate_num_params(config: Mapping[str, Any]) -> int:
     return blocks + embeddings + hidden
 
 
-def _mla_params(t: Mapping[str, Any], hidden: int, heads: int) -> int:
-    rope, nope = int(t.get("qk_rope_head_dim") or 0), int(t.get("qk_nope_head_dim") or 0)
-    v_dim, kv_rank = int(t.get("v_head_dim") or nope), int(t["kv_lora_rank"])
-    q_rank = t.get("q_lora_rank")
-    q = hidden * int(q_rank) + int(q_rank) * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+_MAX_LAYERS = 1 << 16
+_MAX_COUNT = 1 << 40  # any single dimension or count beyond this is not a real model
+
+
+def _count(section: Mapping[str, Any], names: tuple[str, ...], default: int, prefix: str) -> int:
+    """The first of ``names`` present (null/absent/0 fall through): a non-negative integer up to 2^40."""
+    for name in names:
+        value = section.get(name)
+        if value is None or value == 0:
+            continue
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_COUNT:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise ModelConfigError(f"'{prefix}{name}' must be a non-negative integer up to {_MAX_COUNT:,} to "
+                                   f"estimate the weights, got {shown}; fix the config.json")
+        return value
+    return default
+
+
+def _moe_layer_count(t: Mapping[str, Any], layers: int, first_dense: int, step: int) -> int:
+    """Layers i (0-based) with (i + 1) % step == 0, not among the first ``first_dense``, not in mlp_only_layers."""
+    sparse = layers // step - min(first_dense, layers) // step
+    only = t.get("mlp_only_layers")
+    dense_ids = {i for i in only if isinstance(i, int) and not isinstance(i, bool)} if isinstance(only, list) else set()
+    sparse -= sum(1 for i in dense_ids if first_dense <= i < layers and (i + 1) % step == 0)
+    return max(0, sparse)
+
+
+def _mla_params(num: Any, hidden: int, heads: int) -> int:
+    rope, nope = num("qk_rope_head_dim"), num("qk_nope_head_dim")
+    v_dim, kv_rank, q_rank = num("v_head_dim") or nope, num("kv_lora_rank"), num("q_lora_rank")
+    q = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
     return q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
 
 

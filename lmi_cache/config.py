@@ -10,20 +10,33 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
-from urllib.parse import urlparse
 
 import yaml
 
 from lmi_cache.config_keys import (
     DEPRECATED_ALIASES,
+    ENV_NON_KEY_NAMES,
+    ENV_NON_KEY_PREFIXES,
     EXTRA_CONFIG_KEYS,
-    IMPLEMENTED_KEYS,
     LEGACY_KEYS,
     LMCACHE_KEYS,
+    SERVED_REMOTE_SCHEMES,
+)
+from lmi_cache.config_values import (
+    MAX_CHUNK_TOKENS,
+    MAX_DISK_WORKERS,
+    MAX_QUEUE_DEPTH,
+    parse_bool,
+    parse_int,
+    parse_local_disk,
+    parse_mapping,
+    parse_optional_str,
+    parse_remote_url,
+    parse_size_gib,
+    unquote_env,
 )
 from lmi_cache.errors import ConfigError
 
@@ -32,7 +45,7 @@ DISK_FEEDS = ("write_through", "demote")
 CACHE_POLICIES = ("LRU", "FIFO")
 # LMCache policies we do not implement: accepted with a warning, LRU is used.
 _FALLBACK_POLICIES = ("LFU", "MRU")
-REMOTE_SCHEMES = ("redis", "rediss", "s3")
+MAX_CONFIG_FILE_BYTES = 1 << 20  # an LMCache YAML is a few hundred bytes; refuse anything absurd
 
 
 @dataclass(frozen=True)
@@ -48,7 +61,7 @@ class CacheConfig:
     save_decode_cache: bool = False  # also store KV produced while decoding
     cache_policy: str = "LRU"  # eviction policy of every tier: LRU or FIFO
     min_retrieve_tokens: int = 0  # a hit shorter than this is reported as 0
-    remote_url: str | None = None  # redis://host:port or s3://bucket/prefix (validated only)
+    remote_url: str | None = None  # any LMCache remote_url scheme; accepted, the remote tier is off for now
     use_odirect: bool = False  # extra_config.use_odirect: O_DIRECT disk I/O where the FS allows
     disk_feed: str = "write_through"  # extra_config.disk_feed: write_through or demote (on CPU eviction)
     disk_fsync: bool = False  # extra_config.disk_fsync: fsync each file before the rename
@@ -65,161 +78,54 @@ class CacheConfig:
         return int(self.max_local_disk_size * 1024**3) if self.local_disk else 0
 
 
-# ---------------------------------------------------------------- value parsers
-# Each parser takes (value, where) and returns the typed value or raises ConfigError.
-# ``where`` is "FILE: key 'k'" or "env LMCACHE_K"; env values arrive as strings.
-
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
-
-
-def _parse_bool(value: Any, where: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ConfigError(f"{where}: expected true or false, got {value!r}")
-
-
-def _parse_int(value: Any, where: str, minimum: int = 0) -> int:
-    parsed: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        parsed = value
-    elif isinstance(value, str):
-        try:
-            parsed = int(value.strip())
-        except ValueError:
-            parsed = None
-    if parsed is None or parsed < minimum:
-        raise ConfigError(f"{where}: expected an integer >= {minimum}, got {value!r}")
-    return parsed
-
-
-def _parse_size_gib(value: Any, where: str) -> float:
-    parsed: float | None = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        parsed = float(value)
-    elif isinstance(value, str):
-        try:
-            parsed = float(value.strip())
-        except ValueError:
-            parsed = None
-    if parsed is None or not math.isfinite(parsed) or parsed < 0:
-        raise ConfigError(f"{where}: expected a size in GiB >= 0 (e.g. 5 or 0.5), got {value!r}")
-    return parsed
-
-
-def _parse_optional_str(value: Any, where: str) -> str | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
-        return None
-    if isinstance(value, str):
-        return value.strip()
-    raise ConfigError(f"{where}: expected a string, got {value!r}")
-
-
-def parse_local_disk(value: Any, where: str) -> tuple[str, ...]:
-    """``"file:///a/,file:///b/"``, a plain path, or a YAML list -> absolute directories."""
-    if value is None:
-        return ()
-    items: list[Any] = list(value) if isinstance(value, (list, tuple)) else [value]
-    paths: list[str] = []
-    for item in items:
-        if not isinstance(item, str):
-            raise ConfigError(f"{where}: expected file:// paths separated by commas, got {value!r}")
-        for part in item.split(","):
-            part = part.strip()
-            if not part or part.lower() in ("none", "null"):
-                continue
-            if "://" in part:
-                scheme, _, rest = part.partition("://")
-                if scheme != "file":
-                    raise ConfigError(
-                        f"{where}: {part!r} is not a local path; use file:///dir/ (remote stores go in remote_url)"
-                    )
-                part = rest
-            if not os.path.isabs(part):
-                raise ConfigError(f"{where}: {part!r} must be an absolute path such as file:///mnt/nvme/kv/")
-            paths.append(os.path.normpath(part))
-    return tuple(dict.fromkeys(paths))  # de-duplicate, keep order
-
-
-def parse_remote_url(value: Any, where: str) -> str | None:
-    url = _parse_optional_str(value, where)
-    if url is None:
-        return None
-    parsed = urlparse(url)
-    if parsed.scheme not in REMOTE_SCHEMES:
-        raise ConfigError(
-            f"{where}: unsupported remote_url {url!r}; use redis://host:port, rediss://host:port or s3://bucket/prefix"
-        )
-    if not parsed.hostname:
-        raise ConfigError(f"{where}: remote_url {url!r} has no host (or bucket); e.g. redis://cache:6379")
-    try:
-        port = parsed.port
-    except ValueError:
-        raise ConfigError(f"{where}: remote_url {url!r} has a bad port; use a number 1-65535") from None
-    if parsed.scheme.startswith("redis") and port is None:
-        raise ConfigError(f"{where}: remote_url {url!r} needs a port, e.g. redis://{parsed.hostname}:6379")
-    return url
-
-
 def _parse_policy(value: Any, where: str, warnings: list[str]) -> str:
-    name = _parse_optional_str(value, where) or ""
+    name = parse_optional_str(value, where) or ""
     upper = name.upper()
     if upper in CACHE_POLICIES:
         return upper
     if upper in _FALLBACK_POLICIES:
         warnings.append(f"{where}: cache_policy {name} is not implemented by lmi_cache; using LRU")
         return "LRU"
-    raise ConfigError(f"{where}: unknown cache_policy {value!r}; use one of {', '.join(CACHE_POLICIES)}")
-
-
-def _parse_mapping(value: Any, where: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if isinstance(value, str):  # env: a JSON/YAML object in a string
-        try:
-            value = yaml.safe_load(value) if value.strip() else {}
-        except yaml.YAMLError:
-            raise ConfigError(f"{where}: expected a JSON object such as {{\"use_odirect\": true}}") from None
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: expected a mapping such as {{use_odirect: true}}, got {value!r}")
-    return {str(k): v for k, v in value.items()}
+    raise ConfigError(f"{where}: unknown cache_policy {value!r:.40}; use one of {', '.join(CACHE_POLICIES)}")
 
 
 _SIMPLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
-    "chunk_size": lambda v, w: _parse_int(v, w, minimum=1),
-    "local_cpu": _parse_bool,
-    "max_local_cpu_size": _parse_size_gib,
+    "chunk_size": lambda v, w: parse_int(v, w, minimum=1, maximum=MAX_CHUNK_TOKENS),
+    "local_cpu": parse_bool,
+    "max_local_cpu_size": parse_size_gib,
     "local_disk": parse_local_disk,
-    "max_local_disk_size": _parse_size_gib,
-    "save_unfull_chunk": _parse_bool,
-    "save_decode_cache": _parse_bool,
-    "min_retrieve_tokens": lambda v, w: _parse_int(v, w, minimum=0),
+    "max_local_disk_size": parse_size_gib,
+    "save_unfull_chunk": parse_bool,
+    "save_decode_cache": parse_bool,
+    "min_retrieve_tokens": lambda v, w: parse_int(v, w, minimum=0),
     "remote_url": parse_remote_url,
 }
+# extra_config integer keys -> their upper bound (threads and queue slots are allocated up front).
+_EXTRA_INT_MAX = {"disk_write_workers": MAX_DISK_WORKERS, "disk_read_workers": MAX_DISK_WORKERS,
+                  "disk_queue_depth": MAX_QUEUE_DEPTH}
 
 
 def _parse_extra(
     extra: Mapping[str, Any], where: str, where_of: Callable[[str], str], warnings: list[str]
 ) -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    unknown = sorted(k for k in extra if k not in EXTRA_CONFIG_KEYS)
-    if unknown:
-        # LMCache's extra_config is an open bag used by its plugins: warn, don't fail.
-        warnings.append(f"{where}: extra_config keys not used by lmi_cache, ignored: {', '.join(unknown)}")
+    for key in sorted(k for k in extra if k not in EXTRA_CONFIG_KEYS):
+        # LMCache's extra_config is an open bag read by its plugins: warn, don't fail.
+        close = difflib.get_close_matches(key, sorted(EXTRA_CONFIG_KEYS), n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]!r}?" if close else " (used by LMCache plugins, not by lmi_cache)"
+        warnings.append(f"{where_of('extra_config.' + key)}: not read by lmi_cache, ignored{hint}")
     for key in sorted(EXTRA_CONFIG_KEYS & set(extra)):
         kw = where_of(f"extra_config.{key}")
         value = extra[key]
         if key in ("use_odirect", "disk_fsync"):
-            fields[key] = _parse_bool(value, kw)
+            fields[key] = parse_bool(value, kw)
         elif key == "disk_feed":
             feed = str(value).strip().lower().replace("-", "_")
             if feed not in DISK_FEEDS:
-                raise ConfigError(f"{kw}: expected one of {', '.join(DISK_FEEDS)}, got {value!r}")
+                raise ConfigError(f"{kw}: expected one of {', '.join(DISK_FEEDS)}, got {value!r:.40}")
             fields[key] = feed
         else:
-            fields[key] = _parse_int(value, kw, minimum=1)
+            fields[key] = parse_int(value, kw, minimum=1, maximum=_EXTRA_INT_MAX[key])
     return fields
 
 
@@ -246,7 +152,7 @@ def _merge(
         elif key == "cache_policy":
             fields[key] = _parse_policy(value, where, warnings)
         elif key == "extra_config":
-            fields.update(_parse_extra(_parse_mapping(value, where), where, where_of, warnings))
+            fields.update(_parse_extra(parse_mapping(value, where), where, where_of, warnings))
         elif key in DEPRECATED_ALIASES:
             warnings.append(f"{where}: {key} is deprecated in LMCache; use {DEPRECATED_ALIASES[key]} (ignored here)")
         elif key in LEGACY_KEYS:
@@ -265,8 +171,10 @@ def _check(config: CacheConfig, source: str, warnings: list[str]) -> None:
         warnings.append(f"{source}: local_disk is set but max_local_disk_size is 0, so the disk tier is off")
     if config.max_local_disk_size > 0 and not config.local_disk:
         warnings.append(f"{source}: max_local_disk_size is set but local_disk is empty, so the disk tier is off")
-    if config.remote_url:
-        warnings.append(f"{source}: remote_url is validated but remote tiers are not available yet; ignored")
+    scheme = (config.remote_url or "").partition("://")[0].lower()
+    if config.remote_url and scheme not in SERVED_REMOTE_SCHEMES:
+        warnings.append(f"{source}: remote_url ({scheme}://) is a valid LMCache remote store, but lmi_cache has "
+                        "no remote tier yet: the remote tier is off (the local tiers still serve)")
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> tuple[CacheConfig, list[str]]:
@@ -281,18 +189,32 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> tuple[C
 
 
 def read_yaml_mapping(path: str) -> Mapping[str, Any]:
-    """The top-level mapping of an LMCache YAML file; ConfigError (one line naming the file) otherwise."""
+    """The top-level mapping of an LMCache YAML file; ConfigError (one line naming the file) otherwise.
+
+    Read as bytes and decoded as UTF-8 here, so a bad encoding, an oversized file or
+    a nesting too deep for the parser each give one clear line, never a traceback.
+    """
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_FILE_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file; fix {CONFIG_FILE_ENV} or the path given") from None
     except OSError as err:
-        raise ConfigError(f"{path}: cannot read config file ({err.strerror})") from None
+        raise ConfigError(f"{path}: cannot read config file ({err.strerror or err}); check the path") from None
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_FILE_BYTES // 1024} KiB; is this an LMCache YAML file?")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {err.start}); save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}: not valid YAML{line}; check indentation and quoting") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be an LMCache config; use flat key: value lines") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -300,10 +222,47 @@ def read_yaml_mapping(path: str) -> Mapping[str, Any]:
     return data
 
 
-def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -> tuple[CacheConfig, list[str]]:
-    """The file (``path`` or ``$LMCACHE_CONFIG_FILE``) overridden by ``LMCACHE_<KEY>`` env vars."""
+def _env_names() -> dict[str, str]:
+    """LMCACHE_<KEY> variable -> key, for every key, alias and legacy key."""
+    return {f"LMCACHE_{key.upper()}": key for key in list(LMCACHE_KEYS) + list(DEPRECATED_ALIASES) + list(LEGACY_KEYS)}
+
+
+def env_override_names(env: Mapping[str, str] | None = None) -> list[str]:
+    """The LMCACHE_<KEY> variables set in ``env`` that override an LMCache YAML (or a plan written as one).
+
+    LMCache's rule, which lmi_cache follows: the environment wins over the file. Names only:
+    values can hold credentials (remote_url, extra_config).
+    """
     env = os.environ if env is None else env
-    path = path or env.get(CONFIG_FILE_ENV) or None
+    return sorted(name for name in _env_names() if name in env)
+
+
+def _env_where(key: str) -> str:
+    head, _, inner = key.partition(".")  # "extra_config.use_odirect" -> env LMCACHE_EXTRA_CONFIG: key 'use_odirect'
+    return f"env LMCACHE_{head.upper()}" + (f": key {inner!r}" if inner else "")
+
+
+def _misspelt_env_warnings(env: Mapping[str, str]) -> list[str]:
+    known = _env_names()
+    out = []
+    for name in sorted(n for n in env if n.startswith("LMCACHE_") and n not in known):
+        rest = name[len("LMCACHE_"):]
+        if rest in ENV_NON_KEY_NAMES or rest.startswith(ENV_NON_KEY_PREFIXES):
+            continue
+        close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.85)
+        if close:
+            out.append(f"env {name}: not an LMCache setting, ignored; did you mean {close[0]}?")
+    return out
+
+
+def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -> tuple[CacheConfig, list[str]]:
+    """The file (``path`` or ``$LMCACHE_CONFIG_FILE``) overridden by ``LMCACHE_<KEY>`` env vars.
+
+    Env values are read as LMCache reads them: one pair of surrounding quotes is dropped
+    (``LMCACHE_CHUNK_SIZE="'512'"`` is 512). A misspelt LMCACHE_* name gets a did-you-mean warning.
+    """
+    env = os.environ if env is None else env
+    path = path or unquote_env(env.get(CONFIG_FILE_ENV, "")) or None
     warnings: list[str] = []
     fields: dict[str, Any] = {}
     source = path or "environment"
@@ -311,12 +270,9 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -
         data = read_yaml_mapping(path)
         fields.update(_merge({str(k): v for k, v in data.items()}, lambda k: f"{path}: key {k!r}", path, warnings, True))
     # Only names from the tables are read: other LMCACHE_* vars (log level, ...) are not ours.
-    env_values = {
-        key: env[f"LMCACHE_{key.upper()}"]
-        for key in list(LMCACHE_KEYS) + list(DEPRECATED_ALIASES) + list(LEGACY_KEYS)
-        if f"LMCACHE_{key.upper()}" in env
-    }
-    fields.update(_merge(env_values, lambda k: f"env LMCACHE_{k.upper()}", "environment", warnings, False))
+    env_values = {key: unquote_env(env[name]) for name, key in _env_names().items() if name in env}
+    fields.update(_merge(env_values, _env_where, "environment", warnings, False))
+    warnings += _misspelt_env_warnings(env)
     config = CacheConfig(**fields)
     _check(config, source, warnings)
     return config, warnings

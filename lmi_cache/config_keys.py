@@ -165,7 +165,34 @@ LEGACY_KEYS: dict[str, str] = {
     "enable_nixl": "use enable_pd with transfer_channel: nixl",
     "weka_path": "use gds_path",
     "cufile_buffer_size": "use gds_buffer_size",
+    # LMCache 0.3-0.4 disaggregated-prefill (NIXL) keys that 0.5 replaced by the pd_* family.
+    "nixl_receiver_host": "LMCache 0.3/0.4 NIXL receiver host (0.5: pd_peer_host); P/D transfer is not done by lmi_cache",
+    "nixl_receiver_port": "LMCache 0.3/0.4 NIXL receiver port (0.5: pd_peer_init_port); P/D transfer is not done by lmi_cache",
+    "nixl_peer_port": "LMCache 0.3 name of nixl_receiver_port; P/D transfer is not done by lmi_cache",
+    "nixl_enable_gc": "LMCache 0.3/0.4 NIXL garbage-collection switch; P/D transfer is not done by lmi_cache",
 }
+
+# Every remote_url scheme an LMCache 0.3-0.5 connector adapter accepts (each adapter's
+# ``schema``; redis also takes rediss:// and unix://, couchbase also couchbases://).
+# lmi_cache has no remote tier yet: any of these is accepted with a warning that the
+# remote tier is off; another scheme is an error (most likely a typo).
+REMOTE_URL_SCHEMES: tuple[str, ...] = (
+    "lm", "redis", "rediss", "unix", "redis-sentinel", "resp", "valkey", "valkey-sync",
+    "infinistore", "mooncakestore", "blackhole", "audit", "fs", "s3", "s3-rdma", "cuobj+s3",
+    "gs", "azure", "hf3fs", "eic", "sagemaker-hyperpod", "shmfile", "couchbase", "couchbases",
+    "mock", "external", "benchmark",
+)
+
+# The schemes lmi_cache's own remote tier serves; the others warn that the remote tier is off.
+# Empty until the fleet tier is wired into the engine: whoever wires it adds its schemes here.
+SERVED_REMOTE_SCHEMES: frozenset[str] = frozenset()
+
+# LMCACHE_* environment variables LMCache reads that are not configuration keys (names
+# after the prefix). LMCache reads many more ad hoc (timing, telemetry, ...), so only a
+# name close to a key's variable gets a did-you-mean; other names are left alone.
+ENV_NON_KEY_NAMES: frozenset[str] = frozenset({"CONFIG_FILE", "USE_EXPERIMENTAL", "LOG_LEVEL"})
+# Prefixes of LMCACHE_* variable families read elsewhere in LMCache (erasure-coding settings).
+ENV_NON_KEY_PREFIXES: tuple[str, ...] = ("EC_",)
 
 # extra_config keys lmi_cache reads (LMCache's extra_config is an untyped bag).
 EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(

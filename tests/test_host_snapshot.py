@@ -37,7 +37,12 @@ def test_round_trip_and_usable_memory() -> None:
         (lambda d: d.pop("memory"), "missing key 'memory'"),
         (lambda d: d["memory"].pop("shm_bytes"), "memory.shm_bytes"),
         (lambda d: d["disks"][0].__setitem__("nvme", "yes"), "disks[0].nvme"),
-        (lambda d: d["gpus"][0].__setitem__("memory_total_bytes", -1), "must not be negative"),
+        (lambda d: d["gpus"][0].__setitem__("memory_total_bytes", -1), "memory_total_bytes' must be from 0"),
+        (lambda d: d["memory"].__setitem__("available_bytes", 10**400), "available_bytes' must be from 0"),
+        (lambda d: d["disks"][0].__setitem__("mount", "tmp/cache"), "must be an absolute path"),
+        (lambda d: d["disks"][0].__setitem__("mount", ""), "must be an absolute path"),
+        (lambda d: d["disks"][0].__setitem__("mount", "/tmp/a\nb"), "control character"),
+        (lambda d: d.__setitem__("cpu_count", -3), "cpu_count"),
     ],
 )
 def test_bad_snapshot_names_file_and_key(mutate, needle) -> None:  # type: ignore[no-untyped-def]
