@@ -1,0 +1,17 @@
+"""Remote (fleet-wide) KV tier: values, stores and the non-blocking client (vLLM worker process).
+
+- ``value_codec``: chunk object <-> remote value (optional keyed MAC, optional
+  lossless compression); every fault decodes to a typed miss reason.
+- ``settings``: ``RemoteSettings`` parsed from ``remote_url`` plus typed options.
+- ``store``: the byte-level ``RemoteStore`` interface and its errors.
+- ``redis_store`` / ``s3_store``: Redis/Valkey (single node or cluster) and S3.
+- ``cache``: ``RemoteCache``, the tier-shaped client: batched lookups under a
+  timeout, a bounded asynchronous put queue, reconnect with backoff, counters.
+- ``open_remote``: settings -> RemoteCache (imports redis/boto3 only when used).
+"""
+from __future__ import annotations
+
+from lmi_cache.remote.factory import open_remote, open_store
+from lmi_cache.remote.settings import RemoteSettings
+
+__all__ = ["RemoteSettings", "open_remote", "open_store"]

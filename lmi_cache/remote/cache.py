@@ -1,0 +1,281 @@
+"""RemoteCache: the tier-shaped, never-blocking client of a remote store (vLLM worker process).
+
+Data-path verbs over ``ChunkKey``s: ``contains_many`` (one batched EXISTS or
+HEAD round trip, bounded by ``lookup_timeout_ms``), ``get_many`` (one batched
+GET, bounded by ``io_timeout_ms``; values verified by ``ValueCodec``) and
+``put`` (queued for a background writer; a full queue drops the put and counts
+it, so the caller never waits on the network). Calls run on a small I/O pool
+and the caller waits at most the timeout: a slow or hung store turns into
+misses, one rate-limited warning per outage and counters, while ``Backoff``
+keeps calls off the store until a growing delay has passed. Nothing here
+raises to the caller after construction.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Sequence, TypeVar
+
+from lmi_cache.chunk_format import BytesLike, byte_view
+from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.remote.settings import RemoteSettings
+from lmi_cache.remote.store import Backoff, RemoteStore, StoreError
+from lmi_cache.remote.value_codec import DecodedChunk, MissReason, ValueCodec
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_PUT_BATCH_VALUES = 16
+_PUT_BATCH_BYTES = 64 << 20
+# Decode faults counted as corrupted reads; the others of MissReason are counted as tier errors.
+_CORRUPTED = {MissReason.CORRUPTED, MissReason.TRUNCATED}
+
+
+class RemoteCache:
+    """Batched lookups, verified loads and asynchronous stores against one ``RemoteStore``."""
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        codec: ValueCodec,
+        settings: RemoteSettings,
+        *,
+        metrics: CacheMetrics | None = None,
+        warner: RateLimitedWarner | None = None,
+        io_threads: int = 4,
+    ) -> None:
+        self.store = store
+        self.codec = codec
+        self.settings = settings
+        self.name = store.name
+        self._metrics = metrics
+        self._warner = warner if warner is not None else RateLimitedWarner(logger)
+        self._backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s)
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmi-cache-remote-io")
+        self._counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
+        self._queue: deque[tuple[ChunkKey, bytes]] = deque()
+        self._queued_bytes = 0
+        self._in_flight = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="lmi-cache-remote-writer", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------ lookups and loads
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Which keys the store holds now; all False when it is down, slow or backing off."""
+        self._count("lookups")
+        names = [self.store.key_for(k.digest) for k in keys]
+        found = self._call("lookup", self.store.exists_many, names, self.settings.lookup_timeout_ms)
+        if isinstance(found, MissReason) or len(found) != len(keys):
+            return [False] * len(keys)
+        self._count("lookup_hits", sum(found))
+        return found
+
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[DecodedChunk | MissReason]:
+        """Verified chunks in key order, or the reason each one is a miss."""
+        if not keys:
+            return []
+        started = time.perf_counter()
+        names = [self.store.key_for(k.digest) for k in keys]
+        values = self._call("get", self.store.get_many, names, self.settings.io_timeout_ms)
+        if isinstance(values, MissReason) or len(values) != len(keys):
+            reason = values if isinstance(values, MissReason) else MissReason.UNAVAILABLE
+            self._count(f"miss_{reason.value}", len(keys))
+            return [reason] * len(keys)
+        results = [self.codec.decode(value, key) for value, key in zip(values, keys)]
+        seconds = time.perf_counter() - started
+        for result in results:
+            if isinstance(result, DecodedChunk):
+                self._count("get_hits")
+                self._count("get_bytes", len(result.payload))
+                if self._metrics is not None:
+                    self._metrics.loaded(self.name, seconds / len(keys))
+            else:
+                self._count(f"miss_{result.value}")
+                self._record_bad_value(result)
+        return results
+
+    def _record_bad_value(self, reason: MissReason) -> None:
+        if reason == MissReason.NOT_FOUND:
+            return
+        self._warner.warn(f"remote-value-{reason.value}", f"{self.name}: a remote value was refused "
+                          f"({reason.value}); it is a miss")
+        if self._metrics is None:
+            return
+        if reason in _CORRUPTED:
+            self._metrics.corrupted(self.name)
+        elif reason == MissReason.FINGERPRINT:
+            self._metrics.fingerprint_mismatch(self.name)
+        else:
+            self._metrics.error(self.name, reason.value)
+
+    def _call(self, op: str, fn: Callable[[Any], T], arg: Any, timeout_ms: int) -> T | MissReason:
+        """``fn(arg)`` on the I/O pool, waited for at most ``timeout_ms``; a MissReason on any fault."""
+        if self._closed or not self._backoff.allow():
+            self._count(f"{op}_skipped_backoff")
+            return MissReason.UNAVAILABLE
+        try:
+            future: Future[T] = self._io.submit(fn, arg)
+            result = future.result(timeout=timeout_ms / 1000)
+        except FutureTimeout:
+            self._fault(op, StoreError(f"{self.name} {op} took longer than {timeout_ms} ms", timeout=True))
+            return MissReason.TIMEOUT
+        except Exception as err:  # StoreError, or a pool already shut down by close()
+            self._fault(op, err)
+            return MissReason.TIMEOUT if isinstance(err, StoreError) and err.timeout else MissReason.UNAVAILABLE
+        if self._backoff.succeeded():
+            logger.info("%s store %s answers again", self.name, self.settings.display_url)
+        return result
+
+    def _fault(self, op: str, err: BaseException) -> None:
+        timeout = isinstance(err, StoreError) and err.timeout
+        self._count(f"{op}_{'timeouts' if timeout else 'errors'}")
+        if self._metrics is not None:
+            self._metrics.error(self.name, f"{op}_timeout" if timeout else op)
+        if self._backoff.failed():
+            self._warner.warn(
+                "remote-down",
+                f"{self.name} store {self.settings.display_url} is not answering ({err}); remote lookups are "
+                "misses and stores are dropped until it answers again",
+            )
+
+    # ------------------------------------------------------------ stores
+    def put(self, key: ChunkKey, obj: BytesLike) -> bool:
+        """Queue a chunk object for the store; False (counted) when dropped. Never waits on the network."""
+        size = len(byte_view(obj))
+        reason = None
+        with self._cond:
+            if self._closed:
+                reason = "closed"
+            elif not self._backoff.allow():
+                reason = "unavailable"
+            elif self._queued_bytes + size > self.settings.put_queue_bytes:
+                reason = "queue_full"
+            else:
+                self._queue.append((key, obj if isinstance(obj, bytes) else bytes(byte_view(obj))))
+                self._queued_bytes += size
+                self._cond.notify()
+        if reason is not None:
+            self._drop(reason)
+            return False
+        self._count("puts_queued")
+        return True
+
+    def _drop(self, reason: str, num: int = 1) -> None:
+        self._count(f"puts_dropped_{reason}", num)
+        if self._metrics is not None:
+            for _ in range(num):
+                self._metrics.dropped(self.name, reason)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch: list[tuple[ChunkKey, bytes]] = []
+                batch_bytes = 0
+                while self._queue and len(batch) < _PUT_BATCH_VALUES and batch_bytes < _PUT_BATCH_BYTES:
+                    item = self._queue.popleft()
+                    batch.append(item)
+                    batch_bytes += len(item[1])
+                self._queued_bytes -= batch_bytes
+                self._in_flight = len(batch)
+            try:
+                self._write(batch)
+            finally:
+                with self._cond:
+                    self._in_flight = 0
+                    self._cond.notify_all()
+
+    def _write(self, batch: list[tuple[ChunkKey, bytes]]) -> None:
+        items: list[tuple[str, bytes]] = []
+        tokens: list[int] = []
+        for key, obj in batch:
+            try:
+                items.append((self.store.key_for(key.digest), self.codec.encode(obj)))
+                tokens.append(key.num_tokens)
+            except Exception as err:  # a malformed object: refuse it, keep the rest
+                self._drop("error")
+                self._warner.warn("remote-encode", f"{self.name}: a chunk could not be encoded ({err}); not stored")
+        if not items:
+            return
+        if not self._backoff.allow():
+            self._drop("unavailable", len(items))
+            return
+        started = time.perf_counter()
+        try:
+            self.store.put_many(items)
+        except Exception as err:
+            self._drop("error", len(items))
+            self._fault("put", err)
+            return
+        if self._backoff.succeeded():
+            logger.info("%s store %s answers again", self.name, self.settings.display_url)
+        seconds = time.perf_counter() - started
+        self._count("puts_stored", len(items))
+        self._count("put_bytes", sum(len(v) for _, v in items))
+        if self._metrics is not None:
+            for (_, value), num_tokens in zip(items, tokens):
+                self._metrics.stored(self.name, num_tokens, len(value), seconds / len(items))
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until queued puts are written (or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    # ------------------------------------------------------------ housekeeping
+    def ping(self, timeout_s: float = 1.0) -> str | None:
+        """None when the store answers within ``timeout_s``; otherwise why not (safe to print)."""
+        future = self._io.submit(self.store.ping)
+        try:
+            future.result(timeout=timeout_s)
+            return None
+        except FutureTimeout:
+            return f"{self.name} store {self.settings.display_url} did not answer within {timeout_s:g} s"
+        except Exception as err:
+            return f"{self.name} store {self.settings.display_url} did not answer ({err})"
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._counts_lock:
+            self._counts[name] += amount
+
+    def stats(self) -> dict[str, int]:
+        with self._counts_lock:
+            counts = dict(self._counts)
+        with self._cond:
+            counts["queued_puts"] = len(self._queue)
+            counts["queued_bytes"] = self._queued_bytes
+        counts["reconnects"] = self._backoff.reconnects
+        counts["down"] = int(self._backoff.is_down)
+        return counts
+
+    def close(self, flush_timeout_s: float = 5.0) -> None:
+        """Write what is queued (for at most ``flush_timeout_s``), then stop threads and the client."""
+        if self._closed:
+            return
+        self.flush(flush_timeout_s)
+        with self._cond:
+            self._closed = True
+            dropped = len(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._cond.notify_all()
+        if dropped:
+            self._drop("closed", dropped)
+        self._writer.join(timeout=1.0)
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self.store.close()

@@ -1,0 +1,147 @@
+"""Redis / Valkey remote store over redis-py, single node or cluster (vLLM worker process).
+
+One batch is one round trip: pipelined EXISTS per key (a multi-key EXISTS only
+counts), MGET for values (cluster mode: redis-py splits both by node), and a
+pipelined SET [EX ttl] for puts. Two clients with their own socket timeouts
+keep a slow bulk transfer from delaying lookups. redis-py's own retries are
+off: ``RemoteCache`` decides when to try again (``Backoff``), so no call
+blocks longer than its socket timeout. Clients are built on first use, so a
+store that is down at start costs a miss, not a failed start.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Sequence
+
+from lmi_cache.errors import ConfigError
+from lmi_cache.remote.settings import PASSWORD_ENV, USERNAME_ENV, RemoteSettings, redis_client_url
+from lmi_cache.remote.store import RemoteStore, StoreError
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+    except ImportError:
+        raise ConfigError(
+            "remote_url is a Redis/Valkey URL but the redis package is missing; pip install 'lmi-cache[remote]'"
+        ) from None
+    return redis
+
+
+class RedisStore(RemoteStore):
+    name = "redis"
+
+    def __init__(self, settings: RemoteSettings) -> None:
+        super().__init__(settings.key_prefix)
+        self._redis = _import_redis()
+        self._url = redis_client_url(settings.url)
+        self._cluster = settings.wants_cluster
+        self._ttl_s = settings.ttl_s or None
+        self._lookup_timeout_s = settings.lookup_timeout_ms / 1000
+        self._io_timeout_s = settings.io_timeout_ms / 1000
+        self._credentials: dict[str, str] = {}
+        if os.environ.get(PASSWORD_ENV) and "@" not in self._url.split("//", 1)[-1].split("/", 1)[0]:
+            self._credentials["password"] = os.environ[PASSWORD_ENV]
+            if os.environ.get(USERNAME_ENV):
+                self._credentials["username"] = os.environ[USERNAME_ENV]
+        self._secrets = [s for s in (self._credentials.get("password"), _url_password(self._url)) if s]
+        self._lock = threading.Lock()
+        self._lookup_client: Any = None
+        self._io_client: Any = None
+
+    # ------------------------------------------------------------ clients
+    def _client(self, lookup: bool) -> Any:
+        with self._lock:
+            client = self._lookup_client if lookup else self._io_client
+            if client is None:
+                client = self._build(self._lookup_timeout_s if lookup else self._io_timeout_s)
+                if lookup:
+                    self._lookup_client = client
+                else:
+                    self._io_client = client
+            return client
+
+    def _build(self, timeout_s: float) -> Any:
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        options: dict[str, Any] = dict(
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+            **self._credentials,
+        )
+        try:
+            if self._cluster:
+                from redis.cluster import RedisCluster
+
+                return RedisCluster.from_url(self._url, **options)
+            return self._redis.Redis.from_url(self._url, **options)
+        except Exception as err:
+            raise self._error("connect", err) from None
+
+    def _error(self, op: str, err: BaseException) -> StoreError:
+        message = f"{type(err).__name__}: {err}"
+        for secret in self._secrets:
+            message = message.replace(secret, "***")
+        timeout = isinstance(err, (self._redis.exceptions.TimeoutError, TimeoutError))
+        return StoreError(f"redis {op} failed ({message})", timeout=timeout)
+
+    # ------------------------------------------------------------ verbs
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        client = self._client(lookup=True)
+        try:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return [bool(n) for n in pipe.execute()]
+        except Exception as err:
+            raise self._error("exists", err) from None
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        client = self._client(lookup=False)
+        try:
+            values = client.mget_nonatomic(list(keys)) if self._cluster else client.mget(list(keys))
+            return list(values)
+        except Exception as err:
+            raise self._error("get", err) from None
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        if not items:
+            return
+        client = self._client(lookup=False)
+        try:
+            pipe = client.pipeline(transaction=False)
+            for key, value in items:
+                pipe.set(key, value, ex=self._ttl_s)
+            pipe.execute()
+        except Exception as err:
+            raise self._error("put", err) from None
+
+    def ping(self) -> None:
+        try:
+            self._client(lookup=True).ping()
+        except StoreError:
+            raise
+        except Exception as err:
+            raise self._error("ping", err) from None
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._lookup_client, self._io_client = (self._lookup_client, self._io_client), None, None
+        for client in clients:
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:  # closing a broken connection: nothing left to do
+                    pass
+
+
+def _url_password(url: str) -> str | None:
+    from urllib.parse import unquote, urlsplit
+
+    password = urlsplit(url).password
+    return unquote(password) if password else None

@@ -1,0 +1,101 @@
+"""The byte-level remote store interface and the backoff gate in front of it (vLLM worker process).
+
+A ``RemoteStore`` maps string keys to value bytes with batched verbs shaped
+like the data path: one call per batch, one network round trip where the
+store allows it. Stores raise ``StoreError`` for every fault (connection,
+timeout, server error) with a message that never holds credentials; the
+``RemoteCache`` above turns those into misses. ``Backoff`` keeps a store that
+just failed from being asked again until a growing, jittered delay passes.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+from lmi_cache.remote.value_codec import KEY_VERSION
+
+
+class StoreError(Exception):
+    """A store call failed (the message is safe to log: no credentials)."""
+
+    def __init__(self, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+class RemoteStore(ABC):
+    """Batched key -> bytes store. Implementations are thread-safe."""
+
+    name: str = "remote"
+
+    def __init__(self, key_prefix: str) -> None:
+        self.key_prefix = key_prefix
+
+    def key_for(self, digest: bytes) -> str:
+        """Store key of a chunk digest: fixed prefix and value-format version, then the digest's hex."""
+        return f"{self.key_prefix}:{KEY_VERSION}:{digest.hex()}"
+
+    @abstractmethod
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys are present (one round trip for the batch)."""
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values of the keys, None where absent (one round trip for the batch)."""
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store every (key, value) (one round trip for the batch)."""
+
+    @abstractmethod
+    def ping(self) -> None:
+        """One cheap request; StoreError when the store does not answer."""
+
+    def close(self) -> None:
+        return None
+
+
+class Backoff:
+    """Open after a failure for a delay that doubles up to a cap (with jitter); closed by a success."""
+
+    def __init__(self, initial_s: float = 0.5, max_s: float = 30.0) -> None:
+        self._initial_s = initial_s
+        self._max_s = max_s
+        self._delay_s = 0.0
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+        self.failures = 0  # consecutive
+        self.reconnects = 0  # recoveries after a failure
+
+    def allow(self) -> bool:
+        """Whether a call may go to the store now."""
+        with self._lock:
+            return time.monotonic() >= self._retry_at
+
+    @property
+    def is_down(self) -> bool:
+        with self._lock:
+            return self.failures > 0
+
+    def failed(self) -> bool:
+        """Record a failure; True when the store was up before (the caller warns once per outage)."""
+        with self._lock:
+            was_up = self.failures == 0
+            self.failures += 1
+            self._delay_s = self._initial_s if was_up else min(self._max_s, self._delay_s * 2)
+            self._retry_at = time.monotonic() + self._delay_s * random.uniform(0.8, 1.2)
+            return was_up
+
+    def succeeded(self) -> bool:
+        """Record a success; True when it ends an outage."""
+        with self._lock:
+            recovered = self.failures > 0
+            if recovered:
+                self.reconnects += 1
+            self.failures = 0
+            self._delay_s = 0.0
+            self._retry_at = 0.0
+            return recovered
