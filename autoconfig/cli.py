@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from autoconfig.cli_types import CHUNK_TOKENS, FRACTION, MODEL_LEN, PARALLEL_DEGREE, SIZE_GIB
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def _host_options(func: Any) -> Any:
 def _parallel_options(func: Any) -> Any:
     for name, text in (("--dp", "Data-parallel degree."), ("--pp", "Pipeline-parallel degree."),
                        ("--tp", "Tensor-parallel degree.")):
-        func = click.option(name, type=click.IntRange(min=1), default=1, show_default=True, help=text)(func)
+        func = click.option(name, type=PARALLEL_DEGREE, default=1, show_default=True, help=text)(func)
     return func
 
 
@@ -88,13 +89,13 @@ def _parallel_options(func: Any) -> Any:
 @_parallel_options
 @click.option("--kv-cache-dtype", default="auto", show_default=True, help="vLLM --kv-cache-dtype.")
 @click.option("--dtype", default="auto", show_default=True, help="vLLM --dtype.")
-@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.9,
+@click.option("--gpu-memory-utilization", type=FRACTION, default=0.9,
               show_default=True, help="vLLM --gpu-memory-utilization.")
-@click.option("--max-model-len", type=click.IntRange(min=1), help="vLLM --max-model-len (default: the model's).")
-@click.option("--chunk-size", type=int, help="Tokens per chunk (default: chosen by the planner).")
-@click.option("--cpu-size-gib", type=click.FloatRange(min=0), help="Override: CPU tier GiB per rank (0: off); "
+@click.option("--max-model-len", type=MODEL_LEN, help="vLLM --max-model-len (default: the model's).")
+@click.option("--chunk-size", type=CHUNK_TOKENS, help="Tokens per chunk (default: chosen by the planner).")
+@click.option("--cpu-size-gib", type=SIZE_GIB, help="Override: CPU tier GiB per rank (0: off); "
               "checked against the host (option.lmcache_max_local_cpu_size).")
-@click.option("--disk-size-gib", type=click.FloatRange(min=0), help="Override: disk tier GiB per rank (0: off); "
+@click.option("--disk-size-gib", type=SIZE_GIB, help="Override: disk tier GiB per rank (0: off); "
               "checked against free space (option.lmcache_max_local_disk_size).")
 @click.option("--disk-path", help="Override: disk tier directory (option.lmcache_local_disk).")
 @click.option("--engine", type=click.Choice(["lmi_cache", "lmcache"]), default="lmi_cache", show_default=True,
@@ -118,6 +119,8 @@ def plan(model: str, tp: int, pp: int, dp: int, kv_cache_dtype: str, dtype: str,
     host, label, live = _load_host(host_file, instance_type, info.weights_bytes)
     space = _env_cpu_space() if live else None
     result = plan_tiers(host, info, settings, cpu_kvcache_space_gib=space)
+    if live and result.disk.enabled and result.disk.path:
+        _refuse_unsafe_dir(result.disk.path)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
@@ -152,18 +155,20 @@ def configure(model_dir: str | None, output_dir: str | None) -> None:
 @click.option("--model", required=True, help="Model directory, config.json, or a locally cached HF id.")
 @_parallel_options
 @click.option("--kv-cache-dtype", default="auto", show_default=True, help="vLLM --kv-cache-dtype.")
-@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.9,
+@click.option("--gpu-memory-utilization", type=FRACTION, default=0.9,
               show_default=True, help="vLLM --gpu-memory-utilization.")
+@click.option("--max-model-len", type=MODEL_LEN, help="vLLM --max-model-len (default: the model's).")
 @_host_options
 @click.pass_context
 def validate(ctx: click.Context, config: str, model: str, tp: int, pp: int, dp: int, kv_cache_dtype: str,
-             gpu_memory_utilization: float, host_file: str | None, instance_type: str | None) -> None:
+             gpu_memory_utilization: float, max_model_len: int | None, host_file: str | None,
+             instance_type: str | None) -> None:
     """Check a hand-written LMCache YAML against this host and MODEL (exit 1 on errors)."""
     from autoconfig.model_source import load_model_info
     from autoconfig.settings import ServingSettings
     from autoconfig.validate import validate_config
 
-    settings = ServingSettings(tp=tp, pp=pp, dp=dp, kv_cache_dtype=kv_cache_dtype,
+    settings = ServingSettings(tp=tp, pp=pp, dp=dp, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
                                gpu_memory_utilization=gpu_memory_utilization)
     info = load_model_info(model, kv_cache_dtype=kv_cache_dtype, allow_network=False)
     host, label, live = _load_host(host_file, instance_type, info.weights_bytes)
@@ -192,6 +197,16 @@ def _load_host(host_file: str | None, instance_type: str | None,
     from autoconfig.probe import probe_host
 
     return probe_host(), "this machine", True
+
+
+def _refuse_unsafe_dir(path: str) -> None:
+    """The planned disk-tier directory must be one only the serving user controls (or creatable as one)."""
+    from autoconfig.plan_types import PlanError
+    from lmi_cache.private_dir import private_dir_problem
+
+    problem = private_dir_problem(path)
+    if problem:
+        raise PlanError(f"disk tier directory {path}: {problem} (set --disk-path, or --disk-size-gib 0 for no disk tier)")
 
 
 def _env_cpu_space() -> int | None:

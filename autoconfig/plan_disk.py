@@ -50,6 +50,8 @@ def unsuitable_reason(disk: DiskInfo) -> str | None:
         return f"{disk.mount} is on a rotational disk ({disk.device})"
     if not disk.writable:
         return f"{disk.mount} is not writable"
+    if "," in disk.mount:
+        return f"{disk.mount!r} contains a comma, which LMCache's local_disk format reads as two paths"
     return None
 
 

@@ -51,6 +51,7 @@ class PlanModel:
     max_position_embeddings: int | None = None
     name: str = ""
     notes: tuple[str, ...] = ()  # how the geometry/weights were resolved (shown in explanations)
+    num_attention_heads: int | None = None  # query heads; None: unknown (a bare layout), not checked
 
     @classmethod
     def coerce(cls, model: "PlanModel | ModelInfoLike | KvLayout") -> "PlanModel":
@@ -66,6 +67,7 @@ class PlanModel:
             max_position_embeddings=getattr(kv, "max_position_embeddings", None),
             name=getattr(model, "name", "") or kv.layout.model_name,
             notes=tuple(getattr(kv, "notes", ()) or ()) + _weights_note(model),
+            num_attention_heads=getattr(kv, "num_attention_heads", None),
         )
 
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import replace
 
 from autoconfig.host import HostSnapshot
+from autoconfig.plan_checks import check_disk_path_on_host, check_parallel_fits_model, check_settings
 from autoconfig.plan_disk import mount_of
 from autoconfig.plan_types import (
     GIB, KIB, GpuPlan, LmiReference, ModelInfoLike, PlanError, PlanModel, TierPlan,
@@ -52,7 +53,10 @@ def plan_tiers(
     from autoconfig.render.vllm_args import vllm_args
 
     m = PlanModel.coerce(model)
-    _check_settings(settings)
+    check_settings(settings)
+    check_parallel_fits_model(m, settings)
+    if settings.overrides.disk_path is not None:
+        check_disk_path_on_host(settings.overrides.disk_path, host)
     why: list[str] = []
     warn: list[str] = []
     tp, pp = settings.tp, settings.pp
@@ -97,19 +101,6 @@ def _server_env(gpu: GpuPlan, s: ServingSettings, why: list[str]) -> dict[str, s
         env["PYTHONHASHSEED"] = "0"
         why.append("env PYTHONHASHSEED=0: upstream LMCache hashes chunks with Python's hash()")
     return env
-
-
-def _check_settings(s: ServingSettings) -> None:
-    for name, value in (("tensor_parallel_degree", s.tp), ("pipeline_parallel_degree", s.pp),
-                        ("data_parallel_degree", s.dp)):
-        if value < 1:
-            raise PlanError(f"{name}={value}: must be 1 or more")
-    if not 0 < s.gpu_memory_utilization <= 1:
-        raise PlanError(f"gpu_memory_utilization={s.gpu_memory_utilization}: must be in (0, 1]")
-    if s.max_model_len is not None and s.max_model_len < 1:
-        raise PlanError(f"max_model_len={s.max_model_len}: must be 1 or more")
-    if s.engine not in ("lmi_cache", "lmcache"):
-        raise PlanError(f"engine={s.engine!r}: use 'lmi_cache' or 'lmcache'")
 
 
 def _ranks_per_host(host: HostSnapshot, s: ServingSettings, why: list[str], warn: list[str]) -> int:

@@ -132,21 +132,18 @@ def _plan_findings(model: PlanModel | ModelInfoLike, settings: ServingSettings, 
 
 
 def _path_findings(path: str) -> list[Finding]:
-    """The directory must exist and be writable, or be creatable under a writable parent."""
+    """The directory must be one only the serving user controls, existing or creatable (never another user's)."""
+    from lmi_cache.private_dir import private_dir_problem
+
+    problem = private_dir_problem(path)
+    if problem:
+        return [Finding("error", "local_disk", problem)]
     p = Path(path)
-    if p.exists():
-        if not p.is_dir():
-            return [Finding("error", "local_disk", f"{path} exists but is not a directory")]
-        if not os.access(p, os.W_OK | os.X_OK):
-            return [Finding("error", "local_disk", f"{path} is not writable by this user; fix its permissions")]
-        return []
-    parent = p
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return [Finding("error", "local_disk", f"{path} does not exist and {parent} is not writable: it "
-                        "cannot be created; create it or choose another path")]
-    return [Finding("warning", "local_disk", f"{path} does not exist yet; it will be created under {parent}")]
+    if p.is_dir() and not os.access(p, os.W_OK | os.X_OK):
+        return [Finding("error", "local_disk", f"{path} is not writable by this user; fix its permissions")]
+    if not p.exists():
+        return [Finding("warning", "local_disk", f"{path} does not exist yet; it will be created (mode 0700)")]
+    return []
 
 
 def _key_in(message: str, data: Mapping[str, Any]) -> str | None:
