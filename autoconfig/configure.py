@@ -10,6 +10,13 @@ Files written under the output directory:
   vllm_args.json    JSON list of extra vLLM arguments
   env.json          environment the server must run with (LMCACHE_CONFIG_FILE, ...)
   env.sh            the same as ``export`` lines, for shell entrypoints
+  vllm_secrets.yaml several API keys, as a vLLM ``--config`` file (mode 0600; serve only)
+
+The output directory (``$LMI_CACHE_RUNTIME_DIR``, default /tmp/lmi-cache) is
+used only when it is private to the serving user: created 0700, or adopted
+when we own it (see ``lmi_cache.private_dir``). One owned by another user is
+refused: they could swap the YAML before vLLM reads it. ``write=False``
+(``serve --dry-run``) computes and checks everything and writes nothing.
 """
 from __future__ import annotations
 
@@ -30,7 +37,8 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_DIR = "/opt/ml/model"  # SageMaker / LMI convention
 DEFAULT_OUTPUT_DIR = "/tmp/lmi-cache"
 RUNTIME_DIR_ENV = "LMI_CACHE_RUNTIME_DIR"
-OUTPUT_FILES = ("lmcache.yaml", "plan.json", "vllm_args.json", "env.json", "env.sh")
+OUTPUT_FILES = ("lmcache.yaml", "plan.json", "vllm_args.json", "env.json", "env.sh", "vllm_secrets.yaml")
+PRIVATE_FILES = frozenset({"vllm_secrets.yaml"})  # written 0600: they hold secrets
 
 
 class ConfigureError(UserError):
@@ -60,8 +68,14 @@ def configure(
     *,
     host: "HostSnapshot | None" = None,
     probe: "Callable[[], HostSnapshot] | None" = None,
+    write: bool = True,
+    extra_files: "Mapping[str, str] | None" = None,
 ) -> ConfigureResult:
-    """Resolve properties, probe (unless ``host`` is given), plan and write the files."""
+    """Resolve properties, probe (unless ``host`` is given), plan and write the files.
+
+    ``extra_files`` (name -> text, names from OUTPUT_FILES) are written with the
+    others; ``write=False`` checks the directory and writes nothing.
+    """
     from autoconfig.render.vllm_args import vllm_args as render_args
 
     env = dict(os.environ if env is None else env)
@@ -74,7 +88,7 @@ def configure(
             probe = probe_host
         host = probe()
     props = resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=len(host.gpus))
-    messages = [f"option {line}" for line in props.summary_lines()]
+    messages = [f"option {line}" for line in props.summary_lines()] + [f"note: {n}" for n in props.notes]
     plan = None
     run_env: dict[str, str] = {}
     files: dict[str, str] = {}
@@ -88,7 +102,7 @@ def configure(
         messages += [f"warning: {w}" for w in plan.warnings]
         mode = "auto"
     elif props.config_file is not None:
-        _check_user_config(props.config_file)
+        _check_user_config(props.config_file, props.config_where)
         run_env = {"LMCACHE_CONFIG_FILE": str(props.config_file)}
         args = render_args(None, props.settings)
         mode = "file"
@@ -97,10 +111,19 @@ def configure(
         args = render_args(None, props.settings)[2:]
         mode = "off"
         messages.append("LMCache off: set option.lmcache_auto_config=true or option.lmcache_config_file")
+    if mode != "off":  # LMCache's rule, which the engine follows: LMCACHE_<KEY> beats the YAML
+        from lmi_cache.config import env_override_names
+
+        messages += [f"warning: environment variable {name} overrides the LMCache YAML" for name in env_override_names(env)]
     files["vllm_args.json"] = json.dumps(args) + "\n"
     files["env.json"] = json.dumps(run_env, indent=2, sort_keys=True) + "\n"
     files["env.sh"] = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(run_env.items()))
-    written = write_files_atomically(out, files)
+    files.update(extra_files or {})
+    if write:
+        written = write_files_atomically(out, files)
+    else:
+        check_runtime_dir(out)
+        written = {}
     return ConfigureResult(mode, out, written, props, plan, run_env, args, messages)
 
 
@@ -140,13 +163,22 @@ def _yaml_text(plan: "TierPlan") -> str:
     return render_yaml(plan.lmcache_config, header=header)
 
 
-def _check_user_config(path: Path) -> None:
+def _check_user_config(path: Path, where: str) -> None:
     from lmi_cache.config import load_config
 
     if not path.is_file():
-        raise ConfigureError(f"option.lmcache_config_file: {path} does not exist; fix the path "
+        raise ConfigureError(f"{where}: {path} does not exist; fix the path "
                              "(relative paths are resolved against the model directory)")
     load_config(str(path), env={})  # raises ConfigError naming the file and key
+
+
+def check_runtime_dir(out: Path) -> None:
+    """The same check ``write_files_atomically`` makes, without creating or changing anything."""
+    from lmi_cache.private_dir import private_dir_problem
+
+    problem = private_dir_problem(out)
+    if problem:
+        raise ConfigureError(f"runtime directory ({RUNTIME_DIR_ENV} or --output-dir): {problem}")
 
 
 def write_files_atomically(out: Path, files: Mapping[str, str]) -> dict[str, Path]:
@@ -155,16 +187,20 @@ def write_files_atomically(out: Path, files: Mapping[str, str]) -> dict[str, Pat
     Files of ours from an earlier run that this run does not write are removed,
     so a stale lmcache.yaml never outlives a switch to another mode.
     """
+    from lmi_cache.private_dir import UnsafeDirectoryError, ensure_private_dir
+
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigureError(f"--output-dir {out}: cannot create it ({err.strerror}); choose a writable directory")
+        out = ensure_private_dir(out)
+    except UnsafeDirectoryError as err:
+        raise ConfigureError(f"runtime directory ({RUNTIME_DIR_ENV} or --output-dir): {err}") from None
     temps: dict[str, Path] = {}
     try:
         for name, text in files.items():
             tmp = out / f".{name}.tmp-{os.getpid()}"
             temps[name] = tmp
-            with open(tmp, "w", encoding="utf-8") as handle:
+            mode = 0o600 if name in PRIVATE_FILES else 0o644
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+            with open(fd, "w", encoding="utf-8") as handle:
                 handle.write(text)
                 handle.flush()
                 os.fsync(handle.fileno())

@@ -17,45 +17,15 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping
 
+from autoconfig.lmi_names import LMI_IGNORED, LMI_RENAMES, LMI_VALUES, REMOVED_VLLM_ARGS, SECRET_OPTIONS
 from lmi_cache.errors import UserError
+
+__all__ = ["LMI_IGNORED", "LMI_RENAMES", "LmiOptionError", "MappedArgs", "map_lmi_options", "vllm_arg_table"]
 
 
 class LmiOptionError(UserError):
     """An ``option.*`` setting that vLLM would refuse (unknown name or bad value)."""
 
-
-# LMI names that vLLM spells differently.
-LMI_RENAMES: dict[str, str] = {
-    "tensor_parallel_degree": "tensor_parallel_size",
-    "pipeline_parallel_degree": "pipeline_parallel_size",
-    "max_rolling_batch_size": "max_num_seqs",
-    "max_rolling_batch_prefill_tokens": "max_num_batched_tokens",
-    "data_parallel_degree": "data_parallel_size",
-    "quantize": "quantization",
-}
-
-# LMI options with no vLLM counterpart in this container: accepted (users copy
-# serving.properties from other LMI images) and ignored with a note saying why.
-LMI_IGNORED: dict[str, str] = {
-    "rolling_batch": "vLLM always batches continuously",
-    "entryPoint": "this container always serves with vLLM's OpenAI server",
-    "entrypoint": "this container always serves with vLLM's OpenAI server",
-    "engine": "this container always runs vLLM",
-    "mpi_mode": "vLLM starts its own workers",
-    "job_queue_size": "vLLM queues requests itself",
-    "batch_size": "use max_rolling_batch_size",
-    "max_batch_delay": "vLLM batches continuously",
-    "model_loading_timeout": "no model-server timeout here; the SageMaker health check bounds start-up",
-    "predict_timeout": "no model-server timeout here",
-    "output_formatter": "the OpenAI server formats outputs",
-    "device_map": "vLLM places the model itself",
-    "load_on_devices": "vLLM uses all visible devices",
-    "parallel_loading": "vLLM loads ranks in parallel",
-    "task": "vLLM infers the task from the model",
-    "enable_streaming": "the OpenAI server streams when the request asks",
-    "tgi_compat": "the OpenAI server has its own schema",
-    "s3url": "mount or download the model into the model directory",
-}
 
 # Options consumed elsewhere: the model location, and the cache setup that
 # autoconfig.properties reads (keep in step with its module docstring).
@@ -63,6 +33,7 @@ MODEL_OPTION = "model_id"
 LMCACHE_OPTIONS = frozenset({
     "lmcache_auto_config", "lmcache_config_file", "lmcache_max_local_cpu_size",
     "lmcache_max_local_disk_size", "lmcache_local_disk", "lmcache_chunk_size", "lmcache_use_odirect",
+    "lmcache_engine",
 })
 
 # vLLM arguments that serve controls itself: a user value would break the
@@ -98,6 +69,8 @@ class MappedArgs:
     values: dict[str, Any] = field(default_factory=dict)  # vLLM dest -> typed value
     sources: dict[str, str] = field(default_factory=dict)  # vLLM dest -> LMI option name it came from
     notes: list[str] = field(default_factory=list)
+    # Secret options (api_key, hf_token): vLLM reads them from its environment, never from argv.
+    secrets: dict[str, Any] = field(default_factory=dict)
 
     def argv(self, skip: frozenset[str] = frozenset()) -> list[str]:
         """Command-line flags in a stable order (sorted by vLLM name)."""
@@ -132,7 +105,8 @@ def vllm_arg_table() -> dict[str, VllmArgSpec]:
 def known_option_names() -> list[str]:
     """Every option name serve accepts (for did-you-mean hints)."""
     return sorted(
-        set(vllm_arg_table()) | set(LMI_RENAMES) | set(LMI_IGNORED) | LMCACHE_OPTIONS | {MODEL_OPTION}
+        set(vllm_arg_table()) | set(LMI_RENAMES) | set(LMI_IGNORED) | set(REMOVED_VLLM_ARGS) | LMCACHE_OPTIONS
+        | {MODEL_OPTION}
     )
 
 
@@ -151,6 +125,7 @@ def map_lmi_options(
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     notes: list[str] = []
+    secrets: dict[str, Any] = {}
     for name in sorted(options):
         raw = options[name]
         label = origins.get(name) or f"option.{name}"
@@ -158,6 +133,9 @@ def map_lmi_options(
             continue
         if name in LMI_IGNORED:
             notes.append(f"option.{name}={raw} ignored: {LMI_IGNORED[name]}")
+            continue
+        if name in REMOVED_VLLM_ARGS:
+            notes.append(f"option.{name}={raw} ignored: not a vLLM 0.32 argument ({REMOVED_VLLM_ARGS[name]})")
             continue
         if name in RESERVED:
             raise LmiOptionError(f"{label}: cannot be set here ({RESERVED[name]})")
@@ -169,7 +147,10 @@ def map_lmi_options(
             # LMI's "all GPUs": only the container knows the count (autoconfig.properties resolves it).
             value: Any = num_gpus if num_gpus is not None else "max"
         else:
-            value = parse_value(spec, raw, label)
+            value = parse_value(spec, LMI_VALUES.get(target, {}).get(raw.strip().lower(), raw), label)
+        if target in SECRET_OPTIONS:
+            secrets[target] = value
+            continue
         if target in values and values[target] != value:
             other = sources[target]
             raise LmiOptionError(
@@ -178,7 +159,7 @@ def map_lmi_options(
             )
         values[target] = value
         sources[target] = name
-    return MappedArgs(values=values, sources=sources, notes=notes)
+    return MappedArgs(values=values, sources=sources, notes=notes, secrets=secrets)
 
 
 def parse_value(spec: VllmArgSpec, raw: str, label: str) -> Any:
@@ -219,16 +200,36 @@ def parse_value(spec: VllmArgSpec, raw: str, label: str) -> Any:
                 raise LmiOptionError(f"{label}: not a valid JSON list ({err.msg})") from None
             if not isinstance(items, list) or not items:
                 raise LmiOptionError(f"{label}: expected a non-empty JSON list")
+            for item in items:
+                _refuse_flag_like(str(item), label)
             return [str(i) for i in items]
         items = [i for i in text.replace(",", " ").split() if i]
         if not items:
             raise LmiOptionError(f"{label}: expected one or more values")
+        for item in items:
+            _refuse_flag_like(item, label)
         return items
     if spec.choices and text not in spec.choices:
         raise LmiOptionError(f"{label}={raw!r}: expected one of {', '.join(spec.choices)}")
     if not text:
         raise LmiOptionError(f"{label}: empty value; remove the line or give a value")
+    _refuse_flag_like(text, label)
     return text
+
+
+def _refuse_flag_like(value: str, label: str) -> None:
+    """A value vLLM's parser could read as a flag is refused (the value itself is not echoed: it may be a secret)."""
+    if value.startswith("-") and not _is_number(value):
+        raise LmiOptionError(f"{label}: a value may not start with '-' (vLLM would read it as a flag); "
+                             "give one plain value, or several separated by commas for a list")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def render_flag(spec: VllmArgSpec, value: Any) -> list[str]:

@@ -11,15 +11,27 @@ came from. Tier overrides the planner honours (per rank, LMCache semantics):
 - ``option.lmcache_local_disk``          disk tier directory (path or file:// URL)
 - ``option.lmcache_chunk_size``          tokens per chunk (multiple of vLLM's block size)
 - ``option.lmcache_use_odirect``         true/false: O_DIRECT for the disk tier
+- ``option.lmcache_engine``              ``lmi_cache`` (default) or ``lmcache`` (upstream
+  LMCache's connector, when that package is installed)
+
+LMI's own LMCache recipe (``option.kv_transfer_config`` naming
+``LMCacheConnectorV1`` plus ``option.lmcache_config_file`` or the
+``LMCACHE_CONFIG_FILE`` environment variable) turns the cache on with that YAML
+(auto-configured when no YAML is given); see ``autoconfig.lmi_recipe``.
+LMI's simplified environment variables and defaults are in
+``autoconfig.lmi_names`` with the pages they follow.
 """
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
 from autoconfig.java_properties import parse_properties
+from autoconfig.lmi_names import LMI_VALUES, SERVER_KEYS, SIMPLIFIED_ENV, masked
+from autoconfig.lmi_recipe import LmcacheRecipe, find_recipe
 from autoconfig.settings import ServingSettings, TierOverrides
 from lmi_cache.errors import UserError
 
@@ -57,10 +69,15 @@ class ResolvedProperties:
     settings: ServingSettings
     options: dict[str, RawOption] = field(default_factory=dict)  # every option.* / OPTION_* seen
     other_properties: dict[str, str] = field(default_factory=dict)  # non-option keys (engine=...)
+    config_where: str = "option.lmcache_config_file"  # how messages name where config_file came from
+    recipe: LmcacheRecipe | None = None  # LMI's kv_transfer_config LMCache recipe, when used
+    consumed: frozenset[str] = frozenset()  # options read here that serve must not pass to vLLM
+    notes: list[str] = field(default_factory=list)  # defaults applied and translations, for the summary
 
     def summary_lines(self) -> list[str]:
-        """One line per option with its origin, for the configure log."""
-        return [f"{o.name} = {o.value}  ({o.where})" for o in sorted(self.options.values(), key=lambda o: o.name)]
+        """One line per option with its origin (secrets masked), for the configure log."""
+        return [f"{o.name} = {masked(o.name, o.value)}  ({o.where})"
+                for o in sorted(self.options.values(), key=lambda o: o.name)]
 
 
 def canonical_name(name: str) -> str:
@@ -101,19 +118,38 @@ def resolve_properties(
         except (OSError, UnicodeDecodeError) as err:
             raise PropertiesError(f"{path}: cannot read ({err.__class__.__name__}: {err}); fix its permissions/encoding")
         file_props = parse_properties(text, str(path))
+    _check_server_keys(file_props, str(path))
     options = collect_options(file_props, str(path), env)
     _apply_env_defaults(options, env)
     get = _Getter(options)
+    notes: list[str] = []
 
-    tp = get.value("tensor_parallel_degree", lambda v: _parse_tp(v, gpu_count), 1)
+    pp = get.value("pipeline_parallel_degree", _positive_int, 1)
+    tp = get.value("tensor_parallel_degree", lambda v: _parse_tp(v, gpu_count, pp), None)
+    if tp is None:
+        # LMI's default is "max" (starting-guide.md, TENSOR_PARALLEL_DEGREE): every GPU.
+        tp = _parse_tp("max", gpu_count, pp)
+        if gpu_count:
+            notes.append(f"tensor_parallel_degree unset: {tp} (LMI's default 'max': all {gpu_count} GPUs"
+                         f"{' / pipeline_parallel_degree' if pp > 1 else ''})")
+    dp = get.value("data_parallel_degree", _positive_int, None)
+    if dp is None:
+        # LMI serves as many model copies as the GPUs hold (configurations.md).
+        dp = max(1, (gpu_count or 0) // (tp * pp))
+        if dp > 1:
+            notes.append(f"data parallel: {dp} replicas of tp={tp} x pp={pp} on {gpu_count} GPUs (LMI's default: "
+                         "as many model copies as the GPUs hold; set option.data_parallel_degree=1 for one)")
+    recipe = find_recipe(options, env, mdir)
+    engine = get.value("lmcache_engine", _engine, "lmi_cache")
     settings = ServingSettings(
         tp=tp,
-        pp=get.value("pipeline_parallel_degree", _positive_int, 1),
-        dp=get.value("data_parallel_degree", _positive_int, 1),
+        pp=pp,
+        dp=dp,
         gpu_memory_utilization=get.value("gpu_memory_utilization", _fraction, 0.9),
         max_model_len=get.value("max_model_len", _positive_int, None),
         kv_cache_dtype=get.value("kv_cache_dtype", _word, "auto"),
-        dtype=get.value("dtype", _word, "auto"),
+        dtype=get.value("dtype", _dtype, "auto"),
+        engine=engine,
         overrides=TierOverrides(
             cpu_size_gib=get.value("lmcache_max_local_cpu_size", _gib, None),
             disk_size_gib=get.value("lmcache_max_local_disk_size", _gib, None),
@@ -124,21 +160,54 @@ def resolve_properties(
     )
     auto = get.value("lmcache_auto_config", parse_bool, False)
     config_file = get.value("lmcache_config_file", lambda v: _config_path(v, mdir), None)
+    config_where = options["lmcache_config_file"].where if "lmcache_config_file" in options else ""
     if auto and config_file is not None:
         raise PropertiesError(
             f"{options['lmcache_auto_config'].where}=true and {options['lmcache_config_file'].where} are both "
             "set: choose one (auto-configuration writes its own LMCache config)"
         )
+    consumed: frozenset[str] = frozenset()
+    if recipe is not None:
+        consumed = frozenset({"kv_transfer_config"})
+        if not auto and config_file is None:
+            if recipe.env_config_file is not None:
+                config_file, config_where = recipe.env_config_file, "environment variable LMCACHE_CONFIG_FILE"
+            else:
+                auto = True
+        notes.append(recipe.describe(engine, auto, config_file))
+    if engine == "lmcache":
+        _check_upstream_lmcache(options["lmcache_engine"].where)
     model_id = get.value("model_id", _nonempty, None)
     others = {k: v for k, v in file_props.items() if not k.startswith("option.")}
-    return ResolvedProperties(mdir, path, model_id, auto, config_file, settings, options, others)
+    return ResolvedProperties(mdir, path, model_id, auto, config_file, settings, options, others,
+                              config_where or "option.lmcache_config_file", recipe, consumed, notes)
 
 
 def _apply_env_defaults(options: dict[str, RawOption], env: Mapping[str, str]) -> None:
-    """SageMaker's SM_NUM_GPUS / HF_MODEL_ID fill tensor_parallel_degree / model_id only when unset."""
-    for var, name in (("SM_NUM_GPUS", "tensor_parallel_degree"), ("HF_MODEL_ID", "model_id")):
+    """LMI's simplified variables (HF_MODEL_ID, TENSOR_PARALLEL_DEGREE, SM_NUM_GPUS, ...) fill options only when unset."""
+    for var, name in SIMPLIFIED_ENV:
         if name not in options and env.get(var, "").strip():
-            options[name] = RawOption(name, env[var], var, ENV_SOURCE)
+            options[name] = RawOption(name, env[var].strip(), var, ENV_SOURCE)
+
+
+def _check_server_keys(file_props: Mapping[str, str], source: str) -> None:
+    """An un-prefixed key that looks like a misspelt ``option.`` key is an error, not a silent no-op."""
+    from autoconfig.lmi_to_vllm import known_option_names
+
+    known = known_option_names()
+    for key in file_props:
+        if key.startswith("option.") or key in SERVER_KEYS:
+            continue
+        head, dot, rest = key.partition(".")
+        name = canonical_name(rest if dot else key)
+        if dot and difflib.get_close_matches(head.lower(), ["option"], n=1, cutoff=0.6):
+            raise PropertiesError(f"{source}: {key}: not an LMI key; did you mean option.{rest}?")
+        if name in known:
+            raise PropertiesError(f"{source}: {key}: engine settings need the option. prefix; "
+                                  f"write option.{name}")
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if close:
+            raise PropertiesError(f"{source}: {key}: not an LMI key; did you mean option.{close[0]}?")
 
 
 class _Getter:
@@ -163,9 +232,9 @@ def parse_bool(value: str) -> bool:
     raise ValueError("must be true or false")
 
 
-def _parse_tp(value: str, gpu_count: int | None) -> int:
+def _parse_tp(value: str, gpu_count: int | None, pp: int = 1) -> int:
     if value.lower() == "max":
-        return max(1, gpu_count or 0)
+        return max(1, (gpu_count or 0) // pp)
     try:
         return _positive_int(value)
     except ValueError:
@@ -206,6 +275,25 @@ def _word(value: str) -> str:
     if not value or any(c.isspace() for c in value):
         raise ValueError("must be one word, e.g. auto, bfloat16, fp8")
     return value
+
+
+def _dtype(value: str) -> str:
+    """LMI's dtype values (fp16, bf16, fp32) become vLLM's; vLLM's own names pass unchanged."""
+    return LMI_VALUES["dtype"].get(value.lower(), _word(value))
+
+
+def _engine(value: str) -> str:
+    if value not in ("lmi_cache", "lmcache"):
+        raise ValueError("must be lmi_cache (this project's connector) or lmcache (upstream LMCache)")
+    return value
+
+
+def _check_upstream_lmcache(where: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("lmcache") is None:
+        raise PropertiesError(f"{where}=lmcache: the lmcache package is not installed in this image; "
+                              "install it, or remove the option to use lmi-cache's own connector")
 
 
 def _nonempty(value: str) -> str:

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, NoReturn
 
 from autoconfig.configure import DEFAULT_MODEL_DIR, configure, default_output_dir
+from autoconfig.lmi_names import SECRET_OPTIONS, is_secret_env, masked
 from autoconfig.lmi_to_vllm import MappedArgs, flag_to_name, map_lmi_options
 from autoconfig.properties import ResolvedProperties, resolve_properties
 from lmi_cache.errors import UserError
+from lmi_cache.front.options import FRONT_OPTIONS, front_launch
 
 if TYPE_CHECKING:
     from autoconfig.host import HostSnapshot
@@ -37,9 +39,9 @@ SETTINGS_ARGS = frozenset({
 # vLLM arguments that install a KV connector of their own.
 CONNECTOR_ARGS = frozenset({"kv_transfer_config", "kv_offloading_size"})
 GIB = 1 << 30
-# Options whose values must not reach the logs.
-SECRET_WORDS = ("token", "key", "secret", "password")
-SECRET_FLAGS = frozenset({"--hf-token", "--api-key", "--ssl-keyfile"})
+# Flags whose values must not reach the logs (serve never puts secrets on argv; this guards the printing).
+SECRET_FLAGS = frozenset({"--hf-token", "--api-key"})
+SECRETS_FILE = "vllm_secrets.yaml"
 # CPU backend: KV space when neither the user nor the planner chose one (vLLM
 # otherwise sizes against NUMA node 0 and can fail to start).
 CPU_KVCACHE_DEFAULT_GIB = 4
@@ -61,10 +63,14 @@ class ServeLaunch:
 
     def command_line(self) -> str:
         """The command as a shell line, secrets masked (it is printed to logs)."""
-        shown = list(self.argv)
-        for i, word in enumerate(shown[:-1]):
-            if word in SECRET_FLAGS:
-                shown[i + 1] = "***"
+        shown: list[str] = []
+        hiding = False
+        for word in self.argv:
+            if word.startswith("--"):
+                hiding = word.split("=", 1)[0] in SECRET_FLAGS
+                shown.append(word.split("=", 1)[0] + "=***" if hiding and "=" in word else word)
+            else:
+                shown.append("***" if hiding else word)
         return shlex.join(shown)
 
 
@@ -76,17 +82,23 @@ def prepare_launch(
     probe: "Callable[[], HostSnapshot] | None" = None,
     output_dir: str | Path | None = None,
     python: str = sys.executable,
+    dry_run: bool = False,
 ) -> ServeLaunch:
-    """Check everything and build the vLLM command; raise a UserError naming the first problem."""
+    """Check everything and build the vLLM command; raise a UserError naming the first problem.
+
+    With ``dry_run`` nothing is written (the runtime directory is only checked).
+    """
     env = dict(os.environ if env is None else env)
     mdir = Path(model_dir) if model_dir is not None else Path(DEFAULT_MODEL_DIR)
     port = server_port(env)
     if host is None:
         host = probe() if probe is not None else _probe_this_host()
     props = resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=len(host.gpus))
+    passed = {name: opt for name, opt in props.options.items()
+              if name not in props.consumed and name not in FRONT_OPTIONS}
     mapped = map_lmi_options(
-        {name: opt.value for name, opt in props.options.items()},
-        {name: opt.where for name, opt in props.options.items()},
+        {name: opt.value for name, opt in passed.items()},
+        {name: opt.where for name, opt in passed.items()},
         num_gpus=props.settings.tp,
     )
     cache_on = props.auto_config or props.config_file is not None
@@ -101,15 +113,52 @@ def prepare_launch(
     if props.config_file is not None:
         findings = check_user_config(props, model, host, env)
     out = Path(output_dir) if output_dir is not None else default_output_dir(env)
-    result = configure(mdir, out, env, host=host)
+    secret_env, secret_files = secrets_for_vllm(mapped, props)
+    result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files)
     argv = [python, "-m", VLLM_SERVER_MODULE, "--host", "0.0.0.0", "--port", str(port), "--model", model]
-    argv += result.vllm_args
+    if secret_files:
+        argv += ["--config", str(result.output_dir / SECRETS_FILE)]
+    argv += _upstream_recipe(props, result.vllm_args)
     argv += mapped.argv(skip=SETTINGS_ARGS | _dests(result.vllm_args))
+    front = front_launch({n: o.value for n, o in props.options.items()}, mdir if mdir.is_dir() else None,
+                         {n: o.where for n, o in props.options.items()}, Path(model) if Path(model).is_dir() else None)
+    argv += front.argv
     env_set = dict(result.env)
+    env_set.update(secret_env)
+    env_set.update(front.env)
     if not host.gpus:
         env_set.update(cpu_backend_env(env, env_set, host))
     summary = _summary(props, result.mode, model, port, mapped, result.messages, findings, env_set, result.plan)
+    summary[-1:-1] = front.summary
     return ServeLaunch(argv, {**env, **env_set}, env_set, result.mode, summary)
+
+
+def secrets_for_vllm(mapped: MappedArgs, props: ResolvedProperties) -> tuple[dict[str, str], dict[str, str]]:
+    """Secret options -> (environment for vLLM, private files); never argv, where every local user can read them.
+
+    vLLM reads one API key from VLLM_API_KEY; several keys travel in a 0600
+    ``--config`` YAML in the private runtime directory (vLLM redacts them in its log).
+    """
+    env: dict[str, str] = {}
+    files: dict[str, str] = {}
+    for name, value in mapped.secrets.items():
+        if name == "api_key" and len(value) > 1:
+            import json
+
+            files[SECRETS_FILE] = "# Written by lmi-cache serve: the API keys vLLM accepts.\n" + \
+                "api-key: " + json.dumps([str(v) for v in value]) + "\n"
+            continue
+        env[SECRET_OPTIONS[name]] = str(value[0] if isinstance(value, list) else value)
+    return env, files
+
+
+def _upstream_recipe(props: ResolvedProperties, args: list[str]) -> list[str]:
+    """configure's arguments; upstream LMCache through LMI's recipe keeps the user's kv_transfer_config."""
+    if props.recipe is None or props.settings.engine != "lmcache" or "--kv-transfer-config" not in args:
+        return list(args)
+    out = list(args)
+    out[out.index("--kv-transfer-config") + 1] = props.recipe.upstream_json()
+    return out
 
 
 def load_host_file(path: str) -> "HostSnapshot":
@@ -172,14 +221,19 @@ def model_argument(props: ResolvedProperties, model_dir: Path) -> str:
 
 
 def check_parallelism(props: ResolvedProperties, host: "HostSnapshot") -> None:
-    """TP x PP must fit the GPUs (the planner checks it in auto mode; this covers the others)."""
+    """Replicas x TP x PP must fit the GPUs (the planner checks it in auto mode; this covers the others)."""
     s = props.settings
-    if not host.gpus or s.tp * s.pp <= len(host.gpus):
+    if not host.gpus or s.tp * s.pp * s.dp <= len(host.gpus):
         return
-    opt = props.options.get("tensor_parallel_degree")
-    where = opt.where if opt is not None else "tensor_parallel_degree"
-    raise ServeError(f"{where}={s.tp} (x pipeline_parallel_degree={s.pp}) needs {s.tp * s.pp} GPUs but this "
-                     f"host has {len(host.gpus)}: lower tensor_parallel_degree or use a larger instance")
+    if s.tp * s.pp > len(host.gpus) or s.dp == 1:
+        opt = props.options.get("tensor_parallel_degree")
+        where = opt.where if opt is not None else "tensor_parallel_degree"
+        raise ServeError(f"{where}={s.tp} (x pipeline_parallel_degree={s.pp}) needs {s.tp * s.pp} GPUs but this "
+                         f"host has {len(host.gpus)}: lower tensor_parallel_degree or use a larger instance")
+    opt = props.options.get("data_parallel_degree")
+    where = opt.where if opt is not None else "data_parallel_degree"
+    raise ServeError(f"{where}={s.dp} replicas x tp={s.tp} x pp={s.pp} need {s.dp * s.tp * s.pp} GPUs but this "
+                     f"host has {len(host.gpus)}: lower data_parallel_degree or use a larger instance")
 
 
 def check_user_config(
@@ -190,7 +244,7 @@ def check_user_config(
     from autoconfig.validate import validate_config
 
     assert props.config_file is not None
-    where = props.options["lmcache_config_file"].where
+    where = props.config_where
     if not props.config_file.is_file():
         raise ServeError(f"{where}: {props.config_file} does not exist; fix the path "
                          "(relative paths are resolved against the model directory)")
@@ -229,15 +283,14 @@ def _summary(props: ResolvedProperties, mode: str, model: str, port: int, mapped
              f"parallel: tp={s.tp} pp={s.pp} dp={s.dp}; max_model_len={s.max_model_len or 'model default'}; "
              f"dtype={s.dtype}; kv_cache_dtype={s.kv_cache_dtype}"]
     for name, opt in sorted(props.options.items()):
-        value = "***" if any(w in name for w in SECRET_WORDS) else opt.value
-        lines.append(f"option {name} = {value}  ({opt.where})")
-    lines += [f"note: {n}" for n in mapped.notes]
+        lines.append(f"option {name} = {masked(name, opt.value)}  ({opt.where})")
+    lines += [f"note: {n}" for n in props.notes + mapped.notes]
     lines += [f"note: {key}={value} in {props.properties_path} ignored: this container always runs vLLM's "
               "OpenAI server" for key, value in sorted(props.other_properties.items())]
     lines += _cache_lines(mode, props, plan)
     lines += [m for m in messages if m.startswith("warning:")]
     lines += [f"config check: {f}" for f in findings]
-    lines += [f"env {k}={v}" for k, v in sorted(env_set.items())]
+    lines += [f"env {k}={'***' if is_secret_env(k) else v}" for k, v in sorted(env_set.items())]
     lines.append(f"vLLM OpenAI server on 0.0.0.0:{port} (/ping, /invocations)")
     return lines
 
@@ -265,7 +318,7 @@ def run_serve(model_dir: str | None, dry_run: bool, host_file: str | None = None
               echo: Callable[[str], None] = print) -> int:
     """The CLI body: print the summary, then exec vLLM (or, with dry_run, print the command)."""
     host = load_host_file(host_file) if host_file is not None else None
-    launch = prepare_launch(model_dir, host=host)
+    launch = prepare_launch(model_dir, host=host, dry_run=dry_run)
     for line in launch.summary:
         echo(f"lmi-cache serve: {line}")
     if dry_run:

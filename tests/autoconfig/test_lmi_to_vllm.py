@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autoconfig.lmi_names import SECRET_OPTIONS
 from autoconfig.lmi_to_vllm import (
     LMI_IGNORED,
     LMI_RENAMES,
@@ -139,7 +140,7 @@ def test_lmi_names_map_to_vllm_names() -> None:
     mapped = map_lmi_options({name: "3" for name in LMI_RENAMES if name != "quantize"})
     for lmi, vllm_name in LMI_RENAMES.items():
         if lmi != "quantize":
-            assert str(mapped.values[vllm_name]) == "3"
+            assert float(mapped.values[vllm_name]) == 3
             assert mapped.sources[vllm_name] == lmi
     assert map_lmi_options({"quantize": "awq"}).argv() == ["--quantization", "awq"]
 
@@ -205,7 +206,9 @@ _SCALAR_KINDS = ("int", "float", "bool", "str")
 @st.composite
 def _option_sets(draw: st.DrawFn) -> dict[str, str]:
     table = vllm_arg_table()
-    names = sorted(n for n, s in table.items() if s.kind in _SCALAR_KINDS and n not in RESERVED and not s.choices)
+    # Secrets travel in the environment, never argv (tested in test_serve_secrets).
+    names = sorted(n for n, s in table.items()
+                   if s.kind in _SCALAR_KINDS and n not in RESERVED and n not in SECRET_OPTIONS and not s.choices)
     chosen = draw(st.lists(st.sampled_from(names), unique=True, max_size=8))
     out = {}
     for name in chosen:
@@ -217,7 +220,9 @@ def _option_sets(draw: st.DrawFn) -> dict[str, str]:
         elif kind == "bool":
             out[name] = draw(st.sampled_from(["true", "false", "True", "FALSE"]))
         else:
-            out[name] = draw(st.text(alphabet="abcdefghij/._-0123456789", min_size=1, max_size=12))
+            # A value starting with "-" is refused (it would read as a flag): tested below.
+            out[name] = draw(st.text(alphabet="abcdefghij/._-0123456789", min_size=1, max_size=12)
+                             .filter(lambda t: not t.startswith("-")))
     return out
 
 
@@ -253,3 +258,27 @@ def test_argv_round_trips_through_the_flag_table(options: dict[str, str]) -> Non
 
 if __name__ == "__main__":
     print(render_table(build_table()), end="")
+
+
+def test_lmi_values_and_names_become_vllms() -> None:
+    mapped = map_lmi_options({"dtype": "fp16", "cpu_offload_gb_per_gpu": "4"})
+    assert mapped.values == {"dtype": "float16", "cpu_offload_gb": 4.0}
+    assert map_lmi_options({"dtype": "BF16"}).argv() == ["--dtype", "bfloat16"]
+    assert map_lmi_options({"dtype": "fp32"}).argv() == ["--dtype", "float32"]
+
+
+@pytest.mark.parametrize("name", ["max_new_tokens", "async_mode", "device", "output_formatter", "enable_reasoning"])
+def test_options_lmi_drops_before_vllm_are_dropped_with_a_note(name: str) -> None:
+    mapped = map_lmi_options({name: "true"})
+    assert mapped.values == {} and len(mapped.notes) == 1 and f"option.{name}" in mapped.notes[0]
+
+
+def test_unknown_names_still_fail_with_a_did_you_mean() -> None:
+    with pytest.raises(LmiOptionError, match="did you mean option.max_new_tokens"):
+        map_lmi_options({"max_new_tokenz": "4"})
+
+
+def test_secret_options_never_become_arguments() -> None:
+    mapped = map_lmi_options({"api_key": "sk-a,sk-b", "hf_token": "hf_x"})
+    assert mapped.argv() == [] and mapped.values == {}
+    assert mapped.secrets == {"api_key": ["sk-a", "sk-b"], "hf_token": "hf_x"}

@@ -93,7 +93,7 @@ def test_dry_run_prints_summary_and_command(tmp_path: Path) -> None:
     exec_line = next(line for line in out.splitlines() if line.startswith("exec: "))
     assert "-m vllm.entrypoints.openai.api_server --host 0.0.0.0 --port 8123" in exec_line
     assert "LmiCacheConnector" in exec_line
-    assert (tmp_path / "rt" / "lmcache.yaml").is_file()
+    assert not (tmp_path / "rt").exists(), "--dry-run writes no files"
 
 
 def test_prepare_launch_imports_neither_vllm_nor_torch(tmp_path: Path) -> None:
