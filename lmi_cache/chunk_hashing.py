@@ -2,7 +2,8 @@
 
 A chunk's digest is XXH3-128 over (previous chunk's digest, this chunk's token
 ids as uint32 little-endian); the first chunk chains from the namespace seed,
-so keys of different models, KV dtypes, layouts, ranks, LoRA adapters or
+so keys of different models (and of different weights at the same path: see
+``model_identity``), KV dtypes, layouts, ranks, LoRA adapters or
 ``cache_salt`` values never meet. Nothing depends on PYTHONHASHSEED: the same
 tokens give the same keys in every process on every machine.
 
@@ -22,7 +23,7 @@ import numpy as np
 import xxhash
 
 # Bump when the key derivation changes: old persisted chunks then stop matching.
-KEY_SCHEME_VERSION = "lmi-cache-keys-v1"
+KEY_SCHEME_VERSION = "lmi-cache-keys-v2"  # v2: the namespace holds the weights' identity
 _FINGERPRINT_SEED = 0x6C6D692D66707631  # "lmi-fpv1": any fixed constant, never changed
 
 
@@ -30,7 +31,7 @@ _FINGERPRINT_SEED = 0x6C6D692D66707631  # "lmi-fpv1": any fixed constant, never 
 class KeyNamespace:
     """Everything besides the tokens that decides whether two chunks hold the same KV."""
 
-    model: str  # model identity (name or path + revision)
+    model: str  # the model as vLLM names it (path or hub id)
     kv_dtype: str  # KV-cache dtype, e.g. "bfloat16"
     layout: str  # version tag of the chunk byte layout, e.g. "cpu-lbhnc-v1"
     tp_rank: int = 0
@@ -39,6 +40,7 @@ class KeyNamespace:
     pp_size: int = 1
     lora: str | None = None  # LoRA adapter identity; None = base model
     cache_salt: str | None = None  # vLLM's per-request cache_salt (tenant isolation)
+    model_identity: str = ""  # what the weights are (model_identity.model_identity): changes with them
 
     def seed(self) -> bytes:
         """16 bytes derived from every field (canonical JSON, so stable across processes)."""

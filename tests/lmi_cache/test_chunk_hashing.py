@@ -26,6 +26,7 @@ namespaces = st.builds(
     pp_size=st.sampled_from([1, 2]),
     lora=st.sampled_from([None, "adapter-a", "adapter-b"]),
     cache_salt=st.sampled_from([None, "", "tenant-1"]),
+    model_identity=st.sampled_from(["", "content:1f2e", "content:1f2f", "hf:" + "a" * 40]),
 )
 
 
@@ -118,3 +119,11 @@ def _time(fn: object) -> float:
 def test_chunkkey_is_hashable_value() -> None:
     key = ChunkKey(b"\x01" * 16, 0, 4, 7)
     assert {key: 1}[ChunkKey(b"\x01" * 16, 0, 4, 7)] == 1
+
+
+def test_other_weights_at_the_same_path_get_other_keys() -> None:
+    """A model replaced in place keeps its path and dtype; only the identity of its weights tells them apart."""
+    old = KeyNamespace("/opt/ml/model", "bfloat16", "cpu-lbhnc-v1", model_identity="content:aaaa")
+    new = KeyNamespace("/opt/ml/model", "bfloat16", "cpu-lbhnc-v1", model_identity="content:bbbb")
+    tokens = list(range(64))
+    assert not {k.digest for k in chunk_keys(tokens, old, 16)} & {k.digest for k in chunk_keys(tokens, new, 16)}
