@@ -1,0 +1,141 @@
+"""What LMI users write works unchanged: the LMCache recipe, simplified env vars, defaults, typos.
+
+Each case is an ``lmi-cache serve`` start (``prepare_launch``, no exec) on a
+host snapshot; LMI's rules are cited in autoconfig/lmi_names.py.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autoconfig.properties import resolve_properties
+from lmi_cache.errors import UserError
+from tests.autoconfig.test_serve import flag_value, launch, make_host, model_dir
+
+RECIPE = 'option.kv_transfer_config={"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}\n'
+YAML = "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 20\n"
+
+
+def connector(argv: list[str]) -> dict[str, str]:
+    return dict(json.loads(flag_value(argv, "--kv-transfer-config")))
+
+
+def test_lmi_recipe_with_the_config_file_option_runs_our_connector_with_that_yaml(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, RECIPE + "option.lmcache_config_file=lmcache.yaml\n")
+    (mdir / "lmcache.yaml").write_text(YAML)
+    result = launch(tmp_path, None, mdir=mdir)
+    assert result.mode == "file"
+    assert connector(result.argv)["kv_connector"] == "LmiCacheConnector"
+    assert result.argv.count("--kv-transfer-config") == 1
+    assert result.env_set["LMCACHE_CONFIG_FILE"] == str(mdir / "lmcache.yaml")
+    said = [line for line in result.summary if "LMI's LMCache recipe" in line]
+    assert len(said) == 1 and "LMCacheConnectorV1" in said[0] and "lmcache.yaml" in said[0]
+
+
+def test_lmi_recipe_with_the_env_variable(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, RECIPE)
+    yaml_path = tmp_path / "elsewhere.yaml"
+    yaml_path.write_text(YAML)
+    result = launch(tmp_path, None, mdir=mdir, env={"LMCACHE_CONFIG_FILE": str(yaml_path)})
+    assert result.mode == "file" and result.env["LMCACHE_CONFIG_FILE"] == str(yaml_path)
+    assert connector(result.argv)["kv_connector"] == "LmiCacheConnector"
+
+
+def test_lmi_recipe_yaml_is_checked_against_the_host(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, RECIPE + "option.lmcache_config_file=lmcache.yaml\n")
+    (mdir / "lmcache.yaml").write_text("max_local_cpu_size: 4000\n")
+    with pytest.raises(UserError, match="max_local_cpu_size") as info:
+        launch(tmp_path, None, mdir=mdir)
+    assert "option.lmcache_config_file" in str(info.value)
+
+
+def test_lmi_recipe_without_a_yaml_is_auto_configured(tmp_path: Path) -> None:
+    result = launch(tmp_path, 'option.kv_transfer_config={"kv_connector":"LMCacheConnectorV1"}\n')
+    assert result.mode == "auto"
+    assert connector(result.argv) == {"kv_connector": "LmiCacheConnector",
+                                      "kv_connector_module_path": "lmi_cache.vllm_connector", "kv_role": "kv_both"}
+
+
+def test_upstream_lmcache_only_when_asked_and_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = (RECIPE.replace('"kv_both"', '"kv_both","kv_connector_extra_config":{"x":1}')
+            + "option.lmcache_config_file=lmcache.yaml\noption.lmcache_engine=lmcache\n")
+    mdir = model_dir(tmp_path, text)
+    (mdir / "lmcache.yaml").write_text(YAML)
+    with pytest.raises(UserError, match="lmcache package is not installed") as info:
+        launch(tmp_path, None, mdir=mdir)
+    assert "option.lmcache_engine" in str(info.value)
+    fake = tmp_path / "site"
+    (fake / "lmcache").mkdir(parents=True)
+    (fake / "lmcache" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(fake))
+    result = launch(tmp_path, None, mdir=mdir)
+    assert connector(result.argv) == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+                                      "kv_connector_extra_config": {"x": 1}}
+
+
+def test_lmi_simplified_env_vars(tmp_path: Path) -> None:
+    env = {"TENSOR_PARALLEL_DEGREE": "4", "SM_NUM_GPUS": "2", "MAX_BATCH_SIZE": "64",
+           "HF_MODEL_TRUST_REMOTE_CODE": "true", "HF_REVISION": "abc123", "MAX_CONCURRENT_REQUESTS": "100",
+           "MAX_BATCH_PREFILL_TOKENS": "8192", "HF_MODEL_QUANTIZE": "fp8"}
+    result = launch(tmp_path, "", host=make_host(4), env=env)
+    assert flag_value(result.argv, "--tensor-parallel-size") == "4"  # TENSOR_PARALLEL_DEGREE beats SM_NUM_GPUS
+    assert flag_value(result.argv, "--max-num-seqs") == "64"
+    assert flag_value(result.argv, "--max-num-batched-tokens") == "8192"
+    assert flag_value(result.argv, "--revision") == "abc123"
+    assert flag_value(result.argv, "--quantization") == "fp8"
+    assert "--trust-remote-code" in result.argv
+    assert any("job_queue_size=100 ignored" in line for line in result.summary)
+    # OPTION_* and serving.properties beat the simplified variables.
+    result = launch(tmp_path, "option.max_rolling_batch_size=8\n", host=make_host(4),
+                    env={**env, "OPTION_TENSOR_PARALLEL_DEGREE": "2"})
+    assert flag_value(result.argv, "--tensor-parallel-size") == "2"
+    assert flag_value(result.argv, "--max-num-seqs") == "8"
+
+
+def test_tensor_parallel_defaults_to_every_gpu(tmp_path: Path) -> None:
+    result = launch(tmp_path, "option.lmcache_auto_config=true\n", host=make_host(4))
+    assert flag_value(result.argv, "--tensor-parallel-size") == "4"
+    assert "--data-parallel-size" not in result.argv
+    assert any("LMI's default 'max'" in line for line in result.summary)
+
+
+def test_tp1_on_eight_gpus_serves_eight_replicas_each_with_tiers(tmp_path: Path) -> None:
+    result = launch(tmp_path, "option.tensor_parallel_degree=1\noption.lmcache_auto_config=true\n",
+                    host=make_host(8, ram_gib=1024))
+    assert flag_value(result.argv, "--data-parallel-size") == "8"
+    assert "--tensor-parallel-size" not in result.argv
+    plan = json.loads((tmp_path / "runtime" / "plan.json").read_text())
+    assert plan["parallel"]["dp"] == 8 and plan["parallel"]["ranks_per_host"] == 8
+    assert any("8 replicas" in line for line in result.summary)
+    one = launch(tmp_path, "option.tensor_parallel_degree=1\noption.data_parallel_degree=1\n", host=make_host(8))
+    assert "--data-parallel-size" not in one.argv
+
+
+def test_replicas_beyond_the_gpus_are_refused_before_vllm(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="data_parallel_degree=4 replicas x tp=4") as info:
+        launch(tmp_path, "option.tensor_parallel_degree=4\noption.data_parallel_degree=4\n", host=make_host(8))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("optoin.lmcache_auto_config=true", "did you mean option.lmcache_auto_config?"),
+        ("opton.tensor_parallel_degree=4", "did you mean option.tensor_parallel_degree?"),
+        ("tensor_parallel_degree=4", "need the option. prefix; write option.tensor_parallel_degree"),
+        ("lmcache_auto_confg=true", "did you mean option.lmcache_auto_config?"),
+    ],
+)
+def test_a_misspelt_prefix_is_an_error(tmp_path: Path, line: str, expected: str) -> None:
+    with pytest.raises(UserError, match=expected):
+        launch(tmp_path, line + "\n")
+
+
+def test_lmi_server_keys_and_dtype_values(tmp_path: Path) -> None:
+    text = "engine=Python\ngpu.maxWorkers=1\nload_on_devices=0\noption.dtype=fp16\n"
+    props = resolve_properties(model_dir(tmp_path, text), {})
+    assert props.settings.dtype == "float16"
+    result = launch(tmp_path, text)
+    assert flag_value(result.argv, "--dtype") == "float16"
