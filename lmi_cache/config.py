@@ -215,6 +215,9 @@ def read_yaml_mapping(path: str) -> Mapping[str, Any]:
         raise ConfigError(f"{path}: not valid YAML{line}; check indentation and quoting") from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to be an LMCache config; use flat key: value lines") from None
+    except (ValueError, OverflowError, TypeError):  # PyYAML's constructors: a 5000-digit int, a bad date, ...
+        raise ConfigError(f"{path}: a value cannot be read (an over-long number or a malformed date?); "
+                          "write plain numbers and strings") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):

@@ -159,7 +159,7 @@ def parse_mapping(value: Any, where: str) -> dict[str, Any]:
         text = unquote_env(value)
         try:
             value = yaml.safe_load(text) if text.strip() else {}
-        except (yaml.YAMLError, RecursionError):
+        except (yaml.YAMLError, RecursionError, ValueError, OverflowError, TypeError):
             raise ConfigError(f"{where}: expected a JSON object such as {{\"use_odirect\": true}}") from None
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}: expected a mapping such as {{use_odirect: true}}, got {_show(value)}")

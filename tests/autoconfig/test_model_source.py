@@ -251,3 +251,81 @@ def test_hub_access_follows_huggingface_hub_env_rules() -> None:
     assert hub_access_from_env({"HF_HOME": "/h", "HF_HUB_CACHE": "/c"}) == (None, True)
     assert hub_access_from_env({"HF_HUB_OFFLINE": "1"}) == (None, False)
     assert hub_access_from_env({"HF_HUB_OFFLINE": "0"}) == (None, True)
+
+
+# ---------------------------------------------------------------- hostile config.json files
+
+_BASE = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 2, "vocab_size": 100}
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ('{"num_hidden_layers": NaN}', "NaN"),
+        ('{"hidden_size": Infinity}', "Infinity"),
+        ('{"hidden_size": ' + "9" * 5000 + "}", "too many digits"),
+        ("[" * 100000 + "]" * 100000, "nested too deeply"),
+        (b"\xff\xfe{}", "not a UTF-8"),
+    ],
+)
+def test_hostile_json_is_one_line(tmp_path: Path, raw: str | bytes, needle: str) -> None:
+    (tmp_path / "config.json").write_bytes(raw if isinstance(raw, bytes) else raw.encode())
+    with pytest.raises(ModelConfigError) as info:
+        load_model_info(str(tmp_path))
+    assert needle in str(info.value) and "config.json" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"num_hidden_layers": 1e15, "num_experts": 8}, "num_hidden_layers"),  # used to loop for ever
+        ({"num_hidden_layers": float("nan")}, None),  # json.dumps writes NaN
+        ({"hidden_size": 1e308}, "hidden_size"),
+        ({"num_attention_heads": True}, "num_attention_heads"),
+        ({"num_experts": "abc"}, "num_experts"),
+        ({"vocab_size": [1]}, "vocab_size"),
+        ({"intermediate_size": {"a": 1}}, "intermediate_size"),
+        ({"num_experts": 8, "moe_intermediate_size": -5}, "moe_intermediate_size"),
+    ],
+)
+def test_garbage_fields_are_one_line_errors(tmp_path: Path, change: dict[str, Any], needle: str | None) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**_BASE, **change}))
+    with pytest.raises(ModelConfigError) as info:
+        load_model_info(str(tmp_path))
+    assert (needle or "NaN") in str(info.value) and "\n" not in str(info.value)
+
+
+def test_moe_layer_count_ignores_a_zero_step_and_garbage_dense_list(tmp_path: Path) -> None:
+    config = {**_BASE, "num_experts": 8, "decoder_sparse_step": 0, "mlp_only_layers": ["x", None, 1]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_model_info(str(tmp_path)).weights_bytes > 0
+
+
+def test_moe_layer_count_matches_the_rule() -> None:
+    from autoconfig.model_source import _moe_layer_count
+
+    def brute(layers: int, first: int, step: int, only: list[int]) -> int:
+        return sum(1 for i in range(layers) if i >= first and i not in only and (i + 1) % step == 0)
+
+    for layers, first, step, only in [(48, 0, 1, []), (61, 3, 1, []), (48, 0, 2, [5, 7, 100]), (10, 20, 1, []),
+                                      (24, 1, 3, [2, 5, 8, 8])]:
+        assert _moe_layer_count({"mlp_only_layers": only}, layers, first, step) == brute(layers, first, step, only)
+
+
+def test_corrupt_index_total_size_falls_back(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(_BASE))
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {"total_size": ' + "9" * 30 + "}}")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    assert load_model_info(str(tmp_path)).weights_bytes == 1000
+
+
+def test_hf_cache_ref_cannot_escape_the_snapshots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = tmp_path / "hub" / "models--org--m"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("../../../../elsewhere")
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    shutil.copy(LLAMA / "config.json", repo / "snapshots" / "abc" / "config.json")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    info = load_model_info("org/m")
+    assert "snapshots/abc" in info.config_path

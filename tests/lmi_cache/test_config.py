@@ -137,3 +137,103 @@ def test_round_trip_through_dict() -> None:
 def test_config_import_is_torch_free() -> None:
     code = "import sys, lmi_cache.config, lmi_cache.chunk_hashing; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------- LMCache parity and hostile input
+
+
+@pytest.mark.parametrize("scheme", ["lm", "resp", "redis-sentinel", "infinistore", "mooncakestore", "blackhole",
+                                    "s3", "fs", "valkey", "external", "gs", "azure"])
+def test_every_lmcache_remote_scheme_is_accepted_with_remote_tier_off(scheme: str) -> None:
+    url = f"{scheme}://user:s3cret@host:1234/x"
+    config, warnings = config_from_dict({"remote_url": url}, "c.yaml")
+    assert config.remote_url == url
+    hits = [w for w in warnings if "remote tier is off" in w]
+    assert len(hits) == 1 and f"{scheme}://" in hits[0]
+    assert all("s3cret" not in w for w in warnings)  # credentials in the URL are never echoed
+
+
+def test_unknown_remote_scheme_is_refused_without_echoing_the_url() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"remote_url": "redsi://u:topsecret@h:1"}, "c.yaml")
+    assert "'redsi'" in str(info.value) and "topsecret" not in str(info.value)
+
+
+def test_lmcache_03_04_nixl_keys_are_known() -> None:
+    _, warnings = config_from_dict({"nixl_receiver_host": "localhost", "nixl_receiver_port": 55555,
+                                    "nixl_enable_gc": True, "nixl_peer_port": 1}, "decoder.yaml")
+    for key in ("nixl_receiver_host", "nixl_receiver_port", "nixl_enable_gc", "nixl_peer_port"):
+        assert any(key in w and "legacy" in w for w in warnings), key
+
+
+def test_env_values_are_unquoted_like_lmcache(tmp_path: Path) -> None:
+    env = {"LMCACHE_CHUNK_SIZE": "'512'", "LMCACHE_LOCAL_DISK": '"file:///data/kv/"',
+           "LMCACHE_MAX_LOCAL_DISK_SIZE": " 2 ", "LMCACHE_EXTRA_CONFIG": "'{\"use_odirect\": true}'",
+           "LMCACHE_CONFIG_FILE": f"'{write(tmp_path, 'local_cpu: false')}'"}
+    config, _ = load_config(env=env)
+    assert config.chunk_size == 512 and config.local_disk == ("/data/kv",)
+    assert config.max_local_disk_size == 2.0 and config.use_odirect is True and config.local_cpu is False
+
+
+def test_misspelt_env_var_gets_did_you_mean_and_others_stay_quiet() -> None:
+    _, warnings = load_config(env={"LMCACHE_CHUNK_SIZ": "512", "LMCACHE_MAX_LOCAL_CPU_SIZ": "1",
+                                   "LMCACHE_LOG_LEVEL": "DEBUG", "LMCACHE_ENABLE_LAYER_TIMING": "1"})
+    assert any("LMCACHE_CHUNK_SIZ:" in w and "did you mean LMCACHE_CHUNK_SIZE" in w for w in warnings)
+    assert any("did you mean LMCACHE_MAX_LOCAL_CPU_SIZE" in w for w in warnings)
+    assert not any("LOG_LEVEL" in w or "LAYER_TIMING" in w for w in warnings)
+
+
+def test_extra_config_typo_gets_did_you_mean() -> None:
+    _, warnings = config_from_dict({"extra_config": {"use_odirekt": True, "s3_region": "x"}}, "c.yaml")
+    assert any("use_odirekt" in w and "did you mean 'use_odirect'" in w for w in warnings)
+    assert any("s3_region" in w and "did you mean" not in w for w in warnings)
+
+
+def test_env_override_names_lists_only_config_variables() -> None:
+    from lmi_cache.config import env_override_names
+
+    env = {"LMCACHE_CHUNK_SIZE": "1", "LMCACHE_REMOTE_URL": "redis://u:p@h:1", "LMCACHE_LOG_LEVEL": "x",
+           "LMCACHE_NIXL_ROLE": "sender", "HOME": "/root"}
+    assert env_override_names(env) == ["LMCACHE_CHUNK_SIZE", "LMCACHE_NIXL_ROLE", "LMCACHE_REMOTE_URL"]
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"extra_config": {"disk_write_workers": 100000}}, "disk_write_workers"),
+        ({"extra_config": {"disk_read_workers": 65}}, "disk_read_workers"),
+        ({"extra_config": {"disk_queue_depth": 10**9}}, "disk_queue_depth"),
+        ({"chunk_size": 10**18}, "chunk_size"),
+        ({"chunk_size": float("nan")}, "chunk_size"),
+        ({"max_local_cpu_size": float("inf")}, "max_local_cpu_size"),
+        ({"max_local_cpu_size": 1e308}, "max_local_cpu_size"),
+        ({"max_local_disk_size": 10**400}, "max_local_disk_size"),
+        ({"local_disk": "/tmp/a\x00b"}, "local_disk"),
+    ],
+)
+def test_out_of_range_values_are_one_line_errors(data: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, "conf.yaml")
+    assert needle in str(info.value) and "\n" not in str(info.value) and len(str(info.value)) < 300
+
+
+def test_integral_float_is_an_integer() -> None:
+    config, _ = config_from_dict({"chunk_size": 512.0}, "c.yaml")
+    assert config.chunk_size == 512 and isinstance(config.chunk_size, int)
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (b"chunk_size: 256\nlocal_disk: \xff\xfe\n", "not UTF-8"),
+        (b"a: " + b"[" * 20000 + b"]" * 20000 + b"\n", "nested too deeply"),
+        (b"chunk_size: " + b"9" * 5000 + b"\n", "over-long number"),
+        (b"when: 2001-13-45\n", "malformed date"),
+    ],
+)
+def test_hostile_files_are_one_line_errors(tmp_path: Path, raw: bytes, needle: str) -> None:
+    path = tmp_path / "lmcache.yaml"
+    path.write_bytes(raw)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), env={})
+    assert needle in str(info.value) and "\n" not in str(info.value)

@@ -1,0 +1,157 @@
+"""Plans only promise what will start: TP/heads, kernel-view and comma paths, bounded overrides, unsafe dirs."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from plan_helpers import GIB, LLAMA8B, disk, host
+
+from autoconfig.cli import main
+from autoconfig.plan_types import PlanError, PlanModel
+from autoconfig.planner import plan_tiers
+from autoconfig.settings import ServingSettings, TierOverrides
+from lmi_cache.kv_layout import KvLayout
+
+REPO = Path(__file__).resolve().parents[2]
+HOST8 = host(8, 1000, disks=[disk("/", free_gib=500, fs_type="ext4"), disk("/nvme", free_gib=3000),
+                            disk("/proc", free_gib=0, fs_type="proc", nvme=False, rotational=None)])
+LLAMA_HEADS = replace(LLAMA8B, num_attention_heads=32)  # 32 query heads, 8 KV heads
+
+
+def _plan(model: PlanModel = LLAMA_HEADS, **settings: object):
+    return plan_tiers(HOST8, model, ServingSettings(**settings))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tp_dividing_the_heads_plans(tp: int) -> None:
+    assert _plan(tp=tp).tp == tp
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused_with_choices() -> None:
+    with pytest.raises(PlanError) as info:
+        _plan(tp=3)
+    message = str(info.value)
+    assert "tensor_parallel_degree=3" in message and "32 attention heads" in message and "8" in message
+
+
+def test_tp_that_cannot_split_the_kv_heads_is_refused() -> None:
+    odd = PlanModel(KvLayout(32, 8, 128, "bfloat16"), 16 * GIB, 8192, "odd", num_attention_heads=40)
+    with pytest.raises(PlanError, match="8 KV heads"):
+        plan_tiers(host(20, 1000, disks=[disk("/nvme", free_gib=3000)]), odd, ServingSettings(tp=20))
+
+
+def test_pp_larger_than_the_layers_is_refused() -> None:
+    tiny = PlanModel(KvLayout(2, 1, 64, "bfloat16"), GIB, 4096, "tiny", num_attention_heads=4)
+    with pytest.raises(PlanError, match="pipeline_parallel_degree=4"):
+        plan_tiers(host(8, 1000, disks=[disk("/nvme", free_gib=3000)]), tiny, ServingSettings(pp=4))
+
+
+def test_real_config_carries_its_head_count() -> None:
+    from autoconfig.model_source import load_model_info
+
+    info = load_model_info(str(REPO / "tests/fixtures/hf_configs/qwen2.5-7b-instruct"))  # 28 heads, 4 KV heads
+    with pytest.raises(PlanError, match="28 attention heads"):
+        plan_tiers(HOST8, info, ServingSettings(tp=8))
+    assert plan_tiers(HOST8, info, ServingSettings(tp=4)).tp == 4
+
+
+@pytest.mark.parametrize(
+    "path, needle",
+    [
+        ("/proc/lmcache", "can never be created"),
+        ("file:///sys/kernel/lmcache/", "can never be created"),
+        ("/dev/shm-not/lmcache", "can never be created"),
+        ("relative/kv", "absolute"),
+        ("", "empty"),
+        ("/mnt/a,b/kv", "comma"),
+        ("/mnt/a\nb", "control character"),
+    ],
+)
+def test_disk_paths_that_can_never_work_are_refused(path: str, needle: str) -> None:
+    with pytest.raises(PlanError) as info:
+        _plan(overrides=TierOverrides(disk_path=path, disk_size_gib=10))
+    assert "lmcache_local_disk" in str(info.value) and needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_auto_disk_never_picks_a_mount_with_a_comma() -> None:
+    snap = host(1, 200, disks=[disk("/mnt/a,b", free_gib=5000), disk("/data", free_gib=1000)])
+    plan = plan_tiers(snap, LLAMA_HEADS, ServingSettings())
+    assert plan.disk.enabled and plan.disk.path is not None and "," not in plan.disk.path
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (TierOverrides(cpu_size_gib=float("nan")), "lmcache_max_local_cpu_size"),
+        (TierOverrides(cpu_size_gib=float("inf")), "lmcache_max_local_cpu_size"),
+        (TierOverrides(cpu_size_gib=1e308), "lmcache_max_local_cpu_size"),
+        (TierOverrides(disk_size_gib=-1.0), "lmcache_max_local_disk_size"),
+        (TierOverrides(chunk_size=10**12), "lmcache_chunk_size"),
+    ],
+)
+def test_overrides_are_finite_and_bounded(overrides: TierOverrides, needle: str) -> None:
+    with pytest.raises(PlanError, match=needle):
+        _plan(overrides=overrides)
+
+
+@pytest.mark.parametrize("settings", [{"tp": 10**9}, {"dp": 0}, {"gpu_memory_utilization": float("nan")},
+                                      {"max_model_len": 10**15}])
+def test_settings_are_bounded(settings: dict[str, object]) -> None:
+    with pytest.raises(PlanError):
+        _plan(**settings)
+
+
+# ---------------------------------------------------------------- the CLI, live host
+
+
+def _cli(args: list[str]):
+    result = CliRunner().invoke(main, args)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e308", "-1", "abc"])
+def test_size_flags_refuse_non_finite_values(value: str) -> None:
+    result = _cli(["plan", "--model", str(REPO / "tests/fixtures/hf_configs/qwen2.5-0.5b-instruct"),
+                   "--host", str(REPO / "tests/fixtures/hosts/a100x8_nvme_cgroup.json"), "--cpu-size-gib", value])
+    assert result.exit_code == 2 and "--cpu-size-gib" in result.output and "Traceback" not in result.output
+
+
+def test_plan_refuses_a_disk_path_under_a_file(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    result = _cli(["plan", "--model", str(REPO / "tests/fixtures/hf_configs/qwen2.5-0.5b-instruct"),
+                   "--max-model-len", "4096", "--disk-path", str(a_file / "kv"), "--disk-size-gib", "1"])
+    assert result.exit_code == 2 and "can never be created" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root (CI runs as root)")
+def test_plan_and_validate_refuse_another_users_directory(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 12345, 12345)
+    model = str(REPO / "tests/fixtures/hf_configs/qwen2.5-0.5b-instruct")
+    result = _cli(["plan", "--model", model, "--max-model-len", "4096", "--disk-path", str(theirs),
+                   "--disk-size-gib", "1"])
+    assert result.exit_code == 2 and "owned by uid 12345" in result.output
+    config = tmp_path / "lmcache.yaml"
+    config.write_text(f"local_disk: file://{theirs}/\nmax_local_disk_size: 1\nmax_local_cpu_size: 1\n")
+    result = _cli(["validate", str(config), "--model", model, "--max-model-len", "4096"])
+    assert result.exit_code == 1 and "ERROR   local_disk" in result.output and "owned by uid 12345" in result.output
+
+
+def test_validate_takes_max_model_len(tmp_path: Path) -> None:
+    config = tmp_path / "lmcache.yaml"
+    config.write_text("chunk_size: 256\nmax_local_cpu_size: 1\n")
+    args = ["validate", str(config), "--model", str(REPO / "tests/fixtures/hf_configs/qwen2.5-0.5b-instruct"),
+            "--host", str(REPO / "tests/fixtures/hosts/a100x8_nvme_cgroup.json")]
+    too_long = _cli(args + ["--max-model-len", "100000000"])
+    assert "max_model_len 100,000,000" in too_long.output  # checked against the length vLLM will be given
+    assert "max_model_len 100,000,000" not in _cli(args).output
+    refused = _cli(args + ["--max-model-len", "0"])
+    assert refused.exit_code == 2 and "--max-model-len" in refused.output
