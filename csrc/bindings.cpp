@@ -11,7 +11,7 @@
 #include <vector>
 
 #ifdef LMI_CACHE_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -134,7 +134,7 @@ void run_cuda(Plan& plan, const at::Device& device) {
   args.layer_ptrs = reinterpret_cast<char* const*>(d + n_table);
   args.chunk_ptrs = reinterpret_cast<char* const*>(d + n_table + n_layers);
   args.run_offsets = d + n_table + n_layers + n_chunks;
-  const int err = paged_copy_cuda(args, at::cuda::getCurrentCUDAStream(device.index()).stream());
+  const int err = paged_copy_cuda(args, c10::cuda::getCurrentCUDAStream(device.index()).stream());
   TORCH_CHECK(err == 0, "paged copy: CUDA kernel launch failed: ", paged_copy_cuda_error(err));
 }
 #endif
