@@ -11,7 +11,7 @@ chain (S3), and never appear in ``display_url``, logs, metrics or errors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from lmi_cache.errors import ConfigError
 from lmi_cache.remote.value_codec import COMPRESSION_CHOICES
@@ -115,7 +115,7 @@ def redact_url(url: str) -> str:
         netloc = parts.netloc.rpartition("@")[2]
         if "@" in parts.netloc:
             netloc = "***@" + netloc
-        return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        return f"{parts.scheme}://{netloc}{parts.path}"
     except ValueError:
         return "<unparseable url>"
 
@@ -123,8 +123,8 @@ def redact_url(url: str) -> str:
 def redis_client_url(url: str) -> str:
     """The URL redis-py understands: valkey schemes mapped, our own query options removed."""
     parts = urlsplit(url)
-    query = [(k, v) for k, v in parse_qsl(parts.query) if k != "cluster"]
-    return urlunsplit((REDIS_SCHEMES[parts.scheme.lower()], parts.netloc, parts.path, urlencode(query), ""))
+    query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k != "cluster"])
+    return f"{REDIS_SCHEMES[parts.scheme.lower()]}://{parts.netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
 def s3_location(url: str) -> tuple[str, str]:

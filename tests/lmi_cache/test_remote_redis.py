@@ -1,0 +1,174 @@
+"""RemoteCache over a real redis-server: round trips, batching, TTL, eviction, damaged values, MAC, credentials."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import redis
+from remote_fixtures import make_keys, make_object, own_redis, payload_of, redis_server, redis_settings  # noqa: F401
+
+from lmi_cache.metrics import CacheMetrics
+from lmi_cache.remote import open_remote
+from lmi_cache.remote.cache import RemoteCache
+from lmi_cache.remote.redis_server import RedisServer
+from lmi_cache.remote.value_codec import DecodedChunk, MissReason
+
+SECRET = b"fleet-secret-0123456789"
+
+
+def fill(cache: RemoteCache, num: int, size: int = 4096, seed: int = 0) -> tuple[list, list[bytes]]:
+    keys = make_keys(num, seed=seed)
+    objs = [make_object(k, size, seed=i) for i, k in enumerate(keys)]
+    for key, obj in zip(keys, objs):
+        assert cache.put(key, obj)
+    assert cache.flush(10)
+    return keys, objs
+
+
+def payloads(results: list) -> list[bytes | None]:
+    return [bytes(r.payload) if isinstance(r, DecodedChunk) else None for r in results]
+
+
+@pytest.mark.parametrize("compression", ["off", "zstd-planes"])
+def test_round_trip_and_batching(redis_server: RedisServer, compression: str) -> None:
+    metrics = CacheMetrics()
+    cache = open_remote(redis_settings(redis_server.url, f"rt-{compression}", compression=compression),
+                        secret=SECRET, metrics=metrics)
+    try:
+        keys, objs = fill(cache, 12)
+        client = redis.Redis.from_url(redis_server.url)
+        client.config_resetstat()
+        assert cache.contains_many(keys) == [True] * 12
+        other = make_keys(3, seed=99)
+        assert cache.contains_many(other) == [False] * 3
+        results = cache.get_many(keys + other)
+        assert payloads(results) == [payload_of(o) for o in objs] + [None] * 3
+        assert results[-1] == MissReason.NOT_FOUND
+        stats = client.info("commandstats")
+        assert stats["cmdstat_mget"]["calls"] == 1  # the whole batch in one MGET
+        assert stats["cmdstat_exists"]["calls"] == 15  # pipelined: one EXISTS per key
+        assert cache.stats()["puts_stored"] == 12 and cache.stats()["get_hits"] == 12
+        assert metrics.snapshot()["redis_stored_chunks"] == 12
+        stored_key = bytes(client.keys(f"rt-{compression}:*")[0]).decode()
+        assert stored_key.startswith(f"rt-{compression}:v1:") and len(stored_key.rsplit(":", 1)[1]) == 32
+    finally:
+        cache.close()
+
+
+def test_deployments_with_other_prefixes_do_not_meet(redis_server: RedisServer) -> None:
+    a = open_remote(redis_settings(redis_server.url, "deploy-a"))
+    b = open_remote(redis_settings(redis_server.url, "deploy-b"))
+    try:
+        keys, _ = fill(a, 2)
+        assert b.contains_many(keys) == [False, False]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_ttl_expires_values(redis_server: RedisServer) -> None:
+    cache = open_remote(redis_settings(redis_server.url, "ttl", ttl_s=1))
+    try:
+        keys, _ = fill(cache, 2)
+        client = redis.Redis.from_url(redis_server.url)
+        assert 0 < client.pttl(cache.store.key_for(keys[0].digest)) <= 1000
+        time.sleep(1.2)
+        assert cache.contains_many(keys) == [False, False]
+        assert cache.get_many(keys) == [MissReason.NOT_FOUND] * 2
+    finally:
+        cache.close()
+
+
+def test_store_side_lru_eviction_is_a_miss_not_an_error() -> None:
+    with RedisServer(extra_args=["--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"]) as server:
+        cache = open_remote(redis_settings(server.url, "lru"))
+        try:
+            keys, objs = fill(cache, 60, size=64 << 10)  # ~4 MB into a 3 MB store
+            present = cache.contains_many(keys)
+            assert 0 < sum(present) < len(keys)
+            results = cache.get_many(keys)
+            for result, obj, here in zip(results, objs, present):
+                if here:
+                    assert isinstance(result, DecodedChunk) and bytes(result.payload) == payload_of(obj)
+                else:
+                    assert result == MissReason.NOT_FOUND
+            stats = cache.stats()
+            assert stats["puts_stored"] == 60 and "put_errors" not in stats
+        finally:
+            cache.close()
+
+
+def test_damaged_and_foreign_values_are_misses(redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    metrics = CacheMetrics()
+    cache = open_remote(redis_settings(redis_server.url, "damage"), metrics=metrics)
+    try:
+        keys, objs = fill(cache, 4)
+        client = redis.Redis.from_url(redis_server.url)
+        names = [cache.store.key_for(k.digest) for k in keys]
+        value = client.get(names[0])
+        assert isinstance(value, bytes)
+        client.set(names[0], value[:-7])  # truncated
+        flipped = bytearray(value)
+        flipped[-3] ^= 0xFF
+        client.set(names[1], bytes(flipped))  # corrupted payload
+        client.set(names[2], b"a value some other program wrote")  # foreign
+        with caplog.at_level(logging.WARNING):
+            results = cache.get_many(keys)
+        assert results[:3] == [MissReason.TRUNCATED, MissReason.CORRUPTED, MissReason.FOREIGN]
+        assert payloads(results)[3] == payload_of(objs[3])
+        assert metrics.snapshot()["redis_corrupted_reads"] == 2
+        assert any("refused" in r.message for r in caplog.records)
+    finally:
+        cache.close()
+
+
+def test_mac_between_fleet_members(redis_server: RedisServer) -> None:
+    """A signing fleet accepts its own values, refuses unsigned or foreign-signed ones."""
+    signer = open_remote(redis_settings(redis_server.url, "mac"), secret=SECRET)
+    intruder = open_remote(redis_settings(redis_server.url, "mac"), secret=b"not-the-fleet-secret-at-all")
+    unsigned = open_remote(redis_settings(redis_server.url, "mac"), secret=None)
+    try:
+        keys, objs = fill(signer, 1)
+        assert payloads(signer.get_many(keys)) == [payload_of(objs[0])]
+        assert intruder.get_many(keys) == [MissReason.MAC_INVALID]
+        assert payloads(unsigned.get_many(keys)) == [payload_of(objs[0])]  # no secret: checksum-verified only
+        forged_keys, _ = fill(unsigned, 1, seed=5)  # a writer without the secret
+        assert signer.get_many(forged_keys) == [MissReason.MAC_MISSING]
+    finally:
+        for cache in (signer, intruder, unsigned):
+            cache.close()
+
+
+def test_credentials_from_url_and_env_never_logged(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    password = "pw-7Hq2-never-print-me"
+    with RedisServer(password=password) as server:
+        cache = open_remote(redis_settings(server.url, "auth"))
+        keys, _ = fill(cache, 1)
+        assert cache.contains_many(keys) == [True]
+        cache.close()
+        monkeypatch.setenv("LMI_CACHE_REMOTE_PASSWORD", password)
+        from_env = open_remote(redis_settings(f"redis://127.0.0.1:{server.port}", "auth"))
+        assert from_env.contains_many(keys) == [True]
+        from_env.close()
+        monkeypatch.delenv("LMI_CACHE_REMOTE_PASSWORD")
+        wrong = open_remote(redis_settings(f"redis://admin:{password}x@127.0.0.1:{server.port}", "auth"))
+        with caplog.at_level(logging.DEBUG):
+            assert wrong.contains_many(keys) == [False]
+            assert wrong.ping() is not None
+            assert password not in (wrong.ping() or "")
+        wrong.close()
+    assert password not in caplog.text and "***@" in caplog.text
+
+
+def test_unix_socket_and_valkey_scheme() -> None:
+    with RedisServer(unix_socket=True) as server:
+        for url in (f"unix://{server.unix_path}", f"valkey://127.0.0.1:{server.port}"):
+            cache = open_remote(redis_settings(url, "schemes"))
+            try:
+                keys, objs = fill(cache, 2, seed=hash(url) % 1000)
+                assert payloads(cache.get_many(keys)) == [payload_of(o) for o in objs]
+                assert cache.ping() is None
+            finally:
+                cache.close()
