@@ -50,7 +50,8 @@ def test_round_trip_and_batching(redis_server: RedisServer, compression: str) ->
         assert stats["cmdstat_exists"]["calls"] == 15  # pipelined: one EXISTS per key
         assert cache.stats()["puts_stored"] == 12 and cache.stats()["get_hits"] == 12
         assert metrics.snapshot()["redis_stored_chunks"] == 12
-        stored_key = bytes(client.keys(f"rt-{compression}:*")[0]).decode()
+        raw_key = client.keys(f"rt-{compression}:*")[0]
+        stored_key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
         assert stored_key.startswith(f"rt-{compression}:v1:") and len(stored_key.rsplit(":", 1)[1]) == 32
     finally:
         cache.close()
