@@ -52,7 +52,28 @@ def _one_line(message: str) -> str:
     return " ".join(message.split())
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from autoconfig.lmi_to_vllm import vllm_table_version
+
+    try:
+        ours = version("lmi-cache")
+    except PackageNotFoundError:
+        ours = "unknown (not installed)"
+    return f"{ours} (vLLM arguments of vLLM {vllm_table_version()})"
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    # Computed only when asked: every other command keeps its start-up time.
+    if value and not ctx.resilient_parsing:
+        click.echo(f"lmi-cache {_version()}")
+        ctx.exit()
+
+
 @click.group(cls=LmiCacheGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the lmi-cache version (and the vLLM version its option table follows) and exit.")
 def main() -> None:
     """KV-cache offloading for vLLM, configured from the host and the model."""
 

@@ -43,24 +43,35 @@ def sagemaker() -> None:
 @click.option("--role", "role_arn", required=True, help="SageMaker execution role ARN.")
 @click.option("--option", "option_pairs", multiple=True, metavar="KEY=VALUE",
               help="LMI option, sent as env OPTION_<KEY> (repeatable), e.g. tensor_parallel_degree=4.")
+@click.option("--env", "env_pairs", multiple=True, metavar="NAME=VALUE",
+              help="Other container environment variable (repeatable), e.g. HF_TOKEN=hf_...; secrets are never "
+                   "printed.")
 @click.option("--instance-count", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--startup-timeout", "startup_timeout_s", type=click.IntRange(min=60), default=1800,
-              show_default=True, help="Seconds SageMaker waits for /ping after the container starts.")
+@click.option("--startup-timeout", "startup_timeout_s", type=int, default=1800, show_default=True,
+              help="Seconds SageMaker waits for the model download and for /ping (60-3600, SageMaker's limit).")
 @click.option("--region", help="AWS region (default: the AWS configuration).")
 @click.option("--endpoint-url", help="SageMaker API endpoint (e.g. a local test server).")
 @click.option("--dry-run", is_flag=True, help="Print the three requests as JSON; send nothing.")
 def deploy(name: str, image_uri: str, model_data: str | None, instance_type: str, role_arn: str,
-           option_pairs: tuple[str, ...], instance_count: int, startup_timeout_s: int, region: str | None,
-           endpoint_url: str | None, dry_run: bool) -> None:
+           option_pairs: tuple[str, ...], env_pairs: tuple[str, ...], instance_count: int, startup_timeout_s: int,
+           region: str | None, endpoint_url: str | None, dry_run: bool) -> None:
     """Create a SageMaker model, endpoint config and endpoint with the KV cache on."""
-    from autoconfig.sagemaker_deploy import DeploySpec, build_requests, deploy as send, parse_option_pairs
+    from autoconfig.sagemaker_deploy import (
+        DeploySpec,
+        build_requests,
+        deploy as send,
+        parse_env_pairs,
+        parse_option_pairs,
+        printable,
+    )
 
     spec = DeploySpec(name=name, image_uri=image_uri, instance_type=instance_type, role_arn=role_arn,
                       model_data=model_data, options=parse_option_pairs(option_pairs),
-                      instance_count=instance_count, startup_timeout_s=startup_timeout_s)
+                      instance_count=instance_count, startup_timeout_s=startup_timeout_s,
+                      env=parse_env_pairs(env_pairs))
     requests = build_requests(spec)
     if dry_run:
-        click.echo(json.dumps(requests, indent=2))
+        click.echo(json.dumps(printable(requests), indent=2))
         return
     arns = send(requests, region=region, endpoint_url=endpoint_url)
     for key, arn in arns.items():

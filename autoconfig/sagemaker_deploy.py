@@ -5,6 +5,11 @@ container. The three requests (model, endpoint config, endpoint) are built by
 a pure function so ``--dry-run`` and tests see exactly what would be sent.
 Settings travel the LMI way: ``option.<name>`` becomes env ``OPTION_<NAME>``,
 which the container's ``lmi-cache serve`` resolves like serving.properties.
+``--env KEY=VALUE`` adds other environment variables (``HF_TOKEN``, LMI's
+simplified ``TENSOR_PARALLEL_DEGREE``...). Checked before any request: the
+instance type against the catalog (autoconfig/data/sagemaker_instances.json),
+the parallel degrees against its GPUs, the timeouts against SageMaker's
+3600 s limit. ``printable`` masks secrets for ``--dry-run`` and logs.
 boto3 is imported lazily (the ``sagemaker`` extra).
 """
 from __future__ import annotations
@@ -13,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from autoconfig.lmi_names import is_secret_env
 from autoconfig.lmi_to_vllm import map_lmi_options
 from lmi_cache.errors import UserError
 
@@ -27,6 +33,10 @@ _ROLE_RE = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/\S+$")
 _OPTION_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Large models download and load for many minutes; SageMaker's defaults are shorter.
 DEFAULT_STARTUP_TIMEOUT_S = 1800
+# SageMaker's limit for ContainerStartupHealthCheckTimeoutInSeconds and
+# ModelDataDownloadTimeoutInSeconds (ProductionVariant API reference: 60-3600).
+MAX_TIMEOUT_S = 3600
+MIN_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,7 @@ class DeploySpec:
     options: Mapping[str, str] = field(default_factory=dict)  # LMI option names, no "option." prefix
     instance_count: int = 1
     startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
+    env: Mapping[str, str] = field(default_factory=dict)  # other environment variables (--env)
 
 
 def parse_option_pairs(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
@@ -52,9 +63,35 @@ def parse_option_pairs(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
         if key.startswith("option."):
             key = key[len("option."):]
         if not sep or not _OPTION_NAME_RE.match(key):
-            raise DeployError(f"--option {pair!r}: expected KEY=VALUE, e.g. --option tensor_parallel_degree=4")
+            # The value is not echoed: it may be a token.
+            raise DeployError(f"--option {key[:40]!r}: expected KEY=VALUE with KEY letters, digits and '_', "
+                              "e.g. --option tensor_parallel_degree=4")
         options[key] = value.strip()
     return options
+
+
+def parse_env_pairs(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """``["HF_TOKEN=hf_...", "TENSOR_PARALLEL_DEGREE=4"]`` -> environment variables for the container."""
+    env: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not _OPTION_NAME_RE.match(key):
+            raise DeployError(f"--env {key[:40]!r}: expected NAME=VALUE with NAME letters, digits and '_', "
+                              "e.g. --env HF_TOKEN=hf_...")
+        env[key] = value
+    return env
+
+
+def printable(requests: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the requests with secret environment values replaced by ``***`` (for --dry-run)."""
+    out = {call: dict(body) for call, body in requests.items()}
+    model = dict(out["create_model"])
+    container = dict(model["PrimaryContainer"])
+    container["Environment"] = {k: "***" if is_secret_env(k) else v for k, v in container["Environment"].items()}
+    model["PrimaryContainer"] = container
+    out["create_model"] = model
+    return out
 
 
 def container_env(options: Mapping[str, str]) -> dict[str, str]:
@@ -68,7 +105,8 @@ def container_env(options: Mapping[str, str]) -> dict[str, str]:
 def build_requests(spec: DeploySpec) -> dict[str, dict[str, Any]]:
     """The keyword arguments of create_model, create_endpoint_config and create_endpoint."""
     _validate(spec)
-    container: dict[str, Any] = {"Image": spec.image_uri, "Environment": container_env(spec.options)}
+    container: dict[str, Any] = {"Image": spec.image_uri,
+                                 "Environment": {**container_env(spec.options), **spec.env}}
     if spec.model_data is not None:
         if spec.model_data.endswith(".tar.gz"):
             container["ModelDataUrl"] = spec.model_data
@@ -175,10 +213,55 @@ def _validate(spec: DeploySpec) -> None:
         raise DeployError("no model: pass --model-data s3://... or --option model_id=<hub id>")
     if spec.instance_count < 1:
         raise DeployError("--instance-count must be at least 1")
+    if not MIN_TIMEOUT_S <= spec.startup_timeout_s <= MAX_TIMEOUT_S:
+        raise DeployError(f"--startup-timeout {spec.startup_timeout_s}: SageMaker accepts {MIN_TIMEOUT_S}-"
+                          f"{MAX_TIMEOUT_S} seconds")
+    for key in spec.env:
+        if key.startswith("OPTION_") and key[len("OPTION_"):].lower() in spec.options:
+            raise DeployError(f"--env {key} and --option {key[len('OPTION_'):].lower()} both set: keep one")
+    _check_instance(spec)
     if "lmcache_config_file" in spec.options and spec.options.get("lmcache_auto_config", "").lower() == "true":
         raise DeployError("--option lmcache_auto_config=true and --option lmcache_config_file both set: keep one")
     # Same check as the container's start-up, so a typo fails here and not after an endpoint is billed.
     map_lmi_options(spec.options, {k: f"--option {k}" for k in spec.options})
+
+
+def _check_instance(spec: DeploySpec) -> None:
+    """The instance type must be in the catalog and hold tp x pp x dp GPUs."""
+    from autoconfig.catalog import UnknownInstanceError, get_instance
+
+    try:
+        inst = get_instance(spec.instance_type)
+    except UnknownInstanceError as err:
+        raise DeployError(f"--instance-type: {err} (the catalog lists the GPU instance types lmi-cache can plan "
+                          "for: lmi-cache plan --instance-type)") from None
+    degrees = {}
+    for name, env_names in (("tensor_parallel_degree", ("TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS")),
+                            ("pipeline_parallel_degree", ()), ("data_parallel_degree", ())):
+        raw, where = _setting(spec, name, env_names)
+        if raw is None or (name == "tensor_parallel_degree" and raw.strip().lower() == "max"):
+            continue
+        try:
+            degrees[name] = (int(raw), where)
+        except ValueError:
+            raise DeployError(f"{where}={raw!r}: expected a positive integer") from None
+    need = 1
+    for value, _ in degrees.values():
+        need *= max(1, value)
+    if need > inst.gpu_count:
+        named = " x ".join(f"{where}={value}" for value, where in degrees.values())
+        raise DeployError(f"{named} needs {need} GPUs but {inst.name} has {inst.gpu_count}: "
+                          "lower the degree or choose a larger instance type")
+
+
+def _setting(spec: DeploySpec, name: str, env_names: tuple[str, ...]) -> tuple[str | None, str]:
+    """Where the container would read ``name`` from: --option, --env OPTION_*, then LMI's simplified variables."""
+    if name in spec.options:
+        return spec.options[name], f"--option {name}"
+    for var in (f"OPTION_{name.upper()}", *env_names):
+        if spec.env.get(var, "").strip():
+            return spec.env[var], f"--env {var}"
+    return None, name
 
 
 def _one_line(err: Exception) -> str:

@@ -97,6 +97,15 @@ def test_option_pairs_accept_the_option_prefix_and_reject_garbage() -> None:
         ({"model_data": None}, "no model"),
         ({"options": {"tensor_paralel_degree": "4"}}, "did you mean option.tensor_parallel_degree"),
         ({"options": {"lmcache_auto_config": "true", "lmcache_config_file": "x.yaml"}}, "keep one"),
+        ({"instance_type": "ml.g6e.13xlarge"}, "did you mean .*ml.g6e.12xlarge"),
+        ({"instance_type": "ml.c5.xlarge"}, "--instance-type: unknown SageMaker instance type"),
+        ({"options": {"tensor_parallel_degree": "8"}}, "--option tensor_parallel_degree=8 needs 8 GPUs but "
+                                                      "ml.g6e.12xlarge has 4"),
+        ({"options": {}, "env": {"TENSOR_PARALLEL_DEGREE": "8"}}, "--env TENSOR_PARALLEL_DEGREE=8 needs 8 GPUs"),
+        ({"options": {"tensor_parallel_degree": "2", "data_parallel_degree": "4"}}, "needs 8 GPUs"),
+        ({"startup_timeout_s": 3601}, "60-3600 seconds"),
+        ({"startup_timeout_s": 59}, "60-3600 seconds"),
+        ({"env": {"OPTION_DTYPE": "fp16"}, "options": {"dtype": "bf16"}}, "keep one"),
     ],
 )
 def test_bad_arguments_fail_before_any_request(change: dict[str, Any], expected: str) -> None:
@@ -105,10 +114,19 @@ def test_bad_arguments_fail_before_any_request(change: dict[str, Any], expected:
     assert "\n" not in str(info.value)
 
 
-# moto 5 validates instance types against an older list than SageMaker's (no g6e): use one it knows.
-MOTO_INSTANCE = "ml.g4dn.12xlarge"
+# moto 5 validates endpoint-config instance types against an old list (g4dn, p3: none of them GPU types
+# lmi-cache's catalog plans for): the tests that must succeed let moto accept this catalog type too.
+MOTO_INSTANCE = "ml.g5.12xlarge"
 
 
+@pytest.fixture()
+def moto_accepts_catalog_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moto.sagemaker.models import FakeEndpointConfig
+
+    monkeypatch.setattr(FakeEndpointConfig, "validate_instance_type", lambda self, instance_type: None)
+
+
+@pytest.mark.usefixtures("moto_accepts_catalog_types")
 def test_deploy_creates_model_config_and_endpoint_on_moto(moto_url: str) -> None:
     import boto3
 
@@ -128,7 +146,8 @@ def test_deploy_creates_model_config_and_endpoint_on_moto(moto_url: str) -> None
 def test_refused_request_is_one_line_and_rolls_back_on_moto(moto_url: str) -> None:
     import boto3
 
-    requests = build_requests(_spec(name="refused", instance_type="ml.not-a-type.xlarge"))
+    # A type the catalog knows but moto (like an account without quota) refuses.
+    requests = build_requests(_spec(name="refused", instance_type="ml.g6e.12xlarge"))
     with pytest.raises(DeployError, match="sagemaker create_endpoint_config failed") as info:
         deploy(requests, region="us-west-2", endpoint_url=moto_url)
     assert "\n" not in str(info.value)
@@ -152,6 +171,7 @@ def test_cli_dry_run_prints_requests_and_sends_nothing(moto_url: str) -> None:
     assert "dry" not in names
 
 
+@pytest.mark.usefixtures("moto_accepts_catalog_types")
 def test_cli_deploy_prints_the_arns(moto_url: str) -> None:
     args = ["--name", "via-cli", "--image", IMAGE, "--model-data", "s3://b/m/", "--instance-type", MOTO_INSTANCE,
             "--role", ROLE, "--region", "us-west-2", "--endpoint-url", moto_url]
@@ -182,3 +202,31 @@ def test_failure_rolls_back_what_was_created() -> None:
     assert client.calls == ["create_model", "create_endpoint_config", "delete_model"]
     assert "rolled back: model" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_env_pairs_reach_the_container_and_secrets_are_never_printed() -> None:
+    args = ["--name", "sec", "--image", IMAGE, "--model-data", "s3://b/m/", "--instance-type", "ml.g6e.12xlarge",
+            "--role", ROLE, "--option", "hf_token=hf_opt_secret", "--option", "api_key=sk-one,sk-two",
+            "--env", "HF_TOKEN=hf_env_secret", "--env", "TENSOR_PARALLEL_DEGREE=4", "--dry-run"]
+    result = CliRunner().invoke(deploy_command, args)
+    assert result.exit_code == 0, result.output
+    for secret in ("hf_opt_secret", "hf_env_secret", "sk-one", "sk-two"):
+        assert secret not in result.output
+    env = json.loads(result.output)["create_model"]["PrimaryContainer"]["Environment"]
+    assert env["HF_TOKEN"] == "***" and env["OPTION_HF_TOKEN"] == "***" and env["OPTION_API_KEY"] == "***"
+    assert env["TENSOR_PARALLEL_DEGREE"] == "4"
+    # The request itself carries the real values.
+    spec = _spec(options={"hf_token": "hf_opt_secret"}, env={"HF_TOKEN": "hf_env_secret"})
+    sent = build_requests(spec)["create_model"]["PrimaryContainer"]["Environment"]
+    assert sent["HF_TOKEN"] == "hf_env_secret" and sent["OPTION_HF_TOKEN"] == "hf_opt_secret"
+
+
+def test_bad_pairs_do_not_echo_their_value() -> None:
+    from autoconfig.sagemaker_deploy import parse_env_pairs
+
+    with pytest.raises(DeployError) as info:
+        parse_option_pairs(["hf token=hf_leak"])
+    assert "hf_leak" not in str(info.value)
+    with pytest.raises(DeployError) as info:
+        parse_env_pairs(["HF-TOKEN=hf_leak"])
+    assert "hf_leak" not in str(info.value)

@@ -127,3 +127,12 @@ def test_exec_replaces_the_process_and_passes_the_exit_code(tmp_path: Path) -> N
     assert proc.returncode == 7
     before, after = proc.stdout.split("\n")[:2]
     assert after.split() == [before, "set"], "exec must keep the PID (signals reach vLLM) and the env"
+
+
+def test_version_names_the_package_and_the_vllm_it_targets() -> None:
+    from importlib.metadata import version
+
+    proc = subprocess.run([sys.executable, "-m", "autoconfig.cli", "--version"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"lmi-cache {version('lmi-cache')} (vLLM arguments of vLLM 0.32.0)"

@@ -100,3 +100,9 @@ def _hadolint() -> str | None:
 def test_hadolint_is_clean(path: Path) -> None:
     proc = subprocess.run([str(_hadolint()), "--no-color", str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_image_declares_it_accepts_sagemakers_bind_to_port(path: Path) -> None:
+    labels = " ".join(rest for w, rest in instructions(path) if w == "LABEL")
+    assert "com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true" in labels.split()
