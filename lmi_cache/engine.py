@@ -48,7 +48,6 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -123,20 +122,13 @@ class CacheEngine:
         return None
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        # Not a metric: under vLLM prompts are looked up (and counted) by the scheduler, not here.
         hit_tokens = 0
-        hits_by_tier: dict[str, int] = defaultdict(int)
         for key in keys:
-            tier = self.contains(key)
-            if tier is None:
+            if self.contains(key) is None:
                 break
-            hits_by_tier[tier] += key.num_tokens
             hit_tokens = key.end
-        if hit_tokens < self.config.min_retrieve_tokens:
-            hit_tokens = 0
-            hits_by_tier.clear()
-        requested = keys[-1].end - keys[0].start if keys else 0
-        self.metrics.lookup(requested, dict(hits_by_tier))
-        return hit_tokens
+        return hit_tokens if hit_tokens >= self.config.min_retrieve_tokens else 0
 
     def lookup_tokens(self, tokens: Sequence[int] | np.ndarray, namespace: KeyNamespace) -> int:
         return self.lookup(self.keys_for(tokens, namespace))
@@ -214,6 +206,7 @@ class CacheEngine:
             result = self._cpu.load(key, out)
             if result is not None:
                 self.metrics.loaded("cpu", time.perf_counter() - start_s)
+                self.metrics.loaded_tokens("cpu", key.num_tokens)
                 return result
         if self._disk is None:
             return None
@@ -227,7 +220,9 @@ class CacheEngine:
         obj_tensor = torch.from_numpy(obj)
         if self._cpu is not None:
             self._cpu.put(key, header, obj_tensor[HEADER_BYTES : header.total_bytes])  # promotion
-        return copy_payload_out(obj_tensor, header, out) if out is not None else _view_payload(obj_tensor, header)
+        result = copy_payload_out(obj_tensor, header, out) if out is not None else _view_payload(obj_tensor, header)
+        self.metrics.loaded_tokens("disk", key.num_tokens)
+        return result
 
     def retrieve_many(
         self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor | None] | None = None
@@ -253,6 +248,7 @@ class CacheEngine:
             raise ValueError(f"out has dtype {out.dtype}, the stored chunk {header.dtype}")
         if self._cpu is not None:
             self._cpu.put(key, header, out_bytes)  # promotion
+        self.metrics.loaded_tokens("disk", key.num_tokens)
         return out
 
     # ------------------------------------------------------------ events

@@ -1,25 +1,49 @@
-"""Prometheus metrics of one CacheEngine (vLLM worker process), plus a rate-limited warner.
+"""Prometheus series of lmi-cache, plus a rate-limited warner (vLLM scheduler and worker processes).
 
-Each CacheMetrics owns a CollectorRegistry (several engines in one process,
-e.g. tests, never collide); the connector exposes ``metrics.registry``.
-Every series carries a ``rank`` label; tier series also carry ``tier``.
+Two writers, in different processes of one vLLM server:
 
-Names (documented in the README):
-- lmi_cache_lookups_total                      lookups (one per prompt)
-- lmi_cache_requested_tokens_total             tokens asked for by lookups
-- lmi_cache_hit_tokens_total{tier}             looked-up tokens found, by the tier that had them
-- lmi_cache_stored_chunks_total{tier}          chunks stored
-- lmi_cache_stored_tokens_total{tier}          tokens stored
-- lmi_cache_stored_bytes_total{tier}           chunk-object bytes stored
-- lmi_cache_evictions_total{tier}              chunks evicted to stay within the byte budget
-- lmi_cache_dropped_stores_total{tier,reason}  stores refused (full, queue_full, too_large, error)
-- lmi_cache_fingerprint_mismatches_total{tier} loads whose token fingerprint differed (a miss)
-- lmi_cache_corrupted_reads_total{tier}        loads of damaged objects (a miss; file removed)
-- lmi_cache_tier_errors_total{tier,op}         I/O faults (ENOSPC, EIO, EACCES, ...) turned into misses
-- lmi_cache_tier_usage_bytes{tier}             bytes held now
-- lmi_cache_tier_capacity_bytes{tier}          byte budget
-- lmi_cache_load_seconds{tier}                 latency of a successful load (histogram)
-- lmi_cache_store_seconds{tier}                latency of a store (CPU: copy; disk: file write)
+* ``SchedulerMetrics``: the scheduler (vLLM's engine-core process), where
+  every prompt is looked up. Labels: ``engine`` (the data-parallel replica,
+  as in vLLM's own series).
+* ``CacheMetrics``: each worker's engine, where bytes move. Labels:
+  ``engine`` and ``rank`` (the TP/PP rank inside the replica); tier series
+  also ``tier`` (cpu, disk; ``engine``/``connector`` for faults outside a tier).
+
+With ``PROMETHEUS_MULTIPROC_DIR`` set (``lmi-cache serve`` does it) the values
+live in per-process files that vLLM's ``/metrics`` aggregates; gauges use
+``mostrecent`` so a restarted process's last value wins. Each object owns a
+CollectorRegistry (several engines in one test process never collide) that
+the opt-in exporters of ``metrics_server`` serve.
+
+Scheduler series (one lookup per request admission; re-asks while a request
+waits for memory are not counted; a preempted request that is admitted again
+is looked up again):
+
+- lmi_cache_lookups_total{engine}                 requests looked up
+- lmi_cache_requested_tokens_total{engine}        prompt tokens of those requests
+- lmi_cache_hit_tokens_total{engine}              of those, tokens held by the cache (whole chunks every
+                                                  rank holds, at most prompt-1, block aligned), whether or
+                                                  not vLLM's own prefix cache also had them
+- lmi_cache_load_tokens_total{engine}             tokens the workers were told to load: the hit beyond
+                                                  vLLM's own prefix cache (the prefill the cache saved)
+
+Worker series (per rank; with TP every rank holds its own part of each token's KV):
+
+- lmi_cache_loaded_tokens_total{tier}             tokens of chunks read back from the tier
+- lmi_cache_stored_chunks_total{tier}             chunks stored
+- lmi_cache_stored_tokens_total{tier}             tokens stored
+- lmi_cache_stored_bytes_total{tier}              chunk-object bytes stored
+- lmi_cache_evictions_total{tier}                 chunks evicted to stay within the byte budget
+- lmi_cache_dropped_stores_total{tier,reason}     stores refused (full, queue_full, too_large, error)
+- lmi_cache_fingerprint_mismatches_total{tier}    loads whose token fingerprint differed (a miss)
+- lmi_cache_corrupted_reads_total{tier}           loads of damaged objects (a miss; file removed)
+- lmi_cache_tier_errors_total{tier,op}            faults turned into misses (ENOSPC, EIO, a missing chunk, ...)
+- lmi_cache_untrusted_files_total{tier,reason}    entries ignored as not ours (symlink, not_regular,
+                                                  foreign_owner) and directories refused (unsafe_dir, busy_dir)
+- lmi_cache_tier_usage_bytes{tier}                bytes held now
+- lmi_cache_tier_capacity_bytes{tier}             byte budget
+- lmi_cache_load_seconds{tier}                    latency of a successful load (histogram)
+- lmi_cache_store_seconds{tier}                   latency of a store (CPU: copy; disk: file write)
 """
 from __future__ import annotations
 
@@ -27,36 +51,61 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Several processes write one gauge name; each (engine, rank, tier) is written by one process.
+_GAUGE_MODE: Final = "mostrecent"
+
+
+class SchedulerMetrics:
+    """Lookup counters of one scheduler (one data-parallel replica)."""
+
+    def __init__(self, engine_label: str = "0", registry: CollectorRegistry | None = None) -> None:
+        self.engine_label = engine_label
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, labels = self.registry, ["engine"]
+        self._lookups = Counter("lmi_cache_lookups", "Requests looked up (one per admission)", labels, registry=r)
+        self._requested = Counter("lmi_cache_requested_tokens", "Prompt tokens of looked-up requests", labels,
+                                  registry=r)
+        self._hit = Counter("lmi_cache_hit_tokens", "Prompt tokens held by the cache", labels, registry=r)
+        self._load = Counter("lmi_cache_load_tokens", "Tokens the workers were told to load", labels, registry=r)
+
+    def lookup(self, requested_tokens: int, hit_tokens: int, load_tokens: int) -> None:
+        self._lookups.labels(self.engine_label).inc()
+        self._requested.labels(self.engine_label).inc(requested_tokens)
+        self._hit.labels(self.engine_label).inc(hit_tokens)
+        self._load.labels(self.engine_label).inc(load_tokens)
 
 
 class CacheMetrics:
-    """Counters and gauges of one engine; also kept as plain numbers for ``stats()``."""
+    """Counters and gauges of one engine (one worker rank); also kept as plain numbers for ``stats()``."""
 
-    def __init__(self, rank_label: str = "0", registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, rank_label: str = "0", registry: CollectorRegistry | None = None,
+                 engine_label: str = "0") -> None:
         self.rank_label = rank_label
+        self.engine_label = engine_label
+        self._ids = (engine_label, rank_label)
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        rank = ["rank"]
-        tier = ["rank", "tier"]
-        self._lookups = Counter("lmi_cache_lookups", "Lookups (one per prompt)", rank, registry=r)
-        self._requested = Counter("lmi_cache_requested_tokens", "Tokens asked for by lookups", rank, registry=r)
-        self._hit = Counter("lmi_cache_hit_tokens", "Looked-up tokens found, by tier", tier, registry=r)
+        tier = ["engine", "rank", "tier"]
+        self._loaded = Counter("lmi_cache_loaded_tokens", "Tokens of chunks read back, by tier", tier, registry=r)
         self._chunks = Counter("lmi_cache_stored_chunks", "Chunks stored", tier, registry=r)
         self._tokens = Counter("lmi_cache_stored_tokens", "Tokens stored", tier, registry=r)
         self._bytes = Counter("lmi_cache_stored_bytes", "Chunk-object bytes stored", tier, registry=r)
         self._evictions = Counter("lmi_cache_evictions", "Chunks evicted for space", tier, registry=r)
-        self._dropped = Counter(
-            "lmi_cache_dropped_stores", "Stores refused", ["rank", "tier", "reason"], registry=r
-        )
+        self._dropped = Counter("lmi_cache_dropped_stores", "Stores refused", [*tier, "reason"], registry=r)
         self._fp = Counter("lmi_cache_fingerprint_mismatches", "Loads with a foreign fingerprint", tier, registry=r)
         self._corrupt = Counter("lmi_cache_corrupted_reads", "Loads of damaged objects", tier, registry=r)
-        self._errors = Counter("lmi_cache_tier_errors", "I/O faults turned into misses", ["rank", "tier", "op"], registry=r)
-        self._usage = Gauge("lmi_cache_tier_usage_bytes", "Bytes held", tier, registry=r)
-        self._capacity = Gauge("lmi_cache_tier_capacity_bytes", "Byte budget", tier, registry=r)
+        self._errors = Counter("lmi_cache_tier_errors", "Faults turned into misses", [*tier, "op"], registry=r)
+        self._untrusted = Counter("lmi_cache_untrusted_files", "Disk entries ignored as not ours", [*tier, "reason"],
+                                  registry=r)
+        self._usage = Gauge("lmi_cache_tier_usage_bytes", "Bytes held", tier, registry=r,
+                            multiprocess_mode=_GAUGE_MODE)
+        self._capacity = Gauge("lmi_cache_tier_capacity_bytes", "Byte budget", tier, registry=r,
+                               multiprocess_mode=_GAUGE_MODE)
         self._load_s = Histogram("lmi_cache_load_seconds", "Load latency", tier, buckets=_LATENCY_BUCKETS_S, registry=r)
         self._store_s = Histogram(
             "lmi_cache_store_seconds", "Store latency", tier, buckets=_LATENCY_BUCKETS_S, registry=r
@@ -68,51 +117,50 @@ class CacheMetrics:
         with self._lock:
             self._plain[name] += amount
 
-    def lookup(self, requested_tokens: int, hit_tokens_by_tier: dict[str, int]) -> None:
-        self._lookups.labels(self.rank_label).inc()
-        self._requested.labels(self.rank_label).inc(requested_tokens)
-        self._add("lookups")
-        self._add("requested_tokens", requested_tokens)
-        for tier, tokens in hit_tokens_by_tier.items():
-            self._hit.labels(self.rank_label, tier).inc(tokens)
-            self._add(f"{tier}_hit_tokens", tokens)
-
     def stored(self, tier: str, num_tokens: int, num_bytes: int, seconds: float) -> None:
-        self._chunks.labels(self.rank_label, tier).inc()
-        self._tokens.labels(self.rank_label, tier).inc(num_tokens)
-        self._bytes.labels(self.rank_label, tier).inc(num_bytes)
-        self._store_s.labels(self.rank_label, tier).observe(seconds)
+        self._chunks.labels(*self._ids, tier).inc()
+        self._tokens.labels(*self._ids, tier).inc(num_tokens)
+        self._bytes.labels(*self._ids, tier).inc(num_bytes)
+        self._store_s.labels(*self._ids, tier).observe(seconds)
         self._add(f"{tier}_stored_chunks")
         self._add(f"{tier}_stored_bytes", num_bytes)
 
     def loaded(self, tier: str, seconds: float) -> None:
-        self._load_s.labels(self.rank_label, tier).observe(seconds)
+        self._load_s.labels(*self._ids, tier).observe(seconds)
         self._add(f"{tier}_loads")
 
+    def loaded_tokens(self, tier: str, num_tokens: int) -> None:
+        self._loaded.labels(*self._ids, tier).inc(num_tokens)
+        self._add(f"{tier}_loaded_tokens", num_tokens)
+
     def evicted(self, tier: str, num_chunks: int = 1) -> None:
-        self._evictions.labels(self.rank_label, tier).inc(num_chunks)
+        self._evictions.labels(*self._ids, tier).inc(num_chunks)
         self._add(f"{tier}_evictions", num_chunks)
 
     def dropped(self, tier: str, reason: str) -> None:
-        self._dropped.labels(self.rank_label, tier, reason).inc()
+        self._dropped.labels(*self._ids, tier, reason).inc()
         self._add(f"{tier}_dropped_stores")
         self._add(f"{tier}_dropped_{reason}")
 
     def fingerprint_mismatch(self, tier: str) -> None:
-        self._fp.labels(self.rank_label, tier).inc()
+        self._fp.labels(*self._ids, tier).inc()
         self._add(f"{tier}_fingerprint_mismatches")
 
     def corrupted(self, tier: str) -> None:
-        self._corrupt.labels(self.rank_label, tier).inc()
+        self._corrupt.labels(*self._ids, tier).inc()
         self._add(f"{tier}_corrupted_reads")
 
     def error(self, tier: str, op: str) -> None:
-        self._errors.labels(self.rank_label, tier, op).inc()
+        self._errors.labels(*self._ids, tier, op).inc()
         self._add(f"{tier}_errors_{op}")
 
+    def untrusted(self, tier: str, reason: str) -> None:
+        self._untrusted.labels(*self._ids, tier, reason).inc()
+        self._add(f"{tier}_untrusted_{reason}")
+
     def usage(self, tier: str, used_bytes: int, capacity_bytes: int) -> None:
-        self._usage.labels(self.rank_label, tier).set(used_bytes)
-        self._capacity.labels(self.rank_label, tier).set(capacity_bytes)
+        self._usage.labels(*self._ids, tier).set(used_bytes)
+        self._capacity.labels(*self._ids, tier).set(capacity_bytes)
         with self._lock:
             self._plain[f"{tier}_usage_bytes"] = used_bytes
             self._plain[f"{tier}_capacity_bytes"] = capacity_bytes

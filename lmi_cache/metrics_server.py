@@ -1,10 +1,12 @@
-"""Expose one engine's Prometheus registry over HTTP (vLLM worker process).
+"""Opt-in per-process Prometheus exporters (vLLM scheduler and worker processes).
 
-The engine lives in vLLM's worker processes, not in the API server, so its
-metrics can't ride on vLLM's own ``/metrics``. When ``LMI_CACHE_METRICS_PORT``
-is set, rank ``r`` serves its registry on ``port + r`` (one port per rank,
-scraped side by side). A port that can't be bound costs a warning, never the
-server.
+The usual place for the lmi_cache_* series is vLLM's own ``/metrics`` (see
+``lmi_cache.metrics_settings``). When ``LMI_CACHE_METRICS_PORT`` is set, each
+process that writes series also serves its own registry: the scheduler of
+data-parallel replica ``d`` and each worker rank, on the collision-free ports
+``ExporterSettings.port_for`` computes, bound to ``LMI_CACHE_METRICS_ADDR``
+(default 127.0.0.1). A bad setting or a busy port costs a warning and the
+exporter, never the server.
 """
 from __future__ import annotations
 
@@ -15,36 +17,48 @@ from typing import Mapping
 from prometheus_client import CollectorRegistry, start_http_server
 
 from lmi_cache.errors import ConfigError
+from lmi_cache.metrics_settings import MULTIPROC_DIR_ENV, exporter_settings
 
 logger = logging.getLogger(__name__)
 
-METRICS_PORT_ENV = "LMI_CACHE_METRICS_PORT"
 
+def serve_metrics(
+    registry: CollectorRegistry,
+    *,
+    dp_rank: int,
+    world_size: int,
+    rank: int | None,
+    env: Mapping[str, str] | None = None,
+) -> int | None:
+    """Start this process's exporter if configured; return the bound port or None.
 
-def metrics_port_for_rank(rank: int, env: Mapping[str, str] | None = None) -> int | None:
-    """The port rank ``rank`` should serve on, or None when metrics serving is off."""
-    raw = (env if env is not None else os.environ).get(METRICS_PORT_ENV, "").strip()
-    if not raw:
+    ``rank`` is None for the scheduler, else the worker's TP/PP rank.
+    """
+    who = "scheduler" if rank is None else f"rank {rank}"
+    try:
+        settings = exporter_settings(env)
+        if settings is None:
+            return None
+        port = settings.port_for(dp_rank, world_size, rank)
+    except ConfigError as err:
+        logger.warning("lmi-cache: metrics exporter of %s off: %s", who, err)
         return None
     try:
-        base = int(raw)
-    except ValueError:
-        raise ConfigError(f"{METRICS_PORT_ENV}={raw!r}: not a port number; set an integer such as 9400") from None
-    if not 1 <= base + rank <= 65535:
-        raise ConfigError(f"{METRICS_PORT_ENV}={base}: port {base + rank} for rank {rank} is out of range")
-    return base + rank
-
-
-def serve_metrics(registry: CollectorRegistry, rank: int, env: Mapping[str, str] | None = None) -> int | None:
-    """Start the HTTP exporter for ``registry`` if configured; return the bound port or None."""
-    port = metrics_port_for_rank(rank, env)
-    if port is None:
-        return None
-    addr = (env if env is not None else os.environ).get("LMI_CACHE_METRICS_ADDR", "0.0.0.0")
-    try:
-        start_http_server(port, addr=addr, registry=registry)
+        start_http_server(port, addr=settings.addr, registry=registry)
     except OSError as err:
-        logger.warning("lmi-cache metrics not served on %s:%d (%s); the cache works without them", addr, port, err)
+        logger.warning("lmi-cache: metrics of %s not served on %s:%d (%s); the cache works without them",
+                       who, settings.addr, port, err)
         return None
-    logger.info("lmi-cache metrics of rank %d on http://%s:%d/metrics", rank, addr, port)
+    logger.info("lmi-cache: metrics of data-parallel replica %d, %s on http://%s:%d/metrics",
+                dp_rank, who, settings.addr, port)
     return port
+
+
+def note_where_metrics_go(env: Mapping[str, str] | None = None) -> str:
+    """One log line for the scheduler's start-up: where users find the lmi_cache_* series."""
+    env = os.environ if env is None else env
+    if env.get(MULTIPROC_DIR_ENV, "").strip():
+        return "lmi-cache: lmi_cache_* series are published on vLLM's /metrics (prometheus multiprocess mode)"
+    return ("lmi-cache: PROMETHEUS_MULTIPROC_DIR is unset, so vLLM's /metrics can't show the lmi_cache_* series "
+            "(they are written by the engine and worker processes); set it to an empty directory before starting "
+            "vLLM (lmi-cache serve does), or set LMI_CACHE_METRICS_PORT for per-process exporters")

@@ -60,6 +60,12 @@ def _parallel_sizes(vllm_config: VllmConfig) -> tuple[int, int]:
     return int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
 
 
+def _dp_index(vllm_config: VllmConfig) -> int:
+    """This engine's data-parallel replica (vLLM's ``engine`` label); 0 without data parallelism."""
+    parallel = vllm_config.parallel_config
+    return int(getattr(parallel, "data_parallel_index", None) or getattr(parallel, "data_parallel_rank", 0) or 0)
+
+
 def _load_cache_config() -> Any:
     from lmi_cache.config import load_config
 
@@ -98,6 +104,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
         self._model_id = str(vllm_config.model_config.model)
         self._kv_dtype = _kv_dtype_name(vllm_config)
         self._tp_size, self._pp_size = _parallel_sizes(vllm_config)
+        self._dp_index = _dp_index(vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -143,7 +150,13 @@ class LmiCacheConnector(KVConnectorBase_V1):
             world_size=self._tp_size * self._pp_size,
             min_retrieve_tokens=self._config.min_retrieve_tokens,
         )
-        self._scheduler = SchedulerSide(geometry, self._keys, seed)
+        from lmi_cache.metrics import SchedulerMetrics
+        from lmi_cache.metrics_server import note_where_metrics_go, serve_metrics
+
+        metrics = SchedulerMetrics(engine_label=str(self._dp_index))
+        logger.info(note_where_metrics_go())
+        serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
+        self._scheduler = SchedulerSide(geometry, self._keys, seed, metrics)
 
     def _init_worker(self, vllm_config: VllmConfig, block_size: int) -> None:
         model_config = vllm_config.model_config
@@ -158,11 +171,14 @@ class LmiCacheConnector(KVConnectorBase_V1):
 
         def make_engine() -> Any:
             from lmi_cache.engine import CacheEngine
+            from lmi_cache.metrics import CacheMetrics
             from lmi_cache.metrics_server import serve_metrics
 
             rank = self._rank_index()
-            engine = CacheEngine(config, rank_label=str(rank))
-            serve_metrics(engine.metrics.registry, rank)
+            metrics = CacheMetrics(str(rank), engine_label=str(self._dp_index))
+            engine = CacheEngine(config, metrics=metrics, rank_label=str(rank))
+            serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=self._tp_size * self._pp_size,
+                          rank=rank)
             return engine
 
         self._worker = WorkerSide(

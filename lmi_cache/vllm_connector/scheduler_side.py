@@ -20,6 +20,13 @@ events each worker returns through ``build_connector_worker_meta`` ->
   preempted request forgets its blocks; when it resumes vLLM asks for its
   matches again and it re-plans; chunks already saved are not saved again.
 * ``request_finished`` / finished ids: the plan is dropped (aborts included).
+
+Metrics (``SchedulerMetrics``): a lookup is counted once per admission, in
+``update_state_after_alloc``, with the answer of the last
+``get_num_new_matched_tokens`` for that request; re-asks while the request
+waits for memory are not counted. A request admitted without a lookup answer
+(cache disabled, or no worker reported its layout in time) counts as a lookup
+with no hit, so the hit ratio never flatters a disabled cache.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmi_cache.metrics import SchedulerMetrics
 from lmi_cache.vllm_connector.key_index import KeyIndex
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
 
@@ -75,8 +83,17 @@ class SchedulerStats:
 class SchedulerSide:
     """Bookkeeping only; see the module docstring for the protocol."""
 
-    def __init__(self, geometry: SchedulerGeometry, keys_fn: KeysFn, seed_digests: Iterable[bytes] = ()) -> None:
+    def __init__(
+        self,
+        geometry: SchedulerGeometry,
+        keys_fn: KeysFn,
+        seed_digests: Iterable[bytes] = (),
+        metrics: SchedulerMetrics | None = None,
+    ) -> None:
         self.geometry = geometry
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        # req id -> hit tokens of its last answered lookup, until admission counts it.
+        self._answered: dict[str, int] = {}
         self._keys_fn = keys_fn
         self.index = KeyIndex(seed_digests)
         self.layout_tag: str | None = None
@@ -97,12 +114,16 @@ class SchedulerSide:
         return [tuple(keys) for keys in zip(*per_rank)]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
         if self._disabled_reason is not None:
+            self._answered[req_id] = 0
             return 0, False
         if self.layout_tag is None:
             self._asks_without_layout += 1
-            return (None, False) if self._asks_without_layout <= MAX_ASKS_WITHOUT_LAYOUT else (0, False)
-        req_id = request.request_id
+            if self._asks_without_layout <= MAX_ASKS_WITHOUT_LAYOUT:
+                return None, False
+            self._answered[req_id] = 0
+            return 0, False
         plan = self._plans.get(req_id)
         if plan is None:
             prompt = request.prompt_token_ids or []
@@ -115,6 +136,9 @@ class SchedulerSide:
         # vLLM must compute at least one token to produce logits.
         hit_tokens = min(hit_tokens, request.num_tokens - 1)
         hit_tokens -= hit_tokens % geo.block_size_tokens
+        if hit_tokens < geo.min_retrieve_tokens:
+            hit_tokens = 0
+        self._answered[req_id] = max(hit_tokens, 0)
         num_new = hit_tokens - num_computed_tokens
         if num_new <= 0 or num_new < geo.min_retrieve_tokens:
             return 0, False
@@ -122,6 +146,9 @@ class SchedulerSide:
         return num_new, False
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        hit_tokens = self._answered.pop(request.request_id, None)
+        if hit_tokens is not None:
+            self.metrics.lookup(len(request.prompt_token_ids or ()), hit_tokens, max(num_external_tokens, 0))
         plan = self._plans.get(request.request_id)
         if plan is None:
             return
@@ -140,6 +167,7 @@ class SchedulerSide:
         meta = LmiConnectorMetadata()
         for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
             self._plans.pop(req_id, None)
+            self._answered.pop(req_id, None)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.stats.num_preemptions += 1
             plan = self._plans.get(req_id)
@@ -220,6 +248,7 @@ class SchedulerSide:
 
     def request_finished(self, req_id: str) -> None:
         self._plans.pop(req_id, None)
+        self._answered.pop(req_id, None)
 
     @property
     def num_tracked_requests(self) -> int:

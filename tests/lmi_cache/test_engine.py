@@ -52,7 +52,8 @@ def test_store_retrieve_lookup(tmp_path: Path) -> None:
         assert engine.retrieve(keys[3]) is None
         assert engine.lookup([]) == 0
         stats = engine.stats()
-        assert stats["lookups"] == 3 and stats["cpu_hit_tokens"] == 2 * 48 and stats["cpu_entries"] == 5
+        # Two chunks read back from the CPU tier; lookups are the scheduler's metric, not the engine's.
+        assert stats["cpu_loaded_tokens"] == 2 * 16 and stats["cpu_entries"] == 5 and "lookups" not in stats
 
 
 def test_bfloat16_and_odd_shapes() -> None:

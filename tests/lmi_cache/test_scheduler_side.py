@@ -244,3 +244,88 @@ def test_match_invariants(prompt_len: int, num_outputs: int, stored_chunks: int,
         meta = side.build_connector_meta(output([new_req("r", blocks, hit_end)], {"r": req.num_tokens - hit_end}))
         loaded = [b for t in meta.loads for b in t.block_ids]
         assert loaded == blocks[num_computed // BLOCK : hit_end // BLOCK]
+
+
+# -- metrics: lookups are counted where they happen, once per admission -------------------------------
+
+
+def counted(side: SchedulerSide) -> tuple[float | None, ...]:
+    value = side.metrics.registry.get_sample_value
+    return tuple(value(f"lmi_cache_{name}_total", {"engine": side.metrics.engine_label})
+                 for name in ("lookups", "requested_tokens", "hit_tokens", "load_tokens"))
+
+
+def test_lookups_and_hits_are_counted_by_the_scheduler() -> None:
+    """The connector's real call sequence moves the lookup counters (they stayed 0 under vLLM before)."""
+    side = make_side()
+    warm(side, PROMPT)
+    assert counted(side) == (1, 75, 0, 0)  # the cold request: a lookup, no hit
+    req = request("r", PROMPT)
+    assert side.get_num_new_matched_tokens(req, 0) == (64, False)
+    side.update_state_after_alloc(req, 64)
+    assert counted(side) == (2, 150, 64, 64)
+
+
+def test_re_asks_while_waiting_for_memory_count_once() -> None:
+    side = make_side()
+    warm(side, PROMPT)
+    req = request("r", PROMPT)
+    for _ in range(5):  # vLLM asks again every step until blocks are free
+        assert side.get_num_new_matched_tokens(req, 0) == (64, False)
+    side.update_state_after_alloc(req, 64)
+    assert counted(side) == (2, 150, 64, 64)
+
+
+def test_hit_covered_by_vllms_prefix_cache_is_a_hit_but_not_a_load() -> None:
+    side = make_side()
+    warm(side, PROMPT)
+    req = request("r", PROMPT)
+    assert side.get_num_new_matched_tokens(req, 64) == (0, False)  # vLLM's own prefix cache had it all
+    side.update_state_after_alloc(req, 0)
+    assert counted(side) == (2, 150, 64, 0)
+
+
+def test_requests_never_admitted_are_not_counted() -> None:
+    side = make_side()
+    req = request("r", PROMPT)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.request_finished("r")  # aborted while waiting
+    side.update_state_after_alloc(req, 0)  # (not a real vLLM sequence: nothing left to count)
+    assert counted(side) == (None, None, None, None)
+
+
+def test_admission_after_preemption_is_a_new_lookup() -> None:
+    side = make_side()
+    warm(side, PROMPT)
+    req = request("r", PROMPT)
+    for _ in range(2):
+        assert side.get_num_new_matched_tokens(req, 0) == (64, False)
+        side.update_state_after_alloc(req, 64)
+        side.build_connector_meta(output(preempted={"r"}))
+    assert counted(side) == (3, 225, 128, 128)
+
+
+def test_disabled_or_layoutless_lookups_count_as_misses() -> None:
+    disabled = make_side(world_size=2, layout_known=False)
+    disabled.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG, 1: "other"}))
+    req = request("r", PROMPT)
+    assert disabled.get_num_new_matched_tokens(req, 0) == (0, False)
+    disabled.update_state_after_alloc(req, 0)
+    assert counted(disabled) == (1, 75, 0, 0)
+    layoutless = make_side(layout_known=False)
+    for _ in range(MAX_ASKS_WITHOUT_LAYOUT):
+        assert layoutless.get_num_new_matched_tokens(req, 0) == (None, False)
+    layoutless.update_state_after_alloc(req, 0)  # a re-ask answer is not a lookup
+    assert counted(layoutless) == (None, None, None, None)
+    assert layoutless.get_num_new_matched_tokens(req, 0) == (0, False)
+    layoutless.update_state_after_alloc(req, 0)
+    assert counted(layoutless) == (1, 75, 0, 0)
+
+
+def test_min_retrieve_tokens_hit_below_the_threshold_is_no_hit() -> None:
+    side = make_side(min_retrieve=96)
+    warm(side, PROMPT)
+    req = request("r", PROMPT)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, 0)
+    assert counted(side)[2] == 0

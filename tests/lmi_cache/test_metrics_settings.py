@@ -1,0 +1,69 @@
+"""Metrics settings checked before vLLM starts: exporter port/address, the multiprocess directory."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lmi_cache.errors import ConfigError
+from lmi_cache.metrics_settings import ExporterSettings, exporter_settings, multiproc_env, reset_multiproc_dir
+
+
+def test_exporters_off_by_default_and_loopback_by_default() -> None:
+    assert exporter_settings({}) is None
+    assert exporter_settings({"LMI_CACHE_METRICS_PORT": " 9400 "}) == ExporterSettings(9400, "127.0.0.1")
+    assert exporter_settings({"LMI_CACHE_METRICS_PORT": "9400", "LMI_CACHE_METRICS_ADDR": "::"}) == ExporterSettings(
+        9400, "::")
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"LMI_CACHE_METRICS_PORT": "abc"}, "LMI_CACHE_METRICS_PORT='abc': must be a TCP port number"),
+    ({"LMI_CACHE_METRICS_PORT": "0"}, "LMI_CACHE_METRICS_PORT='0'"),
+    ({"LMI_CACHE_METRICS_PORT": "70000"}, "LMI_CACHE_METRICS_PORT='70000'"),
+    ({"LMI_CACHE_METRICS_PORT": "1e3"}, "LMI_CACHE_METRICS_PORT='1e3'"),
+    ({"LMI_CACHE_METRICS_ADDR": "my host"}, "LMI_CACHE_METRICS_ADDR='my host': not an IP address"),
+])
+def test_bad_values_are_one_line_naming_the_variable(env: dict[str, str], says: str) -> None:
+    with pytest.raises(ConfigError, match="^environment variable " + says) as err:
+        exporter_settings(env)
+    assert "\n" not in str(err.value)
+
+
+def test_port_layout_per_replica_and_rank() -> None:
+    settings = ExporterSettings(9400, "127.0.0.1")
+    # TP x PP = 4: each replica takes 5 ports, its scheduler first.
+    assert [settings.port_for(0, 4, r) for r in (None, 0, 3)] == [9400, 9401, 9404]
+    assert [settings.port_for(2, 4, r) for r in (None, 0, 3)] == [9410, 9411, 9414]
+    with pytest.raises(ConfigError, match="port 65539 "):
+        ExporterSettings(65530, "127.0.0.1").port_for(1, 4, 3)
+
+
+def test_multiproc_env_names_a_directory_per_serving_port_unless_the_user_chose_one(tmp_path: Path) -> None:
+    assert multiproc_env({}, tmp_path, 8080) == {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prometheus-8080")}
+    assert multiproc_env({"PROMETHEUS_MULTIPROC_DIR": "/mine"}, tmp_path, 8080) == {}
+    assert not (tmp_path / "prometheus-8080").exists()  # nothing touched before the launch
+    with pytest.raises(ConfigError, match="LMI_CACHE_METRICS_PORT"):
+        multiproc_env({"LMI_CACHE_METRICS_PORT": "abc"}, tmp_path, 8080)
+
+
+def test_reset_empties_a_previous_run_and_makes_it_private(tmp_path: Path) -> None:
+    target = tmp_path / "prometheus-8080"
+    reset_multiproc_dir(str(target))
+    assert target.is_dir() and (target.stat().st_mode & 0o777) == 0o700
+    (target / "counter_123.db").write_bytes(b"old counts")
+    (target / "sub").mkdir()
+    reset_multiproc_dir(str(target))
+    assert list(target.iterdir()) == []
+    reset_multiproc_dir(None)  # the user set PROMETHEUS_MULTIPROC_DIR: serve leaves it alone
+
+
+def test_reset_refuses_a_symlink(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.db").write_bytes(b"x")
+    link = tmp_path / "prometheus-8080"
+    os.symlink(elsewhere, link)
+    with pytest.raises(ConfigError, match="PROMETHEUS_MULTIPROC_DIR: .*symlink"):
+        reset_multiproc_dir(str(link))
+    assert (elsewhere / "keep.db").exists()
