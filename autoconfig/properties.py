@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
@@ -132,19 +132,13 @@ def resolve_properties(
         if gpu_count:
             notes.append(f"tensor_parallel_degree unset: {tp} (LMI's default 'max': all {gpu_count} GPUs"
                          f"{' / pipeline_parallel_degree' if pp > 1 else ''})")
-    dp = get.value("data_parallel_degree", _positive_int, None)
-    if dp is None:
-        # LMI serves as many model copies as the GPUs hold (configurations.md).
-        dp = max(1, (gpu_count or 0) // (tp * pp))
-        if dp > 1:
-            notes.append(f"data parallel: {dp} replicas of tp={tp} x pp={pp} on {gpu_count} GPUs (LMI's default: "
-                         "as many model copies as the GPUs hold; set option.data_parallel_degree=1 for one)")
+    dp_option = get.value("data_parallel_degree", _positive_int, None)
     recipe = find_recipe(options, env, mdir)
     engine = get.value("lmcache_engine", _engine, "lmi_cache")
     settings = ServingSettings(
         tp=tp,
         pp=pp,
-        dp=dp,
+        dp=dp_option or 1,
         gpu_memory_utilization=get.value("gpu_memory_utilization", _fraction, 0.9),
         max_model_len=get.value("max_model_len", _positive_int, None),
         kv_cache_dtype=get.value("kv_cache_dtype", _word, "auto"),
@@ -175,6 +169,9 @@ def resolve_properties(
             else:
                 auto = True
         notes.append(recipe.describe(engine, auto, config_file))
+    if dp_option is None:
+        dp = _default_replicas(tp * pp, gpu_count or 0, auto or config_file is not None, file_props, notes)
+        settings = replace(settings, dp=dp)
     if engine == "lmcache":
         _check_upstream_lmcache(options["lmcache_engine"].where)
     model_id = get.value("model_id", _nonempty, None)
@@ -188,6 +185,35 @@ def _apply_env_defaults(options: dict[str, RawOption], env: Mapping[str, str]) -
     for var, name in SIMPLIFIED_ENV:
         if name not in options and env.get(var, "").strip():
             options[name] = RawOption(name, env[var].strip(), var, ENV_SOURCE)
+
+
+def _default_replicas(model_gpus: int, gpu_count: int, cache_on: bool, file_props: Mapping[str, str],
+                      notes: list[str]) -> int:
+    """LMI's number of model copies when option.data_parallel_degree is unset.
+
+    LMI starts as many workers as the GPUs hold (configurations.md), limited by
+    ``maxWorkers``/``gpu.maxWorkers`` and the devices in ``load_on_devices``;
+    with LMCache on it runs one worker (lmcache_user_guide.md), which we follow.
+    """
+    fit = gpu_count // model_gpus
+    if fit <= 1:
+        return 1
+    if cache_on:
+        notes.append(f"one model copy on {model_gpus} of {gpu_count} GPUs: LMI runs one worker when LMCache is on; "
+                     "set option.data_parallel_degree to serve more replicas, each with its own tiers")
+        return 1
+    limit = fit
+    for key in ("maxWorkers", "gpu.maxWorkers"):
+        value = file_props.get(key, "").strip()
+        if value.isdigit() and int(value) >= 1:
+            limit = min(limit, int(value))
+    devices = file_props.get("load_on_devices", "").strip()
+    if devices and devices != "*":
+        limit = min(limit, max(1, len([d for d in devices.replace(",", ";").split(";") if d.strip()]) // model_gpus))
+    if limit > 1:
+        notes.append(f"data parallel: {limit} replicas x {model_gpus} GPU(s) on {gpu_count} GPUs (LMI's default: "
+                     "as many model copies as the GPUs hold; set option.data_parallel_degree=1 for one)")
+    return limit
 
 
 def _check_server_keys(file_props: Mapping[str, str], source: str) -> None:

@@ -101,16 +101,35 @@ def test_tensor_parallel_defaults_to_every_gpu(tmp_path: Path) -> None:
     assert any("LMI's default 'max'" in line for line in result.summary)
 
 
-def test_tp1_on_eight_gpus_serves_eight_replicas_each_with_tiers(tmp_path: Path) -> None:
-    result = launch(tmp_path, "option.tensor_parallel_degree=1\noption.lmcache_auto_config=true\n",
-                    host=make_host(8, ram_gib=1024))
+def test_tp1_on_eight_gpus_serves_eight_replicas(tmp_path: Path) -> None:
+    result = launch(tmp_path, "option.tensor_parallel_degree=1\n", host=make_host(8))
     assert flag_value(result.argv, "--data-parallel-size") == "8"
     assert "--tensor-parallel-size" not in result.argv
-    plan = json.loads((tmp_path / "runtime" / "plan.json").read_text())
-    assert plan["parallel"]["dp"] == 8 and plan["parallel"]["ranks_per_host"] == 8
     assert any("8 replicas" in line for line in result.summary)
     one = launch(tmp_path, "option.tensor_parallel_degree=1\noption.data_parallel_degree=1\n", host=make_host(8))
     assert "--data-parallel-size" not in one.argv
+
+
+@pytest.mark.parametrize(("server_keys", "replicas"), [("gpu.maxWorkers=2\n", "2"), ("load_on_devices=0\n", None),
+                                                       ("load_on_devices=0;1;2;3\n", "4")])
+def test_lmi_worker_limits_cap_the_replicas(tmp_path: Path, server_keys: str, replicas: str | None) -> None:
+    result = launch(tmp_path, "option.tensor_parallel_degree=1\n" + server_keys, host=make_host(8))
+    if replicas is None:
+        assert "--data-parallel-size" not in result.argv
+    else:
+        assert flag_value(result.argv, "--data-parallel-size") == replicas
+
+
+def test_with_the_cache_on_one_copy_unless_replicas_are_asked_for(tmp_path: Path) -> None:
+    result = launch(tmp_path, "option.tensor_parallel_degree=1\noption.lmcache_auto_config=true\n",
+                    host=make_host(8, ram_gib=1024))
+    assert "--data-parallel-size" not in result.argv
+    assert any("LMI runs one worker when LMCache is on" in line for line in result.summary)
+    result = launch(tmp_path, "option.tensor_parallel_degree=1\noption.data_parallel_degree=8\n"
+                              "option.lmcache_auto_config=true\n", host=make_host(8, ram_gib=1024))
+    assert flag_value(result.argv, "--data-parallel-size") == "8"
+    plan = json.loads((tmp_path / "runtime" / "plan.json").read_text())
+    assert plan["parallel"]["dp"] == 8 and plan["parallel"]["ranks_per_host"] == 8  # every replica has tiers
 
 
 def test_replicas_beyond_the_gpus_are_refused_before_vllm(tmp_path: Path) -> None:
