@@ -23,6 +23,7 @@ from autoconfig.lmi_to_vllm import MappedArgs, flag_to_name, map_lmi_options
 from autoconfig.properties import ResolvedProperties, resolve_properties
 from lmi_cache.errors import UserError
 from lmi_cache.front.options import FRONT_OPTIONS, front_launch
+from lmi_cache.metrics_settings import multiproc_env
 
 if TYPE_CHECKING:
     from autoconfig.host import HostSnapshot
@@ -113,6 +114,7 @@ def prepare_launch(
     if props.config_file is not None:
         findings = check_user_config(props, model, host, env)
     out = Path(output_dir) if output_dir is not None else default_output_dir(env)
+    metrics_env = multiproc_env(env, out, port, cache_on=cache_on, prepare=not dry_run)  # lmi_cache.metrics_settings
     secret_env, secret_files = secrets_for_vllm(mapped, props)
     result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files)
     argv = [python, "-m", VLLM_SERVER_MODULE, "--host", "0.0.0.0", "--port", str(port), "--model", model]
@@ -126,6 +128,7 @@ def prepare_launch(
     env_set = dict(result.env)
     env_set.update(secret_env)
     env_set.update(front.env)
+    env_set.update(metrics_env)
     if not host.gpus:
         env_set.update(cpu_backend_env(env, env_set, host))
     summary = _summary(props, result.mode, model, port, mapped, result.messages, findings, env_set, result.plan)

@@ -7,9 +7,9 @@ Two ways out, both optional to configure:
   the API server that answers ``/metrics``; prometheus-client's multiprocess
   mode joins them: with ``PROMETHEUS_MULTIPROC_DIR`` set before vLLM starts,
   every process writes its values to files there and vLLM's ``/metrics``
-  aggregates the files. ``lmi-cache serve`` sets it to a fresh private
-  directory per start (``multiproc_env`` / ``reset_multiproc_dir``); a user who
-  starts vLLM directly sets it to an empty directory of their own.
+  aggregates the files. ``lmi-cache serve`` sets it to a private directory
+  that it empties at each start (``multiproc_env``); a user who starts vLLM
+  directly sets it to an empty directory of their own.
 * Opt-in per-process exporters, ``LMI_CACHE_METRICS_PORT`` (base port) and
   ``LMI_CACHE_METRICS_ADDR`` (bind address, default 127.0.0.1): for deployments
   that cannot set the variable above. Ports never collide on one host:
@@ -86,17 +86,30 @@ def exporter_settings(env: Mapping[str, str] | None = None) -> ExporterSettings 
     return ExporterSettings(base, addr)
 
 
-def multiproc_env(env: Mapping[str, str], runtime_dir: str | os.PathLike[str], serving_port: int) -> dict[str, str]:
-    """Checks the metrics variables (ConfigError: one line) and returns what vLLM's environment needs.
+def multiproc_env(
+    env: Mapping[str, str],
+    runtime_dir: str | os.PathLike[str],
+    serving_port: int,
+    *,
+    cache_on: bool = True,
+    prepare: bool = False,
+) -> dict[str, str]:
+    """``lmi-cache serve``: check the metrics variables and return what vLLM's environment needs.
 
-    Adds ``PROMETHEUS_MULTIPROC_DIR`` (``<runtime_dir>/prometheus-<port>``: one
-    per serving port, so two servers on one host never mix their files) unless
-    the user set it. Touches nothing; ``reset_multiproc_dir`` prepares it.
+    Raises ConfigError (one line) for a bad ``LMI_CACHE_METRICS_PORT`` or
+    ``LMI_CACHE_METRICS_ADDR``. With the cache on and ``PROMETHEUS_MULTIPROC_DIR``
+    unset, adds it as ``<runtime_dir>/prometheus-<serving port>`` (one per
+    port: two servers on one host never mix their files); with ``prepare``
+    (not for a dry run) that directory is emptied and made private right away.
+    A directory the user chose is left alone (vLLM's rule: theirs to empty).
     """
     exporter_settings(env)
-    if env.get(MULTIPROC_DIR_ENV, "").strip():
+    if not cache_on or env.get(MULTIPROC_DIR_ENV, "").strip():
         return {}
-    return {MULTIPROC_DIR_ENV: str(Path(os.path.abspath(runtime_dir)) / f"prometheus-{serving_port}")}
+    path = str(Path(os.path.abspath(runtime_dir)) / f"prometheus-{serving_port}")
+    if prepare:
+        reset_multiproc_dir(path)
+    return {MULTIPROC_DIR_ENV: path}
 
 
 def reset_multiproc_dir(path: str | None) -> None:
