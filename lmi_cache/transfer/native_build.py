@@ -151,8 +151,10 @@ def load_or_build(
                 log = root / f"{name}-{key}.log"
                 log.write_text(str(err))
                 lines = [ln for ln in str(err).splitlines() if ln.strip()]
-                first = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else type(err).__name__)
-                failed.write_text(f"compiling {name} failed: {first.strip()[:200]}; full log {log}")
+                # The compiler's first diagnostic ("file:line:col: error: ...") says most.
+                first = next((ln for ln in lines if ": error:" in ln or ": fatal error:" in ln),
+                             lines[0] if lines else type(err).__name__)
+                failed.write_text(f"compiling {name} failed: {first.strip()[-200:]}; full log {log}")
                 raise NativeBuildError(failed.read_text()) from None
         shutil.rmtree(final, ignore_errors=True)  # an incomplete earlier attempt
         os.rename(staging, final)

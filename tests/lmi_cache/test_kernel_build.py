@@ -1,0 +1,172 @@
+"""Building and choosing the native kernels: LMI_CACHE_KERNELS, fallback, cache, concurrency, CUDA sources.
+
+Subprocesses stand in for vLLM worker processes: each resolves the backend
+on its own, as a worker does at ``register_kv_caches``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from lmi_cache.transfer import kernels, native_build
+
+REPO = Path(__file__).resolve().parents[2]
+CSRC = REPO / "csrc"
+
+
+def run_py(code: str, env_extra: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in (kernels.KERNELS_ENV, native_build.CACHE_DIR_ENV)}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+BACKEND_CLI = "from lmi_cache.transfer.kernels import main; raise SystemExit(main())"
+NO_COMPILER = {"CXX": "/nonexistent/c++"}
+
+
+def test_invalid_choice_is_one_line_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.KERNELS_ENV, "fast")
+    kernels.reset()
+    try:
+        with pytest.raises(kernels.KernelBackendError, match="LMI_CACHE_KERNELS='fast' is not one of native, torch, auto"):
+            kernels.backend()
+    finally:
+        kernels.reset()
+
+
+def test_torch_choice_never_touches_the_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    proc = run_py(BACKEND_CLI, {kernels.KERNELS_ENV: "torch", native_build.CACHE_DIR_ENV: str(tmp_path), **NO_COMPILER})
+    assert proc.returncode == 0 and proc.stdout.strip() == "torch", proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_a_compiler_auto_falls_back_with_one_line_and_native_refuses(tmp_path: Path) -> None:
+    auto = run_py(BACKEND_CLI, {native_build.CACHE_DIR_ENV: str(tmp_path), **NO_COMPILER})
+    assert auto.returncode == 0 and auto.stdout.strip() == "torch"
+    lines = auto.stderr.strip().splitlines()
+    assert len(lines) == 1 and "native KV copy kernels unavailable (no C++ compiler" in lines[0], auto.stderr
+    native = run_py(BACKEND_CLI, {kernels.KERNELS_ENV: "native", native_build.CACHE_DIR_ENV: str(tmp_path),
+                                  **NO_COMPILER})
+    assert native.returncode == 2 and native.stderr == ""
+    assert native.stdout.strip().splitlines() == [
+        "error: LMI_CACHE_KERNELS=native but the native kernels cannot load: no C++ compiler ('/nonexistent/c++' "
+        "not on PATH); install g++ and ninja, or set LMI_CACHE_KERNELS=torch"
+    ]
+
+
+def test_a_second_process_loads_the_cached_build_without_a_compiler() -> None:
+    kernels.load_extension()  # builds into the default cache on a fresh machine, else loads it
+    env = {kernels.KERNELS_ENV: "native", "PATH": "/nonexistent", **NO_COMPILER}
+    proc = run_py(BACKEND_CLI, env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "native", proc.stdout + proc.stderr
+    assert "compiled" not in proc.stderr
+
+
+TINY_SOURCE = """
+#include <torch/extension.h>
+int answer() { return ANSWER; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+"""
+BUILD_ONE = """
+import json, sys
+from pathlib import Path
+from lmi_cache.transfer.native_build import load_or_build, NativeBuildError
+try:
+    mod, built = load_or_build("lmi_tiny", [Path(sys.argv[1])], cache_root=Path(sys.argv[2]),
+                               extra_cflags=["-DANSWER=42"])
+    print(json.dumps({"built": built, "answer": mod.answer()}))
+except NativeBuildError as err:
+    print(json.dumps({"error": str(err)}))
+"""
+
+
+def _build_procs(src: Path, root: Path, count: int) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != native_build.CACHE_DIR_ENV}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_ONE, str(src), str(root)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=REPO) for _ in range(count)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+@pytest.mark.slow
+def test_concurrent_first_use_compiles_once_and_every_process_loads(tmp_path: Path) -> None:
+    src = tmp_path / "tiny.cpp"
+    src.write_text(TINY_SOURCE)
+    results = _build_procs(src, tmp_path / "cache", 3)
+    assert sorted(r["built"] for r in results) == [False, False, True]
+    assert all(r["answer"] == 42 for r in results)
+    assert _build_procs(src, tmp_path / "cache", 1) == [{"built": False, "answer": 42}]
+    # A changed source is a different build, not the stale library.
+    src.write_text(TINY_SOURCE.replace("ANSWER", "ANSWER + 1"))
+    assert _build_procs(src, tmp_path / "cache", 1) == [{"built": True, "answer": 43}]
+
+
+@pytest.mark.slow
+def test_a_failed_build_is_one_line_with_its_log_and_is_not_retried_by_others(tmp_path: Path) -> None:
+    src = tmp_path / "broken.cpp"
+    src.write_text(TINY_SOURCE.replace("return ANSWER;", "return undefined_name;"))
+    (first,) = _build_procs(src, tmp_path / "cache", 1)
+    assert "compiling lmi_tiny failed" in first["error"] and "undefined_name" in first["error"]
+    assert "\n" not in first["error"]
+    log = next((tmp_path / "cache").glob("lmi_tiny-*.log"))
+    assert "undefined_name" in log.read_text()
+    (second,) = _build_procs(src, tmp_path / "cache", 1)
+    assert second["error"].startswith(first["error"]) and "to retry" in second["error"]
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="no CUDA toolkit (nvcc) on this machine")
+@pytest.mark.parametrize("arch", ["", "-arch=sm_90"])
+def test_cuda_kernel_compiles_with_nvcc(tmp_path: Path, arch: str) -> None:
+    assert NVCC is not None
+    cmd = [NVCC, "-std=c++17", "-O3", "-Werror", "all-warnings", "-c", str(CSRC / "paged_copy_cuda.cu"),
+           "-o", str(tmp_path / "k.o"), *([arch] if arch else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "k.o").stat().st_size > 0
+
+
+
+
+def _cuda_include() -> Path | None:
+    # /usr/local/bin/nvcc is often a wrapper script, so look in the usual toolkit homes too.
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    if NVCC:
+        homes.insert(0, str(Path(NVCC).resolve().parents[1]))
+    found = [Path(h) / "include" for h in homes if h and (Path(h) / "include" / "cuda_runtime.h").is_file()]
+    return found[0] if NVCC and found else None
+
+
+CUDA_INCLUDE = _cuda_include()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA_INCLUDE is None, reason="no CUDA toolkit headers on this machine")
+def test_cuda_branch_of_the_torch_binding_compiles(tmp_path: Path) -> None:
+    from torch.utils.cpp_extension import include_paths
+
+    # CPU wheels of torch ship the c10/cuda headers but not this one generated file.
+    stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    stub.parent.mkdir(parents=True)
+    stub.write_text("#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    includes = [*include_paths(), sysconfig.get_paths()["include"], str(tmp_path), str(CUDA_INCLUDE)]
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", "-Wall",
+           "-DLMI_CACHE_WITH_CUDA", "-DTORCH_EXTENSION_NAME=lmi_cache_kernels",
+           *(f"-I{p}" for p in includes), str(CSRC / "bindings.cpp")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    ours = [ln for ln in proc.stderr.splitlines() if "csrc/" in ln]
+    assert proc.returncode == 0 and not ours, proc.stderr[-3000:]
