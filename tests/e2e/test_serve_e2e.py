@@ -176,6 +176,52 @@ def test_repeated_long_prompt_is_loaded_from_the_cache(server: Server) -> None:
     assert external_hit_tokens(server.url) - hits_before >= cached
 
 
+def metric_values(base_url: str, prefix: str) -> dict[str, float]:
+    """Samples on the serving port's /metrics whose name starts with ``prefix``: 'name{labels}' -> value."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(prefix)}
+
+
+def test_lmi_cache_series_are_on_the_serving_ports_metrics(server: Server) -> None:
+    """Lookups, hits and loads of the engine-core and worker processes, aggregated on vLLM's own /metrics.
+
+    They used to be counted only by an engine method the connector never calls: 0 under vLLM, and on a
+    separate port at that.
+    """
+    prompt = " ".join(f"metric{i} delta epsilon" for i in range(300))
+    payload = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    before = metric_values(server.url, "lmi_cache_")
+    external_before = external_hit_tokens(server.url)
+    first = post(f"{server.url}/invocations", payload)
+    cached = 0
+    for _ in range(5):  # the store of the first request may finish just after its response
+        again = post(f"{server.url}/invocations", payload)
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if cached:
+            break
+        time.sleep(0.5)
+    assert cached > 0, server.log_tail()
+    after = metric_values(server.url, "lmi_cache_")
+
+    def delta(series: str) -> float:
+        return after.get(series, 0.0) - before.get(series, 0.0)
+
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    lookups = delta('lmi_cache_lookups_total{engine="0"}')
+    assert lookups >= 2, f"lookups not counted: {sorted(after)}"
+    assert delta('lmi_cache_requested_tokens_total{engine="0"}') == lookups * prompt_tokens
+    assert delta('lmi_cache_hit_tokens_total{engine="0"}') >= cached
+    # The scheduler's load count is vLLM's own count of tokens a connector supplied.
+    assert delta('lmi_cache_load_tokens_total{engine="0"}') == external_hit_tokens(server.url) - external_before
+    # Written by the worker process: its rank really read those tokens back (from the CPU tier).
+    assert delta('lmi_cache_loaded_tokens_total{engine="0",rank="0",tier="cpu"}') >= cached
+    assert delta('lmi_cache_stored_chunks_total{engine="0",rank="0",tier="cpu"}') > 0
+    assert after.get('lmi_cache_tier_capacity_bytes{engine="0",rank="0",tier="cpu"}', 0) > 0
+    assert metric_values(server.url, "vllm:num_requests_running"), "vLLM's own series must stay"
+
+
 def test_sigterm_stops_the_server_with_exit_0(server: Server) -> None:
     server.proc.send_signal(signal.SIGTERM)
     try:
