@@ -122,6 +122,15 @@ SERVER_KEYS = frozenset({
 })
 
 
+# Server keys that still mean something here.
+SERVER_KEYS_USED: dict[str, str] = {
+    "load_on_devices": "the GPUs vLLM may use (CUDA_VISIBLE_DEVICES)",
+    "load_on_device": "the GPUs vLLM may use (CUDA_VISIBLE_DEVICES)",
+    "maxWorkers": "caps the number of model copies (data parallel replicas)",
+    "gpu.maxWorkers": "caps the number of model copies (data parallel replicas)",
+}
+
+
 def is_secret(name: str) -> bool:
     """Whether an option's value must never be printed (canonical name, no ``option.`` prefix)."""
     low = name.lower().replace("-", "_").replace(".", "_")

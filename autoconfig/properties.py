@@ -73,6 +73,7 @@ class ResolvedProperties:
     recipe: LmcacheRecipe | None = None  # LMI's kv_transfer_config LMCache recipe, when used
     consumed: frozenset[str] = frozenset()  # options read here that serve must not pass to vLLM
     notes: list[str] = field(default_factory=list)  # defaults applied and translations, for the summary
+    devices: list[int] | None = None  # LMI's load_on_devices: the GPUs vLLM may use (None: all)
 
     def summary_lines(self) -> list[str]:
         """One line per option with its origin (secrets masked), for the configure log."""
@@ -118,11 +119,13 @@ def resolve_properties(
         except (OSError, UnicodeDecodeError) as err:
             raise PropertiesError(f"{path}: cannot read ({err.__class__.__name__}: {err}); fix its permissions/encoding")
         file_props = parse_properties(text, str(path))
-    _check_server_keys(file_props, str(path))
+    notes = _check_server_keys(file_props, str(path))
+    devices = _lmi_devices(file_props, str(path), gpu_count)
+    if devices is not None:
+        gpu_count = len(devices)
     options = collect_options(file_props, str(path), env)
     _apply_env_defaults(options, env)
     get = _Getter(options)
-    notes: list[str] = []
 
     pp = get.value("pipeline_parallel_degree", _positive_int, 1)
     tp = get.value("tensor_parallel_degree", lambda v: _parse_tp(v, gpu_count, pp), None)
@@ -175,9 +178,9 @@ def resolve_properties(
     if engine == "lmcache":
         _check_upstream_lmcache(options["lmcache_engine"].where)
     model_id = get.value("model_id", _nonempty, None)
-    others = {k: v for k, v in file_props.items() if not k.startswith("option.")}
+    others = {k: v for k, v in file_props.items() if not k.startswith("option.") and not _noted(k, notes)}
     return ResolvedProperties(mdir, path, model_id, auto, config_file, settings, options, others,
-                              config_where or "option.lmcache_config_file", recipe, consumed, notes)
+                              config_where or "option.lmcache_config_file", recipe, consumed, notes, devices)
 
 
 def _apply_env_defaults(options: dict[str, RawOption], env: Mapping[str, str]) -> None:
@@ -207,20 +210,40 @@ def _default_replicas(model_gpus: int, gpu_count: int, cache_on: bool, file_prop
         value = file_props.get(key, "").strip()
         if value.isdigit() and int(value) >= 1:
             limit = min(limit, int(value))
-    devices = file_props.get("load_on_devices", "").strip()
-    if devices and devices != "*":
-        limit = min(limit, max(1, len([d for d in devices.replace(",", ";").split(";") if d.strip()]) // model_gpus))
     if limit > 1:
         notes.append(f"data parallel: {limit} replicas x {model_gpus} GPU(s) on {gpu_count} GPUs (LMI's default: "
                      "as many model copies as the GPUs hold; set option.data_parallel_degree=1 for one)")
     return limit
 
 
-def _check_server_keys(file_props: Mapping[str, str], source: str) -> None:
-    """An un-prefixed key that looks like a misspelt ``option.`` key is an error, not a silent no-op."""
+def _lmi_devices(file_props: Mapping[str, str], source: str, gpu_count: int | None) -> list[int] | None:
+    """LMI's ``load_on_devices`` (``0`` or ``0;1;2``; ``*`` = all): the GPUs the model may use, or None for all."""
+    raw = file_props.get("load_on_devices", file_props.get("load_on_device", "")).strip()
+    if not raw or raw == "*" or not gpu_count:
+        return None
+    try:
+        devices = sorted({int(d) for d in raw.replace(",", ";").split(";") if d.strip()})
+    except ValueError:
+        raise PropertiesError(f"{source}: load_on_devices={raw!r}: expected * or GPU indices such as 0;1") from None
+    if not devices or devices[0] < 0 or devices[-1] >= gpu_count:
+        raise PropertiesError(f"{source}: load_on_devices={raw!r}: this host has GPUs 0-{gpu_count - 1}")
+    return devices
+
+
+def _noted(key: str, notes: list[str]) -> bool:
+    return any(n.startswith(f"{key}=") for n in notes)
+
+
+def _check_server_keys(file_props: Mapping[str, str], source: str) -> list[str]:
+    """An un-prefixed key that looks like a misspelt ``option.`` key is an error, not a silent no-op.
+
+    An exact engine name without the prefix (``rolling_batch=scheduler`` in
+    LMI's own tests) is what LMI ignores too: a loud note, not an error.
+    """
     from autoconfig.lmi_to_vllm import known_option_names
 
     known = known_option_names()
+    notes: list[str] = []
     for key in file_props:
         if key.startswith("option.") or key in SERVER_KEYS:
             continue
@@ -229,11 +252,13 @@ def _check_server_keys(file_props: Mapping[str, str], source: str) -> None:
         if dot and difflib.get_close_matches(head.lower(), ["option"], n=1, cutoff=0.6):
             raise PropertiesError(f"{source}: {key}: not an LMI key; did you mean option.{rest}?")
         if name in known:
-            raise PropertiesError(f"{source}: {key}: engine settings need the option. prefix; "
-                                  f"write option.{name}")
+            notes.append(f"{key}={file_props[key]} in {source} ignored: engine settings need the option. prefix "
+                         f"(write option.{name} to set it)")
+            continue
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
         if close:
             raise PropertiesError(f"{source}: {key}: not an LMI key; did you mean option.{close[0]}?")
+    return notes
 
 
 class _Getter:

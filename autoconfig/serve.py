@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, NoReturn
 
 from autoconfig.configure import DEFAULT_MODEL_DIR, configure, default_output_dir
-from autoconfig.lmi_names import SECRET_OPTIONS, is_secret_env, masked
+from autoconfig.lmi_names import SECRET_OPTIONS, SERVER_KEYS_USED, is_secret_env, masked
 from autoconfig.lmi_to_vllm import MappedArgs, flag_to_name, map_lmi_options
 from autoconfig.properties import ResolvedProperties, resolve_properties
 from lmi_cache.errors import UserError
@@ -114,9 +114,10 @@ def prepare_launch(
     if props.config_file is not None:
         findings = check_user_config(props, model, host, env)
     out = Path(output_dir) if output_dir is not None else default_output_dir(env)
-    metrics_env = multiproc_env(env, out, port, cache_on=cache_on, prepare=not dry_run)  # lmi_cache.metrics_settings
     secret_env, secret_files = secrets_for_vllm(mapped, props)
     result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files)
+    # After configure: it refuses a runtime directory another user controls before anything is made in it.
+    metrics_env = multiproc_env(env, out, port, cache_on=cache_on, prepare=not dry_run)  # lmi_cache.metrics_settings
     argv = [python, "-m", VLLM_SERVER_MODULE, "--host", "0.0.0.0", "--port", str(port), "--model", model]
     if secret_files:
         argv += ["--config", str(result.output_dir / SECRETS_FILE)]
@@ -127,6 +128,9 @@ def prepare_launch(
     argv += front.argv
     env_set = dict(result.env)
     env_set.update(secret_env)
+    if props.devices is not None and "CUDA_VISIBLE_DEVICES" not in env:
+        # LMI's load_on_devices: vLLM sees only those GPUs.
+        env_set["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in props.devices)
     env_set.update(front.env)
     env_set.update(metrics_env)
     if not host.gpus:
@@ -288,8 +292,9 @@ def _summary(props: ResolvedProperties, mode: str, model: str, port: int, mapped
     for name, opt in sorted(props.options.items()):
         lines.append(f"option {name} = {masked(name, opt.value)}  ({opt.where})")
     lines += [f"note: {n}" for n in props.notes + mapped.notes]
-    lines += [f"note: {key}={value} in {props.properties_path} ignored: this container always runs vLLM's "
-              "OpenAI server" for key, value in sorted(props.other_properties.items())]
+    lines += [f"note: {key}={value} in {props.properties_path}: " + (SERVER_KEYS_USED[key] if key in SERVER_KEYS_USED
+              else "ignored: this container always runs vLLM's OpenAI server")
+              for key, value in sorted(props.other_properties.items())]
     lines += _cache_lines(mode, props, plan)
     lines += [m for m in messages if m.startswith("warning:")]
     lines += [f"config check: {f}" for f in findings]

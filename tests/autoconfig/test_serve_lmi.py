@@ -118,6 +118,17 @@ def test_lmi_worker_limits_cap_the_replicas(tmp_path: Path, server_keys: str, re
         assert "--data-parallel-size" not in result.argv
     else:
         assert flag_value(result.argv, "--data-parallel-size") == replicas
+    if "load_on_devices" in server_keys:
+        devices = server_keys.strip().split("=")[1].replace(";", ",")
+        assert result.env_set["CUDA_VISIBLE_DEVICES"] == devices  # vLLM sees only LMI's devices
+
+
+def test_tp_max_counts_only_lmis_devices(tmp_path: Path) -> None:
+    result = launch(tmp_path, "load_on_devices=2\noption.max_rolling_batch_size=4\n", host=make_host(8))
+    assert "--tensor-parallel-size" not in result.argv and "--data-parallel-size" not in result.argv
+    assert result.env_set["CUDA_VISIBLE_DEVICES"] == "2"
+    with pytest.raises(UserError, match="load_on_devices='9': this host has GPUs 0-7"):
+        launch(tmp_path, "load_on_devices=9\n", host=make_host(8))
 
 
 def test_with_the_cache_on_one_copy_unless_replicas_are_asked_for(tmp_path: Path) -> None:
@@ -143,13 +154,18 @@ def test_replicas_beyond_the_gpus_are_refused_before_vllm(tmp_path: Path) -> Non
     [
         ("optoin.lmcache_auto_config=true", "did you mean option.lmcache_auto_config?"),
         ("opton.tensor_parallel_degree=4", "did you mean option.tensor_parallel_degree?"),
-        ("tensor_parallel_degree=4", "need the option. prefix; write option.tensor_parallel_degree"),
         ("lmcache_auto_confg=true", "did you mean option.lmcache_auto_config?"),
     ],
 )
 def test_a_misspelt_prefix_is_an_error(tmp_path: Path, line: str, expected: str) -> None:
     with pytest.raises(UserError, match=expected):
         launch(tmp_path, line + "\n")
+
+
+def test_an_engine_name_without_the_prefix_is_a_loud_note(tmp_path: Path) -> None:
+    result = launch(tmp_path, "tensor_parallel_degree=4\n", host=make_host(4))
+    said = [line for line in result.summary if "tensor_parallel_degree=4" in line]
+    assert len(said) == 1 and "need the option. prefix" in said[0] and "write option.tensor_parallel_degree" in said[0]
 
 
 def test_lmi_server_keys_and_dtype_values(tmp_path: Path) -> None:
