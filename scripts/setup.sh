@@ -20,3 +20,16 @@ if ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
 .venv/bin/pip install -q -e ".[test]"
+
+# Native KV copy kernels: a C++ compiler (ninja comes from pip) and one compile
+# now into ~/.cache/lmi-cache/kernels, so no vLLM worker compiles at start-up.
+PY_H=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h
+if ! command -v "${CXX:-c++}" >/dev/null 2>&1 || [ ! -f "$PY_H" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -qq g++ python3-dev >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq g++ python3-dev >/dev/null; }
+  else
+    echo "setup: no C++ compiler; install g++ for the native KV copy kernels (torch copies are used meanwhile)" >&2
+  fi
+fi
+echo "setup: KV copy kernels: $(.venv/bin/python -m lmi_cache.transfer.kernels 2>/dev/null | tail -1)"

@@ -21,6 +21,7 @@ import os
 import platform
 import shutil
 import sys
+import sysconfig
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -77,6 +78,9 @@ def _compiler_problem() -> str | None:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} not on PATH)"
+    python_h = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not python_h.is_file():
+        return f"no Python headers ({python_h} missing: install python3-dev)"
     if shutil.which("ninja") is None:
         return "ninja not found (pip install ninja, or apt-get install ninja-build)"
     return None
