@@ -73,7 +73,7 @@ class ResolvedProperties:
     recipe: LmcacheRecipe | None = None  # LMI's kv_transfer_config LMCache recipe, when used
     consumed: frozenset[str] = frozenset()  # options read here that serve must not pass to vLLM
     notes: list[str] = field(default_factory=list)  # defaults applied and translations, for the summary
-    devices: list[int] | None = None  # LMI's load_on_devices: the GPUs vLLM may use (None: all)
+    devices: list[int] | None = None  # GPUs of LMI's load_on_devices workers: all vLLM may use (None: all)
 
     def summary_lines(self) -> list[str]:
         """One line per option with its origin (secrets masked), for the configure log."""
@@ -120,9 +120,11 @@ def resolve_properties(
             raise PropertiesError(f"{path}: cannot read ({err.__class__.__name__}: {err}); fix its permissions/encoding")
         file_props = parse_properties(text, str(path))
     notes = _check_server_keys(file_props, str(path))
-    devices = _lmi_devices(file_props, str(path), gpu_count)
-    if devices is not None:
-        gpu_count = len(devices)
+    starts = _lmi_devices(file_props, str(path), gpu_count)
+    host_gpus = gpu_count or 0
+    if starts is not None:
+        # Each listed device starts one LMI worker; "max" then means the GPUs up to the next worker's.
+        gpu_count = min(b - a for a, b in zip(starts, starts[1:] + [host_gpus]))
     options = collect_options(file_props, str(path), env)
     _apply_env_defaults(options, env)
     get = _Getter(options)
@@ -173,8 +175,12 @@ def resolve_properties(
                 auto = True
         notes.append(recipe.describe(engine, auto, config_file))
     if dp_option is None:
-        dp = _default_replicas(tp * pp, gpu_count or 0, auto or config_file is not None, file_props, notes)
+        workers = host_gpus if starts is None else len(starts) * tp * pp
+        dp = _default_replicas(tp * pp, workers, auto or config_file is not None, file_props, notes)
         settings = replace(settings, dp=dp)
+    devices = None
+    if starts is not None:
+        devices = _worker_gpus(starts[:settings.dp], tp * pp, host_gpus, str(path))
     if engine == "lmcache":
         _check_upstream_lmcache(options["lmcache_engine"].where)
     model_id = get.value("model_id", _nonempty, None)
@@ -217,7 +223,7 @@ def _default_replicas(model_gpus: int, gpu_count: int, cache_on: bool, file_prop
 
 
 def _lmi_devices(file_props: Mapping[str, str], source: str, gpu_count: int | None) -> list[int] | None:
-    """LMI's ``load_on_devices`` (``0`` or ``0;1;2``; ``*`` = all): the GPUs the model may use, or None for all."""
+    """LMI's ``load_on_devices`` (``0`` or ``0;4``; ``*`` = all): the GPU each worker starts on, or None for all."""
     raw = file_props.get("load_on_devices", file_props.get("load_on_device", "")).strip()
     if not raw or raw == "*" or not gpu_count:
         return None
@@ -228,6 +234,16 @@ def _lmi_devices(file_props: Mapping[str, str], source: str, gpu_count: int | No
     if not devices or devices[0] < 0 or devices[-1] >= gpu_count:
         raise PropertiesError(f"{source}: load_on_devices={raw!r}: this host has GPUs 0-{gpu_count - 1}")
     return devices
+
+
+def _worker_gpus(starts: list[int], model_gpus: int, host_gpus: int, source: str) -> list[int]:
+    """The GPUs the workers starting at ``starts`` occupy, ``model_gpus`` each (LMI's load_on_devices)."""
+    gpus = [g for start in starts for g in range(start, start + model_gpus)]
+    if len(set(gpus)) != len(gpus) or gpus[-1] >= host_gpus:
+        raise PropertiesError(f"{source}: load_on_devices={';'.join(map(str, starts))}: workers of {model_gpus} GPU(s) "
+                              f"starting there need GPUs {', '.join(map(str, gpus))}, this host has 0-{host_gpus - 1}; "
+                              "list fewer devices or lower tensor_parallel_degree")
+    return gpus
 
 
 def _noted(key: str, notes: list[str]) -> bool:

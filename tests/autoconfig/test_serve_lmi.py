@@ -111,7 +111,8 @@ def test_tp1_on_eight_gpus_serves_eight_replicas(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("server_keys", "replicas"), [("gpu.maxWorkers=2\n", "2"), ("load_on_devices=0\n", None),
-                                                       ("load_on_devices=0;1;2;3\n", "4")])
+                                                       ("load_on_devices=0;1;2;3\n", "4"),
+                                                       ("load_on_devices=2;5\n", "2")])
 def test_lmi_worker_limits_cap_the_replicas(tmp_path: Path, server_keys: str, replicas: str | None) -> None:
     result = launch(tmp_path, "option.tensor_parallel_degree=1\n" + server_keys, host=make_host(8))
     if replicas is None:
@@ -120,15 +121,21 @@ def test_lmi_worker_limits_cap_the_replicas(tmp_path: Path, server_keys: str, re
         assert flag_value(result.argv, "--data-parallel-size") == replicas
     if "load_on_devices" in server_keys:
         devices = server_keys.strip().split("=")[1].replace(";", ",")
-        assert result.env_set["CUDA_VISIBLE_DEVICES"] == devices  # vLLM sees only LMI's devices
+        assert result.env_set["CUDA_VISIBLE_DEVICES"] == devices  # TP 1 workers: vLLM sees only LMI's devices
 
 
-def test_tp_max_counts_only_lmis_devices(tmp_path: Path) -> None:
-    result = launch(tmp_path, "load_on_devices=2\noption.max_rolling_batch_size=4\n", host=make_host(8))
-    assert "--tensor-parallel-size" not in result.argv and "--data-parallel-size" not in result.argv
-    assert result.env_set["CUDA_VISIBLE_DEVICES"] == "2"
+def test_load_on_devices_names_where_each_worker_starts(tmp_path: Path) -> None:
+    # LMI starts one worker per listed device; a TP worker uses the GPUs from there on.
+    result = launch(tmp_path, "load_on_devices=0\noption.tensor_parallel_degree=4\n", host=make_host(8))
+    assert flag_value(result.argv, "--tensor-parallel-size") == "4" and "--data-parallel-size" not in result.argv
+    assert result.env_set["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    result = launch(tmp_path, "load_on_devices=6\n", host=make_host(8))  # TP 'max': GPUs 6 and 7
+    assert flag_value(result.argv, "--tensor-parallel-size") == "2"
+    assert result.env_set["CUDA_VISIBLE_DEVICES"] == "6,7"
     with pytest.raises(UserError, match="load_on_devices='9': this host has GPUs 0-7"):
         launch(tmp_path, "load_on_devices=9\n", host=make_host(8))
+    with pytest.raises(UserError, match="need GPUs 6, 7, 8, 9, this host has 0-7"):
+        launch(tmp_path, "load_on_devices=6\noption.tensor_parallel_degree=4\n", host=make_host(8))
 
 
 def test_with_the_cache_on_one_copy_unless_replicas_are_asked_for(tmp_path: Path) -> None:
