@@ -1,0 +1,189 @@
+"""What the LMI front door adds per request: in process, and end to end on vLLM CPU, side by side.
+
+Runs as a script: ``python benchmarks/bench_front.py [--requests 300] [--skip-e2e]``.
+
+1. In process (no vLLM): the front middleware around a stub ASGI app that
+   answers with a canned vLLM completion (JSON and SSE), against the stub
+   alone, interleaved: the front's own CPU time per request (translate the
+   LMI request, rewrite the answer).
+2. End to end: two vLLM OpenAI servers on the tiny model, started at the same
+   time, one with ``--middleware lmi_cache.front.middleware.LmiFrontMiddleware``
+   and one without; the same 1-token greedy completion sent alternately to
+   both over kept-alive connections (LMI ``inputs`` payload to the front, the
+   equivalent OpenAI ``prompt`` payload to the bare server; and the OpenAI
+   payload to both, which the front only passes through). Prints medians,
+   p90s, the difference and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, MutableMapping
+from urllib.parse import urlparse
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lmi_cache.bench.stats import percentile  # noqa: E402
+
+PROMPT = "def main():\n    print('hello world')\n"
+CANNED = {"id": "c", "object": "text_completion", "model": "tiny", "choices": [
+    {"index": 0, "text": " x", "finish_reason": "length", "stop_reason": None, "logprobs": None}],
+    "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}}
+CANNED_SSE = (b'data: {"choices": [{"index": 0, "text": " x", "token_ids": [5], "finish_reason": "length", '
+              b'"logprobs": {"tokens": [" x"], "token_logprobs": [-0.1]}}]}\n\ndata: [DONE]\n\n')
+
+
+async def _stub(scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+                send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    if b'"stream": true' in body:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": CANNED_SSE, "more_body": False})
+        return
+    data = json.dumps(CANNED).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+async def _call(app: Any, body: bytes) -> float:
+    scope = {"type": "http", "method": "POST", "path": "/invocations",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    start = time.perf_counter()
+    await app(scope, receive, send)
+    return time.perf_counter() - start
+
+
+def in_process(iterations: int) -> list[tuple[str, float, float]]:
+    from lmi_cache.front.middleware import LmiFrontMiddleware
+
+    front = LmiFrontMiddleware(_stub, adapters={})
+    cases = [
+        ("LMI inputs, JSON answer", {"inputs": PROMPT, "parameters": {"max_new_tokens": 1, "do_sample": False}},
+         {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}),
+        ("LMI inputs, streamed", {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 1}},
+         {"prompt": PROMPT, "max_tokens": 1, "stream": True}),
+        ("OpenAI prompt (pass-through)", {"prompt": PROMPT, "max_tokens": 1, "model": "tiny"},
+         {"prompt": PROMPT, "max_tokens": 1, "model": "tiny"}),
+    ]
+    rows = []
+    for name, lmi, openai in cases:
+        lmi_body, openai_body = json.dumps(lmi).encode(), json.dumps(openai).encode()
+        with_front, bare = [], []
+        for _ in range(iterations):
+            with_front.append(asyncio.run(_call(front, lmi_body)))
+            bare.append(asyncio.run(_call(_stub, openai_body)))
+        rows.append((name, percentile(with_front, 50), percentile(bare, 50)))
+    return rows
+
+
+class Client:
+    """One kept-alive HTTP connection; ``post`` returns seconds until the whole answer was read."""
+
+    def __init__(self, url: str) -> None:
+        parsed = urlparse(url)
+        self.conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=120)
+
+    def post(self, path: str, payload: dict[str, Any]) -> tuple[float, bytes]:
+        body = json.dumps(payload).encode()
+        start = time.perf_counter()
+        self.conn.request("POST", path, body, {"Content-Type": "application/json"})
+        reply = self.conn.getresponse()
+        data = reply.read()
+        elapsed = time.perf_counter() - start
+        if reply.status != 200:
+            raise RuntimeError(f"POST {path} -> {reply.status}: {data[:300]!r}")
+        return elapsed, data
+
+
+def end_to_end(requests: int, work: Path) -> list[tuple[str, list[float], list[float]]]:
+    from lmi_cache.bench.vllm_server import ServerSpec, VllmServer
+    from lmi_cache.devtools.tiny_model import make_tiny_model
+    from lmi_cache.front.options import MIDDLEWARE
+
+    model = make_tiny_model(work / "tiny-7m", "7m", seed=0)
+    sessions = {"SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "true", "SAGEMAKER_SESSIONS_PATH": str(work / "sessions")}
+    front_spec = ServerSpec(model, max_model_len=2048, kvcache_space_gib=1, extra_env=sessions,
+                            extra_args=["--middleware", MIDDLEWARE])
+    bare_spec = ServerSpec(model, max_model_len=2048, kvcache_space_gib=1, extra_env=sessions)
+    front_server, bare_server = VllmServer(front_spec, work / "front"), VllmServer(bare_spec, work / "bare")
+    lmi = {"inputs": PROMPT, "parameters": {"max_new_tokens": 1, "do_sample": False}}
+    openai = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    try:
+        front_server.start()
+        bare_server.start()
+        front, bare = Client(front_server.url), Client(bare_server.url)
+        _, lmi_answer = front.post("/invocations", lmi)
+        _, openai_answer = bare.post("/invocations", openai)
+        same = json.loads(lmi_answer)["generated_text"] == json.loads(openai_answer)["choices"][0]["text"]
+        print(f"same greedy token from both servers: {same}")
+        rows = []
+        for name, front_payload in (("LMI inputs -> front vs OpenAI prompt -> bare", lmi),
+                                    ("OpenAI prompt -> front vs -> bare", openai)):
+            for _ in range(20):  # warm-up
+                front.post("/invocations", front_payload)
+                bare.post("/invocations", openai)
+            with_front: list[float] = []
+            without: list[float] = []
+            for i in range(requests):
+                order = ((front, front_payload, with_front), (bare, openai, without))
+                for client, payload, sink in (order if i % 2 == 0 else order[::-1]):
+                    sink.append(client.post("/invocations", payload)[0])
+            rows.append((name, with_front, without))
+        return rows
+    finally:
+        front_server.stop()
+        bare_server.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=300, help="paired requests per end-to-end case")
+    parser.add_argument("--iterations", type=int, default=3000, help="calls per in-process case")
+    parser.add_argument("--skip-e2e", action="store_true", help="only the in-process measurement")
+    args = parser.parse_args()
+    print("## In process: front middleware + stub app vs stub app alone (median per request)\n")
+    print("| case | with front | stub alone | added |")
+    print("|---|---|---|---|")
+    for name, front_s, bare_s in in_process(args.iterations):
+        print(f"| {name} | {front_s * 1e6:.0f} us | {bare_s * 1e6:.0f} us | {(front_s - bare_s) * 1e6:+.0f} us |")
+    if args.skip_e2e:
+        return 0
+    with tempfile.TemporaryDirectory(prefix="bench-front-") as tmp:
+        rows = end_to_end(args.requests, Path(tmp))
+    print(f"\n## End to end: 1-token greedy completion on vLLM CPU, {args.requests} alternating pairs\n")
+    print("| case | with front p50 | without p50 | added p50 | ratio p50 | with p90 | without p90 |")
+    print("|---|---|---|---|---|---|---|")
+    for name, with_front, without in rows:
+        a, b = percentile(with_front, 50), percentile(without, 50)
+        print(f"| {name} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | {(a - b) * 1e3:+.2f} ms | {a / b:.3f}x | "
+              f"{percentile(with_front, 90) * 1e3:.2f} ms | {percentile(without, 90) * 1e3:.2f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
