@@ -1,0 +1,87 @@
+"""Real LMI serving.properties files (tests/fixtures/compat/lmi/, sources in its SOURCES.md) start as their authors expect.
+
+Each case directory holds the file as LMI's integration tests write it (plus
+the LMCache YAML they copy beside it) and ``expected.json``: served (mode,
+connector, vLLM arguments, environment, the notes a user sees) or refused
+(the message). Each is started with ``lmi-cache serve``'s own checks
+(``prepare_launch``, dry run) on the host LMI's benchmarks use
+(ml.p4de.24xlarge: 8 x A100 80 GB); Hub models the cache must size are found
+in a local Hugging Face cache made from our config.json fixtures.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autoconfig.catalog import host_snapshot_for
+from autoconfig.serve import ServeLaunch, prepare_launch
+from lmi_cache.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1] / "fixtures"
+CASES = sorted(p.name for p in (ROOT / "compat" / "lmi").iterdir() if p.is_dir())
+# Hub ids of the cache-enabled cases -> our config.json fixture of the same architecture.
+HUB_CONFIGS = {"Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen2.5-7B": "qwen2.5-7b-instruct",
+               "Qwen/Qwen2.5-72B": "qwen2.5-72b-instruct"}
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("hf")
+    for model_id, fixture in HUB_CONFIGS.items():
+        repo = home / "hub" / ("models--" + model_id.replace("/", "--"))
+        (repo / "snapshots" / "r0").mkdir(parents=True)
+        shutil.copy(ROOT / "hf_configs" / fixture / "config.json", repo / "snapshots" / "r0" / "config.json")
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("r0")
+    return home
+
+
+def start(case: str, hf_home: Path, tmp_path: Path) -> ServeLaunch:
+    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    return prepare_launch(ROOT / "compat" / "lmi" / case, env, host=host_snapshot_for("ml.p4de.24xlarge"),
+                          output_dir=tmp_path / "runtime", python="python3", dry_run=True)
+
+
+def test_the_suite_is_broad() -> None:
+    assert len(CASES) >= 15
+    sources = (ROOT / "compat" / "lmi" / "SOURCES.md").read_text()
+    assert all(f"`{case}/`" in sources for case in CASES), "every case needs its source in SOURCES.md"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_real_lmi_file_behaves_as_its_authors_expect(case: str, hf_home: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "LMCACHE_CONFIG_FILE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    case_dir = ROOT / "compat" / "lmi" / case
+    expected: dict[str, Any] = json.loads((case_dir / "expected.json").read_text())
+    if expected["outcome"] == "refused":
+        with pytest.raises(UserError) as info:
+            start(case, hf_home, tmp_path)
+        assert expected["message"] in str(info.value) and "\n" not in str(info.value)
+        return
+    result = start(case, hf_home, tmp_path)
+    assert result.mode == expected["mode"]
+    argv = result.argv
+    if expected["connector"] is None:
+        assert "--kv-transfer-config" not in argv
+    else:
+        assert argv.count("--kv-transfer-config") == 1
+        assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector"] == expected["connector"]
+    for flag, value in expected["args"].items():
+        assert argv.count(flag) == 1, f"{flag} in {argv}"
+        if value is not True:
+            assert argv[argv.index(flag) + 1] == value, f"{flag} in {argv}"
+    for flag in expected["absent"]:
+        assert flag not in argv
+    for var, value in expected["env"].items():
+        assert result.env_set[var] == value.replace("{dir}", str(case_dir))
+    notes = [line for line in result.summary if line.startswith("note:")]
+    for wanted in expected["notes"]:
+        assert any(wanted in line for line in notes), f"no note with {wanted!r} in {notes}"
+    assert not [line for line in result.summary if "ERROR" in line]
+    assert not (tmp_path / "runtime").exists()
