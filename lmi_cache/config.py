@@ -24,6 +24,7 @@ from lmi_cache.config_keys import (
     LEGACY_KEYS,
     LMCACHE_KEYS,
     SERVED_REMOTE_SCHEMES,
+    UNSUPPORTED_FEATURES,
 )
 from lmi_cache.config_values import (
     MAX_CHUNK_TOKENS,
@@ -109,11 +110,17 @@ def _parse_extra(
     extra: Mapping[str, Any], where: str, where_of: Callable[[str], str], warnings: list[str]
 ) -> dict[str, Any]:
     fields: dict[str, Any] = {}
+    plugin_keys = []
     for key in sorted(k for k in extra if k not in EXTRA_CONFIG_KEYS):
         # LMCache's extra_config is an open bag read by its plugins: warn, don't fail.
         close = difflib.get_close_matches(key, sorted(EXTRA_CONFIG_KEYS), n=1, cutoff=0.75)
-        hint = f"; did you mean {close[0]!r}?" if close else " (used by LMCache plugins, not by lmi_cache)"
-        warnings.append(f"{where_of('extra_config.' + key)}: not read by lmi_cache, ignored{hint}")
+        if close:
+            warnings.append(f"{where_of('extra_config.' + key)}: not read by lmi_cache, ignored; did you mean {close[0]!r}?")
+        else:
+            plugin_keys.append(key)
+    if plugin_keys:
+        warnings.append(f"{where_of('extra_config')}: keys for LMCache's own backends, not read by lmi_cache, "
+                        f"ignored: {', '.join(plugin_keys)}")
     for key in sorted(EXTRA_CONFIG_KEYS & set(extra)):
         kw = where_of(f"extra_config.{key}")
         value = extra[key]
@@ -132,11 +139,22 @@ def _parse_extra(
 # ---------------------------------------------------------------- loaders
 
 
-def _unknown_key_error(key: str, where: str) -> ConfigError:
+def unknown_key_problem(key: str, value: Any) -> tuple[str, bool]:
+    """(message, is_error) for a top-level key that no LMCache release defines.
+
+    An error with a did-you-mean, except when the key is close to a real one and its
+    value is that key's default: LMCache would ignore it and so would the author's
+    intent (``async_loading: false`` in LMCache's own RESP example), so it only warns.
+    """
     candidates = list(LMCACHE_KEYS) + list(DEPRECATED_ALIASES) + list(LEGACY_KEYS)
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else "; see LMCache's configuration reference"
-    return ConfigError(f"{where}: unknown key{hint}")
+    if not close:
+        return "unknown key; not an LMCache setting (see LMCache's configuration reference)", True
+    default = LMCACHE_KEYS.get(close[0], (None, object()))[1]
+    if type(value) is type(default) and value == default:
+        return (f"unknown key, ignored; did you mean {close[0]!r}? (its value {value!r} is {close[0]}'s default, "
+                "so ignoring it changes nothing)"), False
+    return f"unknown key; did you mean {close[0]!r}?", True
 
 
 def _merge(
@@ -153,6 +171,9 @@ def _merge(
             fields[key] = _parse_policy(value, where, warnings)
         elif key == "extra_config":
             fields.update(_parse_extra(parse_mapping(value, where), where, where_of, warnings))
+        elif key in UNSUPPORTED_FEATURES and _truthy(value):
+            warnings.append(f"{where}: asks for {UNSUPPORTED_FEATURES[key]}, which lmi_cache does not provide; "
+                            "this server runs without it (its local tiers still serve)")
         elif key in DEPRECATED_ALIASES:
             warnings.append(f"{where}: {key} is deprecated in LMCache; use {DEPRECATED_ALIASES[key]} (ignored here)")
         elif key in LEGACY_KEYS:
@@ -160,10 +181,17 @@ def _merge(
         elif key in LMCACHE_KEYS:
             unimplemented.append(key)
         elif strict:
-            raise _unknown_key_error(key, where)
+            message, is_error = unknown_key_problem(key, value)
+            if is_error:
+                raise ConfigError(f"{where}: {message}")
+            warnings.append(f"{where}: {message}")
     if unimplemented:
         warnings.append(f"{source}: LMCache keys not implemented by lmi_cache, ignored: {', '.join(unimplemented)}")
     return fields
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.strip().strip("'\"").lower() in ("true", "1"))
 
 
 def _check(config: CacheConfig, source: str, warnings: list[str]) -> None:

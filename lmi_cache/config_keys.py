@@ -172,6 +172,18 @@ LEGACY_KEYS: dict[str, str] = {
     "nixl_enable_gc": "LMCache 0.3/0.4 NIXL garbage-collection switch; P/D transfer is not done by lmi_cache",
 }
 
+# Switches of LMCache features lmi_cache does not provide -> what they ask for. Set to
+# true they get their own warning (the server runs without the feature), not just a name in a list.
+UNSUPPORTED_FEATURES: dict[str, str] = {
+    "enable_pd": "disaggregated prefill (KV sent from a prefill to a decode instance)",
+    "enable_nixl": "disaggregated prefill over NIXL (LMCache 0.3/0.4)",
+    "enable_xpyd": "disaggregated prefill (LMCache 0.3 name of enable_pd)",
+    "enable_p2p": "peer-to-peer KV sharing between instances",
+    "enable_blending": "CacheBlend (reuse of non-prefix KV)",
+    "enable_controller": "the LMCache controller",
+    "use_layerwise": "layer-by-layer KV transfer",
+}
+
 # Every remote_url scheme an LMCache 0.3-0.5 connector adapter accepts (each adapter's
 # ``schema``; redis also takes rediss:// and unix://, couchbase also couchbases://).
 # lmi_cache has no remote tier yet: any of these is accepted with a warning that the

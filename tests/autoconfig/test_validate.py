@@ -29,7 +29,7 @@ def test_good_config_has_no_errors(tmp_path: Path) -> None:
 
 
 def test_key_typos_get_did_you_mean(tmp_path: Path) -> None:
-    findings = _check(tmp_path, "chunk_sise: 256\nmax_local_cpu_size: 10\nlocal_dsk: file:///nvme/\n")
+    findings = _check(tmp_path, "chunk_sise: 512\nmax_local_cpu_size: 10\nlocal_dsk: file:///nvme/\n")
     errors = _errors(findings)
     assert {f.key for f in errors} == {"chunk_sise", "local_dsk"}
     assert any("did you mean 'chunk_size'" in f.message for f in errors)

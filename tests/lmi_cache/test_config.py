@@ -62,7 +62,7 @@ def test_env_overrides_file_and_is_typed(tmp_path: Path) -> None:
 
 
 def test_unknown_key_has_did_you_mean(tmp_path: Path) -> None:
-    path = write(tmp_path, "chunk_sise: 256\n")
+    path = write(tmp_path, "chunk_sise: 512\n")
     with pytest.raises(ConfigError) as info:
         load_config(path, env={})
     message = str(info.value)
@@ -70,10 +70,29 @@ def test_unknown_key_has_did_you_mean(tmp_path: Path) -> None:
     assert "\n" not in message and isinstance(info.value, UserError)
 
 
+def test_unknown_key_at_the_default_of_its_look_alike_only_warns(tmp_path: Path) -> None:
+    # LMCache's own RESP example writes async_loading: false (the key is enable_async_loading,
+    # default false): LMCache ignores it and nothing changes, so neither do we.
+    config, warnings = load_config(write(tmp_path, "async_loading: false\nchunk_size: 512\n"), env={})
+    assert config.chunk_size == 512
+    assert any("async_loading" in w and "did you mean 'enable_async_loading'" in w for w in warnings)
+    with pytest.raises(ConfigError, match="enable_async_loading"):
+        load_config(write(tmp_path, "async_loading: true\n"), env={})
+    with pytest.raises(ConfigError, match="not an LMCache setting"):
+        load_config(write(tmp_path, "kv_offload_everything: 1\n"), env={})
+
+
+def test_unsupported_features_switched_on_get_their_own_warning() -> None:
+    _, warnings = config_from_dict({"enable_pd": True, "enable_nixl": "True", "enable_blending": False}, "x.yaml")
+    assert any("enable_pd" in w and "disaggregated prefill" in w for w in warnings)
+    assert any("enable_nixl" in w and "NIXL" in w for w in warnings)
+    assert not any("CacheBlend" in w for w in warnings)  # switched off: nothing to warn about
+
+
 def test_unimplemented_keys_one_warning() -> None:
-    _, warnings = config_from_dict({"enable_p2p": True, "use_layerwise": False, "chunk_size": 64}, "x.yaml")
+    _, warnings = config_from_dict({"remote_serde": "naive", "use_layerwise": False, "chunk_size": 64}, "x.yaml")
     hits = [w for w in warnings if "not implemented" in w]
-    assert len(hits) == 1 and "enable_p2p" in hits[0] and "use_layerwise" in hits[0]
+    assert len(hits) == 1 and "remote_serde" in hits[0] and "use_layerwise" in hits[0]
 
 
 def test_legacy_and_deprecated_keys_warn_with_replacement() -> None:
