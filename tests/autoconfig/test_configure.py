@@ -70,7 +70,7 @@ def test_file_mode_points_at_user_config(tmp_path: Path) -> None:
 
 def test_file_mode_with_bad_user_config_writes_nothing(tmp_path: Path) -> None:
     mdir = _model_dir(tmp_path, "option.lmcache_config_file=my.yaml\n")
-    (mdir / "my.yaml").write_text("chunk_sise: 256\n")
+    (mdir / "my.yaml").write_text("chunk_sise: 512\n")
     with pytest.raises(ConfigError, match="chunk_size"):
         configure(mdir, tmp_path / "out", {}, host=HOST)
     assert not (tmp_path / "out").exists()
