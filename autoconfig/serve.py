@@ -135,6 +135,7 @@ def prepare_launch(
     env_set.update(metrics_env)
     if not host.gpus:
         env_set.update(cpu_backend_env(env, env_set, host))
+    findings += lmcache_env_findings(env, cache_on)
     summary = _summary(props, result.mode, model, port, mapped, result.messages, findings, env_set, result.plan)
     summary[-1:-1] = front.summary
     return ServeLaunch(argv, {**env, **env_set}, env_set, result.mode, summary)
@@ -157,6 +158,28 @@ def secrets_for_vllm(mapped: MappedArgs, props: ResolvedProperties) -> tuple[dic
             continue
         env[SECRET_OPTIONS[name]] = str(value[0] if isinstance(value, list) else value)
     return env, files
+
+
+def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
+    """LMCACHE_* variables the server will read: checked now (a bad value fails here) and named at start.
+
+    LMCache's rule, which lmi_cache follows: they override the YAML, planned or
+    the user's, so serve says which ones (names only: values can hold credentials).
+    """
+    from lmi_cache.config import CONFIG_FILE_ENV, env_override_names, load_config
+
+    lmcache_env = {k: v for k, v in env.items() if k.startswith("LMCACHE_") and k != CONFIG_FILE_ENV}
+    if not lmcache_env:
+        return []
+    if not cache_on:
+        return [f"WARNING {', '.join(sorted(lmcache_env))} set but the cache is off: not read"]
+    _, warnings = load_config(None, lmcache_env)
+    lines = [f"WARNING {w}" for w in warnings]
+    overrides = env_override_names(lmcache_env)
+    if overrides:
+        lines.append(f"WARNING {', '.join(overrides)} override the LMCache config (the environment wins over "
+                     "the file, as in LMCache)")
+    return lines
 
 
 def _upstream_recipe(props: ResolvedProperties, args: list[str]) -> list[str]:

@@ -181,3 +181,16 @@ def test_lmi_server_keys_and_dtype_values(tmp_path: Path) -> None:
     assert props.settings.dtype == "float16"
     result = launch(tmp_path, text)
     assert flag_value(result.argv, "--dtype") == "float16"
+
+
+def test_lmcache_env_variables_are_named_checked_and_misspellings_flagged(tmp_path: Path) -> None:
+    env = {"LMCACHE_CHUNK_SIZE": "'512'", "LMCACHE_CHUNCK_SIZE": "3", "LMCACHE_REMOTE_URL": "redis://u:pw@h:6379"}
+    result = launch(tmp_path, "option.lmcache_auto_config=true\n", env=env)
+    text = "\n".join(result.summary)
+    assert "LMCACHE_CHUNK_SIZE, LMCACHE_REMOTE_URL override the LMCache config" in text
+    assert "LMCACHE_CHUNCK_SIZE: not an LMCache setting, ignored; did you mean LMCACHE_CHUNK_SIZE?" in text
+    assert "pw@h" not in text
+    with pytest.raises(UserError, match="LMCACHE_MAX_LOCAL_CPU_SIZE"):
+        launch(tmp_path, "option.lmcache_auto_config=true\n", env={"LMCACHE_MAX_LOCAL_CPU_SIZE": "abc"})
+    off = launch(tmp_path, "", env={"LMCACHE_CHUNK_SIZE": "512"})
+    assert any("LMCACHE_CHUNK_SIZE set but the cache is off" in line for line in off.summary)
