@@ -155,3 +155,43 @@ def test_validate_takes_max_model_len(tmp_path: Path) -> None:
     assert "max_model_len 100,000,000" not in _cli(args).output
     refused = _cli(args + ["--max-model-len", "0"])
     assert refused.exit_code == 2 and "--max-model-len" in refused.output
+
+
+# ---------------------------------------------------------------- the serving.properties path (configure)
+
+
+def _model_dir(tmp_path: Path, properties: str) -> Path:
+    mdir = tmp_path / "model"
+    mdir.mkdir()
+    (mdir / "config.json").write_text((REPO / "tests/fixtures/hf_configs/llama-3.1-8b-instruct/config.json").read_text())
+    (mdir / "serving.properties").write_text(properties)
+    return mdir
+
+
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ("option.lmcache_local_disk=/nvme/a,b", "comma"),
+        ("option.lmcache_local_disk=file:///proc/lmcache/", "can never be created"),
+        ("option.lmcache_max_local_cpu_size=1e308", "lmcache_max_local_cpu_size"),
+        ("option.tensor_parallel_degree=3", "32 attention heads"),
+    ],
+)
+def test_configure_refuses_before_writing(tmp_path: Path, line: str, needle: str) -> None:
+    from autoconfig.configure import configure
+
+    mdir = _model_dir(tmp_path, f"option.lmcache_auto_config=true\n{line}\n")
+    with pytest.raises(PlanError, match=needle):
+        configure(mdir, tmp_path / "out", {}, host=host(8, 400, disks=[disk("/nvme", free_gib=2000)]))
+    assert not (tmp_path / "out").exists()
+
+
+def test_configure_lists_lmcache_env_overrides(tmp_path: Path) -> None:
+    from autoconfig.configure import configure
+
+    mdir = _model_dir(tmp_path, "option.lmcache_auto_config=true\n")
+    env = {"LMCACHE_CHUNK_SIZE": "512", "LMCACHE_REMOTE_URL": "redis://u:secret@h:6379", "LMCACHE_LOG_LEVEL": "DEBUG"}
+    result = configure(mdir, tmp_path / "out", env, host=host(1, 400, disks=[disk("/nvme", free_gib=2000)]))
+    lines = [m for m in result.messages if "overrides the LMCache YAML" in m]
+    assert len(lines) == 2 and any("LMCACHE_CHUNK_SIZE" in m for m in lines)
+    assert not any("secret" in m for m in result.messages)
