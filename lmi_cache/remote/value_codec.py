@@ -253,7 +253,10 @@ def join_planes(planes: BytesLike, elem_bytes: int) -> memoryview:
     if not len(byte_view(planes)):
         return memoryview(b"")
     array = np.frombuffer(byte_view(planes), dtype=np.uint8).reshape(elem_bytes, -1)
-    return byte_view(np.ascontiguousarray(array.T))
+    out = np.empty((array.shape[1], elem_bytes), dtype=np.uint8)
+    for plane in range(elem_bytes):  # column writes: several times faster than a transposed copy
+        out[:, plane] = array[plane]
+    return byte_view(out)
 
 
 def _element_bytes(dtype: str) -> int:
