@@ -17,7 +17,7 @@ from typing import Mapping
 from prometheus_client import CollectorRegistry, start_http_server
 
 from lmi_cache.errors import ConfigError
-from lmi_cache.metrics_settings import MULTIPROC_DIR_ENV, exporter_settings
+from lmi_cache.metrics_settings import METRICS_PORT_ENV, MULTIPROC_DIR_ENV, ExporterSettings, exporter_settings
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +54,27 @@ def serve_metrics(
     return port
 
 
-def note_where_metrics_go(env: Mapping[str, str] | None = None) -> str:
-    """One log line for the scheduler's start-up: where users find the lmi_cache_* series."""
+def note_where_metrics_go(env: Mapping[str, str] | None = None) -> None:
+    """Says once, at the scheduler's start-up, where users find the lmi_cache_* series.
+
+    A warning when vLLM's /metrics can't carry them (vLLM logs only its own
+    loggers' info lines, and a user scraping /metrics would see nothing).
+    """
     env = os.environ if env is None else env
     if env.get(MULTIPROC_DIR_ENV, "").strip():
-        return "lmi-cache: lmi_cache_* series are published on vLLM's /metrics (prometheus multiprocess mode)"
-    return ("lmi-cache: PROMETHEUS_MULTIPROC_DIR is unset, so vLLM's /metrics can't show the lmi_cache_* series "
-            "(they are written by the engine and worker processes); set it to an empty directory before starting "
-            "vLLM (lmi-cache serve does), or set LMI_CACHE_METRICS_PORT for per-process exporters")
+        logger.info("lmi-cache: lmi_cache_* series are published on vLLM's /metrics (prometheus multiprocess mode)")
+        return
+    if _exporter_settings_or_none(env) is not None:
+        logger.info("lmi-cache: lmi_cache_* series only on the per-process exporters (%s)", METRICS_PORT_ENV)
+        return
+    logger.warning(
+        "lmi-cache: PROMETHEUS_MULTIPROC_DIR is unset, so vLLM's /metrics can't show the lmi_cache_* series "
+        "(they are written by the engine and worker processes); set it to an empty directory before starting "
+        "vLLM (lmi-cache serve does), or set %s for per-process exporters", METRICS_PORT_ENV)
+
+
+def _exporter_settings_or_none(env: Mapping[str, str]) -> ExporterSettings | None:
+    try:
+        return exporter_settings(env)
+    except ConfigError:
+        return None

@@ -154,7 +154,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
         from lmi_cache.metrics_server import note_where_metrics_go, serve_metrics
 
         metrics = SchedulerMetrics(engine_label=str(self._dp_index))
-        logger.info(note_where_metrics_go())
+        note_where_metrics_go()
         serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
         self._scheduler = SchedulerSide(geometry, self._keys, seed, metrics)
 

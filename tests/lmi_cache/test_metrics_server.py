@@ -101,6 +101,13 @@ def test_a_busy_port_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     assert "not served" in caplog.text
 
 
-def test_start_up_note_says_where_the_series_are() -> None:
-    assert "published on vLLM's /metrics" in note_where_metrics_go({"PROMETHEUS_MULTIPROC_DIR": "/x"})
-    assert "PROMETHEUS_MULTIPROC_DIR is unset" in note_where_metrics_go({})
+def test_start_up_note_says_where_the_series_are(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="lmi_cache.metrics_server"):
+        note_where_metrics_go({"PROMETHEUS_MULTIPROC_DIR": "/x"})
+        note_where_metrics_go({"LMI_CACHE_METRICS_PORT": "9400"})
+        note_where_metrics_go({})
+    assert [(r.levelname, r.getMessage().split(",")[0]) for r in caplog.records] == [
+        ("INFO", "lmi-cache: lmi_cache_* series are published on vLLM's /metrics (prometheus multiprocess mode)"),
+        ("INFO", "lmi-cache: lmi_cache_* series only on the per-process exporters (LMI_CACHE_METRICS_PORT)"),
+        ("WARNING", "lmi-cache: PROMETHEUS_MULTIPROC_DIR is unset"),
+    ]
