@@ -7,11 +7,12 @@
 - ``redis_store`` / ``s3_store``: Redis/Valkey (single node or cluster) and S3.
 - ``cache``: ``RemoteCache``, the tier-shaped client: batched lookups under a
   timeout, a bounded asynchronous put queue, reconnect with backoff, counters.
-- ``open_remote``: settings -> RemoteCache (imports redis/boto3 only when used).
+- ``factory``: ``open_remote`` (settings -> RemoteCache; imports redis/boto3 only
+  when used) and ``probe_remote`` (one PING/HEAD for start-up messages).
 """
 from __future__ import annotations
 
-from lmi_cache.remote.factory import open_remote, open_store
+from lmi_cache.remote.factory import open_remote, open_store, probe_remote
 from lmi_cache.remote.settings import RemoteSettings
 
-__all__ = ["RemoteSettings", "open_remote", "open_store"]
+__all__ = ["RemoteSettings", "open_remote", "open_store", "probe_remote"]

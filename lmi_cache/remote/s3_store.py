@@ -10,6 +10,7 @@ the bucket's business (an S3 lifecycle rule), not a per-object setting.
 """
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -18,6 +19,7 @@ from lmi_cache.remote.settings import RemoteSettings, s3_location
 from lmi_cache.remote.store import RemoteStore, StoreError
 from lmi_cache.remote.value_codec import KEY_VERSION
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound"}
 
@@ -39,6 +41,9 @@ class S3Store(RemoteStore):
         from botocore.config import Config
 
         self.bucket, self._prefix = s3_location(settings.url)
+        if settings.ttl_s:
+            logger.warning("remote ttl_s=%d has no effect on S3: expire objects with a lifecycle rule on "
+                           "bucket %s instead", settings.ttl_s, self.bucket)
         workers = settings.max_workers
         session = boto3.session.Session()
 

@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 import pytest
 from remote_fixtures import make_keys, make_object, own_redis, payload_of, redis_settings  # noqa: F401
 
-from lmi_cache.remote import open_remote
+from lmi_cache.remote import open_remote, probe_remote
 from lmi_cache.remote.cache import RemoteCache
 from lmi_cache.remote.redis_server import RedisServer
 from lmi_cache.remote.value_codec import DecodedChunk, MissReason
@@ -152,3 +152,16 @@ def test_close_never_hangs_on_a_hung_store(own_redis: RedisServer) -> None:
                           IO_MS / 1000 + SLACK_S)
     finally:
         own_redis.resume()
+
+
+def test_probe_says_whether_the_store_answers(own_redis: RedisServer) -> None:
+    settings = redis_settings(own_redis.url, "probe")
+    assert probe_remote(settings, timeout_s=2.0) is None
+    own_redis.pause()
+    try:
+        answer, seconds = timed(lambda: probe_remote(settings, timeout_s=0.3))
+        assert answer is not None and "did not answer" in answer and seconds < 0.3 + SLACK_S
+    finally:
+        own_redis.resume()
+    own_redis.kill()
+    assert "did not answer" in (probe_remote(settings, timeout_s=1.0) or "")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -173,3 +174,21 @@ def test_unix_socket_and_valkey_scheme() -> None:
                 assert cache.ping() is None
             finally:
                 cache.close()
+
+
+def test_large_batch_is_decoded_in_parallel_and_still_verified(redis_server: RedisServer) -> None:
+    cache = open_remote(redis_settings(redis_server.url, "parallel", compression="zstd-planes", io_timeout_ms=5000),
+                        secret=SECRET)
+    try:
+        keys, objs = fill(cache, 4, size=3 << 20)  # 12 MiB: above the parallel-decode threshold
+        client = redis.Redis.from_url(redis_server.url)
+        name = cache.store.key_for(keys[1].digest)
+        value = client.get(name)
+        assert isinstance(value, bytes)
+        client.set(name, value[:-1] + bytes([value[-1] ^ 1]))
+        results = cache.get_many(keys)
+        assert results[1] == MissReason.MAC_INVALID
+        assert payloads(results)[:1] + payloads(results)[2:] == [payload_of(o) for o in objs[:1] + objs[2:]]
+        assert any(t.name.startswith("lmi-cache-remote-decode") for t in threading.enumerate())
+    finally:
+        cache.close()
