@@ -1,0 +1,149 @@
+"""The front middleware around a stub ASGI app (no vLLM): what reaches vLLM and what reaches the client."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, MutableMapping
+
+from lmi_cache.front.adapters import Adapter
+from lmi_cache.front.middleware import LmiFrontMiddleware
+
+Message = MutableMapping[str, Any]
+
+
+class StubApp:
+    """Records the request it got; answers with a canned status/body (or SSE chunks)."""
+
+    def __init__(self, status: int = 200, body: Any = None, sse: list[bytes] | None = None,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        self.status, self.body, self.sse, self.extra_headers = status, body, sse, headers or []
+        self.seen_body: Any = None
+        self.seen_headers: dict[bytes, bytes] = {}
+        self.calls = 0
+
+    async def __call__(self, scope: Message, receive: Any, send: Any) -> None:
+        self.calls += 1
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.seen_body = json.loads(raw) if raw else None
+        self.seen_headers = dict(scope["headers"])
+        if self.sse is not None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+            for i, chunk in enumerate(self.sse):
+                await send({"type": "http.response.body", "body": chunk, "more_body": i < len(self.sse) - 1})
+            return
+        data = json.dumps(self.body).encode()
+        await send({"type": "http.response.start", "status": self.status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+            *self.extra_headers]})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+def run(app: Any, payload: Any, headers: dict[str, str] | None = None,
+        path: str = "/invocations") -> tuple[int, dict[bytes, bytes], bytes]:
+    body = json.dumps(payload).encode()
+    scope = {"type": "http", "method": "POST", "path": path,
+             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    chunks = [{"type": "http.request", "body": body[:5], "more_body": True},
+              {"type": "http.request", "body": body[5:], "more_body": False}]
+    out: list[Message] = []
+
+    async def receive() -> Message:
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        out.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = out[0]
+    return (int(start["status"]), dict(start["headers"]),
+            b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body"))
+
+
+COMPLETION = {"choices": [{"index": 0, "text": " hi", "finish_reason": "length"}]}
+
+
+def test_an_lmi_request_reaches_vllm_as_a_completion_and_returns_lmis_shape() -> None:
+    stub = StubApp(body=COMPLETION)
+    status, headers, body = run(LmiFrontMiddleware(stub, adapters={}),
+                                {"inputs": "Q", "parameters": {"max_new_tokens": 3, "do_sample": False}})
+    assert stub.seen_body == {"prompt": "Q", "max_tokens": 3, "temperature": 0.0}
+    assert stub.seen_headers[b"content-length"] == str(len(json.dumps(stub.seen_body))).encode()
+    assert status == 200 and json.loads(body) == {"generated_text": " hi"}
+    assert headers[b"content-length"] == str(len(body)).encode()
+
+
+def test_a_bad_parameter_is_answered_400_without_reaching_vllm() -> None:
+    stub = StubApp(body=COMPLETION)
+    status, _, body = run(LmiFrontMiddleware(stub, adapters={}), {"inputs": "Q", "parameters": {"foo": 1}})
+    assert status == 400 and stub.calls == 0
+    assert json.loads(body)["code"] == 400 and "parameters.foo" in json.loads(body)["error"]
+
+
+def test_vllm_errors_on_an_lmi_request_keep_their_status_in_lmis_error_shape() -> None:
+    stub = StubApp(status=400, body={"error": {"message": "prompt too long", "code": 400}})
+    status, _, body = run(LmiFrontMiddleware(stub, adapters={}), {"inputs": "Q"})
+    assert status == 400 and json.loads(body) == {"error": "prompt too long", "code": 400}
+
+
+def test_a_streamed_lmi_request_is_rewritten_to_jsonlines() -> None:
+    event = {"choices": [{"index": 0, "text": " a", "token_ids": [4], "finish_reason": "length",
+                          "logprobs": {"tokens": [" a"], "token_logprobs": [-1.0]}}]}
+    raw = b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+    stub = StubApp(sse=[raw[:7], raw[7:], b""])
+    status, headers, body = run(LmiFrontMiddleware(stub, adapters={}), {"inputs": "Q", "stream": True})
+    assert status == 200 and headers[b"content-type"] == b"application/jsonlines"
+    assert json.loads(body) == {"token": {"id": 4, "text": " a", "log_prob": -1.0}, "generated_text": " a"}
+
+
+def test_openai_payloads_pass_unchanged_and_other_routes_are_untouched() -> None:
+    stub = StubApp(body=COMPLETION)
+    _, _, body = run(LmiFrontMiddleware(stub, adapters={}), {"prompt": "Q", "max_tokens": 2})
+    assert stub.seen_body == {"prompt": "Q", "max_tokens": 2} and json.loads(body) == COMPLETION
+    _, _, body = run(LmiFrontMiddleware(stub, adapters={}), {"inputs": "Q"}, path="/v1/completions")
+    assert stub.seen_body == {"inputs": "Q"}
+
+
+def test_an_adapters_field_or_model_field_travels_in_the_adapter_header_too() -> None:
+    stub = StubApp(body=COMPLETION)
+    run(LmiFrontMiddleware(stub, adapters={}), {"prompt": "Q", "adapters": ["t1"]})
+    assert stub.seen_body == {"prompt": "Q", "model": "t1"}
+    # vLLM's /invocations overwrites "model" from this header (null without it).
+    assert stub.seen_headers[b"x-amzn-sagemaker-adapter-identifier"] == b"t1"
+    run(LmiFrontMiddleware(stub, adapters={}), {"prompt": "Q", "model": "t2"}, {"X-Amzn-SageMaker-Adapter-Identifier": "t3"})
+    assert stub.seen_headers[b"x-amzn-sagemaker-adapter-identifier"] == b"t3"
+
+
+def test_a_broken_adapter_is_answered_424_by_header_field_or_model() -> None:
+    broken = {"bad": Adapter("bad", Path("/nowhere"), error="no adapter_config.json")}
+    for payload, headers in (({"inputs": "Q"}, {"X-Amzn-SageMaker-Adapter-Identifier": "bad"}),
+                             ({"inputs": "Q", "adapters": "bad"}, {}),
+                             ({"prompt": "Q", "model": "bad"}, {})):
+        stub = StubApp(body=COMPLETION)
+        status, _, body = run(LmiFrontMiddleware(stub, adapters=broken), payload, headers)
+        assert status == 424 and stub.calls == 0
+        assert "adapter 'bad' failed registration: no adapter_config.json" in json.loads(body)["error"]
+
+
+def test_session_ids_are_passed_bare_whichever_header_carries_them() -> None:
+    stub = StubApp(body=COMPLETION)
+    front = LmiFrontMiddleware(stub, adapters={})
+    run(front, {"prompt": "Q"}, {"X-Amzn-SageMaker-Session-Id": "abc; Expires=2030-01-01T00:00:00Z"})
+    assert stub.seen_headers[b"x-amzn-sagemaker-session-id"] == b"abc"
+    run(front, {"prompt": "Q"}, {"X-Amzn-SageMaker-New-Session-Id": "def; Expires=2030-01-01T00:00:00Z"})
+    assert stub.seen_headers[b"x-amzn-sagemaker-session-id"] == b"def"
+    assert b"x-amzn-sagemaker-new-session-id" not in stub.seen_headers
+
+
+def test_a_new_session_answer_also_carries_lmis_session_header() -> None:
+    value = b"abc; Expires=2030-01-01T00:00:00Z"
+    stub = StubApp(body="Session abc created", headers=[(b"x-amzn-sagemaker-new-session-id", value)])
+    _, headers, _ = run(LmiFrontMiddleware(stub, adapters={}), {"requestType": "NEW_SESSION"})
+    assert headers[b"x-amzn-sagemaker-session-id"] == value
+    assert headers[b"x-amzn-sagemaker-new-session-id"] == value
