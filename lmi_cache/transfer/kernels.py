@@ -78,7 +78,8 @@ def _build_or_load() -> ModuleType:
         sources,
         depends=[CSRC_DIR / h for h in HEADERS],
         with_cuda=with_cuda,
-        extra_cflags=["-O3", *defines],
+        # ATen's parallel_for is inline OpenMP: without -fopenmp it silently runs on one thread.
+        extra_cflags=["-O3", "-fopenmp", *defines],
         extra_cuda_cflags=["-O3", *defines],
     )
     if built:
@@ -141,9 +142,10 @@ def _last_wins(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
 
 
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
-    # Same-size integer view: index ops then work for every KV dtype (fp8 included) and copy bits exactly.
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
-    return tensor if tensor.dtype == bits else tensor.view(bits)
+    # CPU index ops lack fp8 kernels: move those as bytes (same bits). Other dtypes keep their own kernels.
+    if tensor.element_size() != 1 or tensor.dtype in (torch.uint8, torch.int8, torch.bool):
+        return tensor
+    return tensor.view(torch.uint8)
 
 
 def _check_table(table: torch.Tensor) -> torch.Tensor:
