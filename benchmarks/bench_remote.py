@@ -19,6 +19,8 @@ loopback port and stops it at the end.
 from __future__ import annotations
 
 import argparse
+import resource
+import statistics
 import sys
 import sysconfig
 import tempfile
@@ -52,6 +54,25 @@ def interleaved_best(repeats: int, fns: list[Callable[[], object]],
     return best
 
 
+def process_cpu_s() -> float:
+    """User + system CPU seconds of this process, all threads (page faults included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wall_and_cpu(repeats: int, fns: list[Callable[[], object]]) -> list[tuple[float, float]]:
+    """(best wall seconds, median process CPU seconds) of each fn, run interleaved."""
+    walls: list[list[float]] = [[] for _ in fns]
+    cpus: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            wall, cpu = time.perf_counter(), process_cpu_s()
+            fn()
+            walls[i].append(time.perf_counter() - wall)
+            cpus[i].append(process_cpu_s() - cpu)
+    return [(min(w), statistics.median(c)) for w, c in zip(walls, cpus)]
+
+
 def kv_like_objects(keys: list[ChunkKey], size_bytes: int) -> list[bytes]:
     rng = np.random.default_rng(0)
     objs = []
@@ -70,8 +91,11 @@ def bench_retrieve(args: argparse.Namespace) -> None:
     parser = "hiredis" if HIREDIS_AVAILABLE else "pure Python (pip install hiredis)"
     print("## Remote retrieve vs a plain GET loop (same values, same redis-py client, loopback redis-server)\n")
     print(f"redis-py reply parser: {parser}\n")
-    print("| value | batch | mode | plain GET loop GiB/s | plain MGET GiB/s | get_many GiB/s | vs GET loop | vs MGET |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("Throughput: best wall time of the round; CPU: median user+system CPU seconds of this process per GiB")
+    print("(the serving process's cost; robust to a busy host, unlike wall time).\n")
+    print("| value | batch | mode | GET loop GiB/s | MGET GiB/s | get_many GiB/s | get_many vs GET loop | "
+          "CPU s/GiB: GET loop | MGET | get_many | CPU ratio GET loop / get_many |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     with RedisServer() as server:
         for size_mib in args.sizes_mib:
             num = max(args.batch, int(args.total_mib // size_mib))
@@ -106,10 +130,12 @@ def bench_retrieve(args: argparse.Namespace) -> None:
                         for result in cache.get_many(batch):
                             assert isinstance(result, DecodedChunk)
 
-                t_get, t_mget, t_ours = interleaved_best(args.repeats, [plain_get_loop, plain_mget, ours])
-                total_gib = num * size_mib / 1024
-                print(f"| {size_mib:g} MiB | {args.batch} | {mode} | {total_gib / t_get:.2f} | {total_gib / t_mget:.2f} "
-                      f"| {total_gib / t_ours:.2f} | {t_get / t_ours:.2f}x | {t_mget / t_ours:.2f}x |")
+                (t_get, c_get), (t_mget, c_mget), (t_ours, c_ours) = wall_and_cpu(
+                    args.repeats, [plain_get_loop, plain_mget, ours])
+                gib = num * size_mib / 1024
+                print(f"| {size_mib:g} MiB | {args.batch} | {mode} | {gib / t_get:.2f} | {gib / t_mget:.2f} "
+                      f"| {gib / t_ours:.2f} | {t_get / t_ours:.2f}x | {c_get / gib:.3f} | {c_mget / gib:.3f} "
+                      f"| {c_ours / gib:.3f} | {c_get / c_ours:.2f}x |")
                 client.delete(*names)
                 cache.close()
     print()
