@@ -59,7 +59,7 @@ def build(case: Case, device: torch.device, gen: torch.Generator) -> tuple[list[
     needed = case.blocks_per_chunk * case.num_chunks
     num_blocks = 2 * needed
     physical = tuple(num_blocks if s == -1 else s for s in case.physical)
-    whole = torch.randint(0, 100, (case.num_layers, *physical), dtype=torch.uint8).to(device)
+    whole = torch.randint(0, 100, (case.num_layers, *physical), dtype=torch.uint8, device=device)
     whole = whole.view(case.dtype) if case.dtype.itemsize == 1 else whole.to(case.dtype)
     layers = [whole[i].permute(case.perm).movedim(case.block_dim, 0) for i in range(case.num_layers)]
     ids = torch.randperm(num_blocks, generator=gen)[:needed]

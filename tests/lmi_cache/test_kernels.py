@@ -36,10 +36,10 @@ def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generato
 
 
 def make_layers(kind: str, num_layers: int, geo: tuple[int, int, int, int], dtype: torch.dtype,
-                gen: torch.Generator) -> list[torch.Tensor]:
+                gen: torch.Generator, device: str = "cpu") -> list[torch.Tensor]:
     """Block-first views of per-layer KV tensors, all views of one allocation (as vLLM does)."""
     physical, perm, block_dim = LAYOUTS[kind]
-    whole = random_bytes((num_layers, *physical(*geo)), dtype, gen)
+    whole = random_bytes((num_layers, *physical(*geo)), dtype, gen).to(device)
     return [whole[i].permute(perm).movedim(block_dim, 0) for i in range(num_layers)]
 
 
@@ -89,35 +89,46 @@ def cases(draw: st.DrawFn) -> dict:
 
 
 IMPLS = ["native", "torch", "emulated_cuda"]
+CUDA = torch.cuda.is_available()
+
+
+def check_case(case: dict, device: str, impls: list[str]) -> None:
+    """Run gather and scatter of ``case`` through each impl on ``device``; compare with the CPU reference."""
+    def fresh() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        gen = torch.Generator().manual_seed(case["seed"])
+        layers = make_layers(case["kind"], case["num_layers"], case["geo"], case["dtype"], gen, device)
+        chunk_shape = (case["num_layers"], case["blocks_per_chunk"], *layers[0].shape[1:])
+        return layers, [random_bytes(chunk_shape, case["dtype"], gen).to(device) for _ in range(case["num_chunks"])]
+
+    table = torch.tensor(case["rows"], dtype=torch.long).reshape(-1, 3)
+    layers0, chunks0 = fresh()
+    layers_cpu, chunks_cpu = [t.cpu() for t in layers0], [c.cpu() for c in chunks0]
+    expected_chunks = [c.clone() for c in chunks_cpu]
+    reference(layers_cpu, case["rows"], expected_chunks, to_paged=False)
+    expected_layers = [t.clone() for t in layers_cpu]
+    reference(expected_layers, case["rows"], chunks_cpu, to_paged=True)
+    for impl in impls:
+        layers, chunks = fresh()
+        _copy_with(impl, layers, table, chunks, to_paged=False)
+        for got, want in zip(chunks, expected_chunks):
+            assert torch.equal(as_bytes(got.cpu()), as_bytes(want)), f"gather via {impl} on {device}"
+        layers, chunks = fresh()
+        _copy_with(impl, layers, table, chunks, to_paged=True)
+        for got, want in zip(layers, expected_layers):
+            assert torch.equal(as_bytes(got.cpu()), as_bytes(want)), f"scatter via {impl} on {device}"
 
 
 @settings(max_examples=150, deadline=None)
 @given(case=cases())
 def test_gather_and_scatter_match_the_reference_byte_for_byte(case: dict) -> None:
-    gen = torch.Generator().manual_seed(case["seed"])
-    layers = make_layers(case["kind"], case["num_layers"], case["geo"], case["dtype"], gen)
-    chunk_shape = (case["num_layers"], case["blocks_per_chunk"], *layers[0].shape[1:])
-    chunks0 = [random_bytes(chunk_shape, case["dtype"], gen) for _ in range(case["num_chunks"])]
-    table = torch.tensor(case["rows"], dtype=torch.long).reshape(-1, 3)
+    check_case(case, "cpu", IMPLS)
 
-    expected_chunks = [c.clone() for c in chunks0]
-    reference(layers, case["rows"], expected_chunks, to_paged=False)
-    for impl in IMPLS:
-        got = [c.clone() for c in chunks0]
-        _copy_with(impl, layers, table, got, to_paged=False)
-        for g, e in zip(got, expected_chunks):
-            assert torch.equal(as_bytes(g), as_bytes(e)), f"gather via {impl}"
 
-    expected_layers = [t.clone() for t in layers]
-    reference(expected_layers, case["rows"], chunks0, to_paged=True)
-    for impl in IMPLS:
-        # Fresh copies with the original (strided) layout: clone() keeps strides for dense permuted views.
-        base = make_layers(case["kind"], case["num_layers"], case["geo"], case["dtype"],
-                           torch.Generator().manual_seed(case["seed"]))
-        assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(base, layers))
-        _copy_with(impl, base, table, chunks0, to_paged=True)
-        for g, e in zip(base, expected_layers):
-            assert torch.equal(as_bytes(g), as_bytes(e)), f"scatter via {impl}"
+@pytest.mark.skipif(not CUDA, reason="no CUDA device here; scripts/gpu_check.sh runs this on a GPU machine")
+@settings(max_examples=150, deadline=None)
+@given(case=cases())
+def test_cuda_kernels_match_the_reference_byte_for_byte(case: dict) -> None:
+    check_case(case, "cuda", ["native", "torch"])
 
 
 @pytest.mark.parametrize("via", ["native", "torch"])

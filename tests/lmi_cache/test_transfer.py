@@ -202,3 +202,24 @@ def test_reusable_host_buffer_only_without_async_streams() -> None:
     buf.copy_(second)
     copier.scatter_chunk(buf, [6, 7])
     assert torch.equal(copier.gather_chunk([4, 5]), first) and torch.equal(copier.gather_chunk([6, 7]), second)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here; scripts/gpu_check.sh runs this on a GPU")
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_cuda_copier_moves_exact_blocks_through_side_streams(kind: str) -> None:
+    src_cpu = make_layers(kind, 11)
+    src = [t.cuda() for t in src_cpu]
+    desc = describe_kv_caches({f"l{i}": t for i, t in enumerate(src)}, GEO)
+    copier = PagedChunkCopier(src, desc, 3)  # real torch.cuda streams and events
+    chunk = copier.gather_chunk([5, 0, 9]).clone()
+    assert chunk.device.type == "cpu"
+    assert torch.equal(chunk, copier_for(src_cpu, 3).gather_chunk([5, 0, 9]))
+    dst = [torch.zeros_like(t) for t in src]
+    loader = PagedChunkCopier(dst, desc, 3)
+    loader.scatter_chunk(chunk, [2, 7], block_offset=1)
+    loader.synchronize()
+    torch.cuda.current_stream().synchronize()  # the forward pass would wait on the load event
+    for layer_idx in range(NUM_LAYERS):
+        assert torch.equal(block_of(dst[layer_idx], kind, 2), block_of(src[layer_idx], kind, 0))
+        assert torch.equal(block_of(dst[layer_idx], kind, 7), block_of(src[layer_idx], kind, 9))
+        assert int(block_of(dst[layer_idx], kind, 5).abs().sum()) == 0
