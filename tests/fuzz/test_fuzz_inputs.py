@@ -76,8 +76,28 @@ HOST_FIELDS = {
     "disks": ["mount", "device", "fs_type", "total_bytes", "free_bytes", "rotational", "nvme", "odirect", "writable",
               "is_tmpfs", "is_overlay", "is_network"],
 }
-host_values = st.one_of(json_values, st.integers(min_value=0, max_value=2**64), nasty_text,
-                        st.sampled_from(["/", "/tmp", "/mnt/a,b", "relative", "", "/proc", "tmpfs", "nfs", "proc"]))
+_byte_counts = st.one_of(st.integers(min_value=0, max_value=2**40), st.integers(min_value=0, max_value=2**64),
+                        st.sampled_from([0, 1, 2**63 - 1]))
+_WELL_TYPED = {
+    "mount": st.sampled_from(["/", "/tmp", "/mnt/a,b", "/data", "/proc", "/dev/shm", "/nvme"]),
+    "fs_type": st.sampled_from(["xfs", "ext4", "tmpfs", "nfs", "proc", "overlay", "fuse.s3fs"]),
+    "device": st.sampled_from(["/dev/nvme0n1", "tmpfs", "overlay", ""]),
+    "name": st.text(max_size=12),
+    "index": st.integers(min_value=0, max_value=64),
+    "rotational": st.one_of(st.none(), st.booleans()),
+    "odirect": st.one_of(st.none(), st.booleans()),
+    "cgroup_limit_bytes": st.one_of(st.none(), _byte_counts),
+    "memlock_limit_bytes": st.one_of(st.none(), _byte_counts),
+    "cgroup_usage_bytes": st.one_of(st.none(), _byte_counts),
+}
+_FLAGS = {"nvme", "writable", "is_tmpfs", "is_overlay", "is_network"}
+garbage = st.one_of(json_values, nasty_text)
+
+
+def host_value(field: str) -> st.SearchStrategy[Any]:
+    """Five times in six a value of the field's own type (so plans happen and get checked), else garbage."""
+    typed = _WELL_TYPED.get(field, st.booleans() if field in _FLAGS else _byte_counts)
+    return st.one_of(typed, typed, typed, typed, typed, garbage)
 
 
 @st.composite
@@ -87,12 +107,12 @@ def host_snapshots(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
     for _ in range(draw(st.integers(1, 4))):
         section = draw(st.sampled_from(sorted(HOST_FIELDS)))
         field = draw(st.sampled_from(HOST_FIELDS[section]))
-        value = draw(host_values)
+        value = draw(host_value(field))
         if section == "memory":
             data["memory"][field] = value
         elif data[section]:
             data[section][draw(st.integers(0, len(data[section]) - 1))][field] = value
-    if draw(st.integers(0, 9)) == 0:
+    if draw(st.integers(0, 19)) == 0:
         data[draw(st.sampled_from(["gpus", "disks", "memory", "cpu_count"]))] = draw(json_values)
     return data, json.dumps(data, allow_nan=True).encode()
 
@@ -122,7 +142,11 @@ OPTION_NAMES = [
     "served_model_name", "api_key", "kv_transfer_config", "rolling_batch", "entryPoint", "trust_remote_code",
     "speculative_config", "cpu_offload_gb_per_gpu", "max_new_tokens", "enable_prefix_caching", "optoin_typo",
 ]
+_GOOD_OPTION_VALUES = ["1", "2", "4096", "true", "false", "auto", "bf16", "fp16", "0.9", "0.5", "10", "256",
+                       "/tmp/lmcache-fuzz", "max", "vllm", "lmi-dist"]
 property_lines = st.one_of(
+    st.builds(lambda k, v: f"option.{k}={v}", st.sampled_from(OPTION_NAMES), st.sampled_from(_GOOD_OPTION_VALUES)),
+    st.builds(lambda k, v: f"option.{k}={v}", st.sampled_from(OPTION_NAMES), st.sampled_from(_GOOD_OPTION_VALUES)),
     st.builds(lambda k, v: f"option.{k}={v}", st.sampled_from(OPTION_NAMES), nasty_text),
     st.builds(lambda k, v: f"{k}={v}", st.sampled_from(["engine", "job_queue_size", "option", "option.", "="]),
               nasty_text),
@@ -131,7 +155,7 @@ property_lines = st.one_of(
 
 
 @fuzz_settings(150)
-@given(lines=st.lists(property_lines, max_size=8), auto=st.booleans(),
+@given(lines=st.lists(property_lines, max_size=5), auto=st.booleans(),
        env=st.dictionaries(st.sampled_from(["OPTION_TENSOR_PARALLEL_DEGREE", "OPTION_MAX_MODEL_LEN", "SM_NUM_GPUS",
                                             "TENSOR_PARALLEL_DEGREE", "LMCACHE_CHUNK_SIZE", "OPTION_LMCACHE_LOCAL_DISK",
                                             "LMCACHE_CONFIG_FILE", "HF_MODEL_ID", "MAX_BATCH_SIZE"]),
@@ -140,7 +164,7 @@ property_lines = st.one_of(
 def test_fuzz_serving_properties(lines: list[str], auto: bool, env: dict[str, str], host_file: str) -> None:
     text = "\n".join(lines + (["option.lmcache_auto_config=true"] if auto else []))
     with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory() as runtime:
-        config = (MODELS / "qwen2.5-0.5b-instruct" / "config.json").read_text()
+        config = (MODELS / "llama-3.1-8b-instruct" / "config.json").read_text()  # 32 heads: TP 1-8 all divide
         Path(model_dir, "config.json").write_text(config)
         Path(model_dir, "serving.properties").write_text(text, encoding="utf-8", errors="surrogateescape")
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "LMCACHE_", "HF_", "SM_"))}
