@@ -185,11 +185,12 @@ UNSUPPORTED_FEATURES: dict[str, str] = {
 }
 
 # Every remote_url scheme an LMCache 0.3-0.5 connector adapter accepts (each adapter's
-# ``schema``; redis also takes rediss:// and unix://, couchbase also couchbases://).
+# ``schema``; redis also takes rediss:// and unix://, couchbase also couchbases://),
+# plus valkeys:// (Valkey over TLS), which lmi_cache's own remote store speaks.
 # lmi_cache has no remote tier yet: any of these is accepted with a warning that the
 # remote tier is off; another scheme is an error (most likely a typo).
 REMOTE_URL_SCHEMES: tuple[str, ...] = (
-    "lm", "redis", "rediss", "unix", "redis-sentinel", "resp", "valkey", "valkey-sync",
+    "lm", "redis", "rediss", "unix", "redis-sentinel", "resp", "valkey", "valkeys", "valkey-sync",
     "infinistore", "mooncakestore", "blackhole", "audit", "fs", "s3", "s3-rdma", "cuobj+s3",
     "gs", "azure", "hf3fs", "eic", "sagemaker-hyperpod", "shmfile", "couchbase", "couchbases",
     "mock", "external", "benchmark",
