@@ -31,7 +31,7 @@ class RedisServer:
     """One redis-server child process on 127.0.0.1:<port> (``with`` stops it)."""
 
     def __init__(self, extra_args: list[str] | None = None, password: str | None = None,
-                 unix_socket: bool = False) -> None:
+                 unix_socket: bool = False, tls_files: tuple[str, str, str] | None = None) -> None:
         binary = redis_server_binary()
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
@@ -40,6 +40,8 @@ class RedisServer:
         self.password = password
         self._dir = Path(tempfile.mkdtemp(prefix="lmi-cache-redis-"))
         self.unix_path = str(self._dir / "redis.sock") if unix_socket else None
+        self.tls_files = tls_files  # (certificate, key, CA certificate): also listen for TLS on tls_port
+        self.tls_port = 0
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -62,6 +64,11 @@ class RedisServer:
                 args += ["--requirepass", self.password]
             if self.unix_path:
                 args += ["--unixsocket", self.unix_path, "--unixsocketperm", "700"]
+            if self.tls_files:
+                self.tls_port = self.tls_port or free_port()
+                cert, key, ca = self.tls_files
+                args += ["--tls-port", str(self.tls_port), "--tls-cert-file", cert, "--tls-key-file", key,
+                         "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
             self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             if self._wait_ready(port, timeout_s):
                 self.port = port

@@ -84,3 +84,22 @@ def redis_settings(url: str, prefix: str, **overrides: object) -> RemoteSettings
                                       backoff_max_s=1.0)
     options.update(overrides)
     return RemoteSettings(url=url, key_prefix=prefix, **options)  # type: ignore[arg-type]
+
+
+def make_tls_files(directory: str) -> tuple[str, str, str]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI): (cert, key, CA cert)."""
+    import subprocess
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    d = directory
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=lmi-cache test CA",
+        "-keyout", f"{d}/ca.key", "-out", f"{d}/ca.crt")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", f"{d}/server.key",
+        "-out", f"{d}/server.csr")
+    with open(f"{d}/san.ext", "w") as ext:
+        ext.write("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", f"{d}/server.csr", "-CA", f"{d}/ca.crt", "-CAkey", f"{d}/ca.key", "-CAcreateserial",
+        "-days", "1", "-extfile", f"{d}/san.ext", "-out", f"{d}/server.crt")
+    return f"{d}/server.crt", f"{d}/server.key", f"{d}/ca.crt"
