@@ -142,7 +142,8 @@ def test_each_replica_counts_its_own_lookups_and_hits(dp_server: DpServer, after
     assert sum(lookups) == NUM_REQUESTS and all(lookups), f"{lmi}\n{dp_server.log_tail()}"
     for engine in ("0", "1"):
         load = lmi[f'lmi_cache_load_tokens_total{{engine="{engine}"}}']
-        vllm_hits = external[f'vllm:external_prefix_cache_hits_total{{engine="{engine}",model_name="{dp_server.model}"}}']
+        series = f'vllm:external_prefix_cache_hits_total{{engine="{engine}",model_name="{dp_server.model}"}}'
+        vllm_hits = external[series]
         assert load == vllm_hits, f"replica {engine}: lmi-cache says {load} tokens loaded, vLLM {vllm_hits}"
         assert lmi[f'lmi_cache_loaded_tokens_total{{engine="{engine}",rank="0",tier="cpu"}}'] == load
         assert lmi[f'lmi_cache_hit_tokens_total{{engine="{engine}"}}'] >= load

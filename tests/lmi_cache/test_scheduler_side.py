@@ -1,6 +1,7 @@
 """Scheduler-side bookkeeping of LmiCacheConnector, driven with small fake vLLM objects."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -41,7 +42,8 @@ def new_req(req_id: str, block_ids: list[int], num_computed: int) -> Any:
     return SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=num_computed)
 
 
-def output(new: list[Any] = (), scheduled: dict[str, int] | None = None, cached: Any = None, preempted: set[str] | None = None) -> Any:
+def output(new: Sequence[Any] = (), scheduled: dict[str, int] | None = None, cached: Any = None,
+           preempted: set[str] | None = None) -> Any:
     cached = cached or SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
     return SimpleNamespace(
         scheduled_new_reqs=list(new),
@@ -98,6 +100,7 @@ def test_full_hit_leaves_a_token_to_compute() -> None:
     req = request("r", tokens)
     n, is_async = side.get_num_new_matched_tokens(req, 0)
     assert (n, is_async) == (48, False)  # 63 rounded down to a block
+    assert n is not None
     side.update_state_after_alloc(req, n)
     meta = side.build_connector_meta(output([new_req("r", [1, 2, 3, 4], 48)], {"r": 16}))
     assert [(t.block_ids, t.block_offset) for t in meta.loads] == [((1, 2), 0), ((3,), 0)]
