@@ -14,6 +14,9 @@ repeats, warm buffers):
   whole-chunk moves);
 - ``native/torch``: speed-up of the native kernels over the torch path
   (``index_select``/``index_copy_`` per layer and chunk).
+
+The last two rows repeat the CPU layouts with one call per chunk (a table
+built per call), as the connector issues them today.
 """
 from __future__ import annotations
 
@@ -94,7 +97,7 @@ def interleaved_best(repeats: int, fns: list[Callable[[], object]], device: torc
     return best
 
 
-def bench_case(case: Case, device: torch.device, repeats: int) -> dict[str, float]:
+def bench_case(case: Case, device: torch.device, repeats: int, per_chunk: bool = False) -> dict[str, float]:
     layers, table, chunks = build(case, device, torch.Generator().manual_seed(0))
     nbytes = sum(c.numel() * c.element_size() for c in chunks)
     plain_src = torch.ones(nbytes, dtype=torch.uint8, device=device)
@@ -106,6 +109,20 @@ def bench_case(case: Case, device: torch.device, repeats: int) -> dict[str, floa
         lambda: kernels.scatter(layers, table, chunks, via="native"),
         lambda: kernels.scatter(layers, table, chunks, via="torch"),
     ]
+    if per_chunk:
+        # As the connector calls them today: one call (all layers) per chunk, its table built per call.
+        rows = table.tolist()
+        per = [rows[i * case.blocks_per_chunk:(i + 1) * case.blocks_per_chunk] for i in range(case.num_chunks)]
+
+        def each(op: Callable[..., None], via: str) -> Callable[[], object]:
+            def run() -> None:
+                for i, chunk_rows in enumerate(per):
+                    t = torch.tensor([(0, slot, block) for _, slot, block in chunk_rows], dtype=torch.long)
+                    op(layers, t, [chunks[i]], via=via)
+            return run
+
+        fns[1:] = [each(kernels.gather, "native"), each(kernels.gather, "torch"),
+                   each(kernels.scatter, "native"), each(kernels.scatter, "torch")]
     plain, g_nat, g_torch, s_nat, s_torch = interleaved_best(repeats, fns, device)
     return {"bytes": nbytes, "plain": plain, "g_nat": g_nat, "g_torch": g_torch, "s_nat": s_nat, "s_torch": s_torch}
 
@@ -121,12 +138,14 @@ def main() -> int:
     print(f"device {device}, torch threads {torch.get_num_threads()}, best of {repeats} interleaved repeats")
     print(f"{'case':36} {'MiB':>6} {'plain GB/s':>10} | {'gather GB/s':>11} {'/plain':>6} {'/torch':>6} | "
           f"{'scatter GB/s':>12} {'/plain':>6} {'/torch':>6}")
-    for case in CASES:
+    rows = [(case, False) for case in CASES] + [(case, True) for case in CASES[:2]]
+    for case, per_chunk in rows:
         if device.type == "cuda":  # a GPU moves far more per step; keep each row well above launch overhead
             case = dataclasses.replace(case, num_chunks=case.num_chunks * 8)
-        r = bench_case(case, device, repeats)
+        r = bench_case(case, device, repeats, per_chunk)
         gbs = r["bytes"] / 1e9
-        print(f"{case.name:36} {r['bytes'] / 2**20:6.1f} {gbs / r['plain']:10.2f} | "
+        name = f"{case.name[:22]}, 1 call per chunk" if per_chunk else case.name
+        print(f"{name:36} {r['bytes'] / 2**20:6.1f} {gbs / r['plain']:10.2f} | "
               f"{gbs / r['g_nat']:11.2f} {r['plain'] / r['g_nat']:6.2f} {r['g_torch'] / r['g_nat']:5.1f}x | "
               f"{gbs / r['s_nat']:12.2f} {r['plain'] / r['s_nat']:6.2f} {r['s_torch'] / r['s_nat']:5.1f}x")
     return 0

@@ -11,7 +11,7 @@ namespace lmi_cache {
 
 namespace {
 // Below this many bytes per task, thread hand-off costs more than it saves.
-constexpr int64_t kGrainBytes = 256 * 1024;
+constexpr int64_t kGrainBytes = 64 * 1024;
 }  // namespace
 
 void paged_copy_cpu(const PagedCopyArgs& a) {
