@@ -216,7 +216,7 @@ class RemoteCache:
         tokens: list[int] = []
         for key, obj in batch:
             try:
-                items.append((self.store.key_for(key.digest), self.codec.encode(obj)))
+                items.append((self.store.key_for(key.digest), self.codec.encode(obj, key)))
                 tokens.append(key.num_tokens)
             except Exception as err:  # a malformed object: refuse it, keep the rest
                 self._drop("error")

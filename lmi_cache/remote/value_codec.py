@@ -126,10 +126,17 @@ class ValueCodec:
         return self._mac_key is not None
 
     # ------------------------------------------------------------ encode
-    def encode(self, obj: BytesLike) -> bytes:
-        """A chunk object (header + payload) -> value bytes; fills in a missing payload checksum."""
+    def encode(self, obj: BytesLike, key: ChunkKey | None = None) -> bytes:
+        """A chunk object (header + payload) -> value bytes; fills in a missing payload checksum.
+
+        With ``key``, refuses (ChunkFormatError) an object whose header names another chunk.
+        """
         view = byte_view(obj)
         header = unpack_header(view)
+        if key is not None and (header.digest, header.fingerprint, header.start, header.end) != (
+            key.digest, key.fingerprint, key.start, key.end
+        ):
+            raise ChunkFormatError("chunk object does not belong to the key it is stored under")
         payload = view[HEADER_BYTES : HEADER_BYTES + header.payload_bytes]
         if len(payload) != header.payload_bytes:
             raise ChunkFormatError(f"truncated payload ({len(payload)} of {header.payload_bytes} bytes)")

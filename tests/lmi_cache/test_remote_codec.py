@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from remote_fixtures import make_keys, make_object, payload_of
 
-from lmi_cache.chunk_format import ChunkHeader
+from lmi_cache.chunk_format import ChunkFormatError, ChunkHeader
 from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.errors import ConfigError
 from lmi_cache.remote.settings import RemoteSettings, redact_url, redis_client_url, s3_location
@@ -208,3 +208,10 @@ def test_lossy_serde_refused_naive_accepted() -> None:
 def test_bad_settings_name_the_setting(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field.split("_")[0]):
         RemoteSettings("redis://h", **{field: value})  # type: ignore[arg-type]
+
+
+def test_encode_refuses_an_object_of_another_key() -> None:
+    obj = make_object(KEYS[0], 512)
+    assert ValueCodec().encode(obj, KEYS[0])
+    with pytest.raises(ChunkFormatError, match="belong"):
+        ValueCodec().encode(obj, KEYS[1])

@@ -126,10 +126,11 @@ def test_hung_server_sigstop(own_redis: RedisServer, caplog: pytest.LogCaptureFi
 def test_full_put_queue_drops_and_counts(own_redis: RedisServer) -> None:
     cache = open_cache(own_redis, put_queue_bytes=3 * len(OBJS[0]))
     try:
-        own_redis.pause()  # the writer's first batch hangs until the I/O timeout
-        accepted = [cache.put(k, o) for k, o in zip(KEYS, OBJS)]
-        assert accepted.count(False) >= 2
-        assert cache.stats()["puts_dropped_queue_full"] >= 2
+        own_redis.pause()  # the writer's first batch (at most 16 values) hangs until the I/O timeout
+        keys = make_keys(40, seed=7)
+        accepted = [cache.put(k, make_object(k, 8192)) for k in keys]
+        assert accepted.count(False) >= 40 - 16 - 3  # beyond one in-flight batch and a 3-value queue
+        assert cache.stats()["puts_dropped_queue_full"] == accepted.count(False)
         assert cache.flush(IO_MS / 1000 * 4 + SLACK_S)  # the queue empties (written or dropped) despite the hang
     finally:
         own_redis.resume()

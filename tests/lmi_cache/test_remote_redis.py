@@ -219,3 +219,14 @@ def test_tls_verifies_the_server_certificate(tmp_path: Path) -> None:
         finally:
             trusted.close()
             untrusted.close()
+
+
+def test_put_of_a_mismatched_object_is_dropped_not_stored(redis_server: RedisServer) -> None:
+    cache = open_remote(redis_settings(redis_server.url, "mismatch"))
+    try:
+        keys = make_keys(2)
+        assert cache.put(keys[1], make_object(keys[0]))  # queued: the writer checks it off the serving path
+        assert cache.flush(5)
+        assert cache.stats()["puts_dropped_error"] == 1 and cache.contains_many(keys[1:]) == [False]
+    finally:
+        cache.close()
