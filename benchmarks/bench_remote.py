@@ -60,8 +60,8 @@ def process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def wall_and_cpu(repeats: int, fns: list[Callable[[], object]]) -> list[tuple[float, float]]:
-    """(best wall seconds, median process CPU seconds) of each fn, run interleaved."""
+def wall_and_cpu(repeats: int, fns: list[Callable[[], object]]) -> tuple[list[list[float]], list[list[float]]]:
+    """Wall and process-CPU seconds of each fn per round, run interleaved (paired rounds)."""
     walls: list[list[float]] = [[] for _ in fns]
     cpus: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
@@ -70,7 +70,12 @@ def wall_and_cpu(repeats: int, fns: list[Callable[[], object]]) -> list[tuple[fl
             fn()
             walls[i].append(time.perf_counter() - wall)
             cpus[i].append(process_cpu_s() - cpu)
-    return [(min(w), statistics.median(c)) for w, c in zip(walls, cpus)]
+    return walls, cpus
+
+
+def paired_ratio(base: list[float], ours: list[float]) -> float:
+    """Median over rounds of base/ours: each round's pair ran back to back, so host load cancels."""
+    return statistics.median(b / o for b, o in zip(base, ours))
 
 
 def kv_like_objects(keys: list[ChunkKey], size_bytes: int) -> list[bytes]:
@@ -91,10 +96,10 @@ def bench_retrieve(args: argparse.Namespace) -> None:
     parser = "hiredis" if HIREDIS_AVAILABLE else "pure Python (pip install hiredis)"
     print("## Remote retrieve vs a plain GET loop (same values, same redis-py client, loopback redis-server)\n")
     print(f"redis-py reply parser: {parser}\n")
-    print("Throughput: best wall time of the round; CPU: median user+system CPU seconds of this process per GiB")
-    print("(the serving process's cost; robust to a busy host, unlike wall time).\n")
+    print("GiB/s: best round. Ratios: median over rounds of (baseline time / get_many time), each round's")
+    print("pair run back to back. CPU: user+system seconds of this process per GiB (median).\n")
     print("| value | batch | mode | GET loop GiB/s | MGET GiB/s | get_many GiB/s | get_many vs GET loop | "
-          "CPU s/GiB: GET loop | MGET | get_many | CPU ratio GET loop / get_many |")
+          "vs MGET | CPU s/GiB GET loop | CPU s/GiB get_many | CPU ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     with RedisServer() as server:
         for size_mib in args.sizes_mib:
@@ -130,12 +135,13 @@ def bench_retrieve(args: argparse.Namespace) -> None:
                         for result in cache.get_many(batch):
                             assert isinstance(result, DecodedChunk)
 
-                (t_get, c_get), (t_mget, c_mget), (t_ours, c_ours) = wall_and_cpu(
+                (w_get, w_mget, w_ours), (c_get, c_mget, c_ours) = wall_and_cpu(
                     args.repeats, [plain_get_loop, plain_mget, ours])
                 gib = num * size_mib / 1024
-                print(f"| {size_mib:g} MiB | {args.batch} | {mode} | {gib / t_get:.2f} | {gib / t_mget:.2f} "
-                      f"| {gib / t_ours:.2f} | {t_get / t_ours:.2f}x | {c_get / gib:.3f} | {c_mget / gib:.3f} "
-                      f"| {c_ours / gib:.3f} | {c_get / c_ours:.2f}x |")
+                print(f"| {size_mib:g} MiB | {args.batch} | {mode} | {gib / min(w_get):.2f} | {gib / min(w_mget):.2f} "
+                      f"| {gib / min(w_ours):.2f} | **{paired_ratio(w_get, w_ours):.2f}x** | "
+                      f"{paired_ratio(w_mget, w_ours):.2f}x | {statistics.median(c_get) / gib:.3f} | "
+                      f"{statistics.median(c_ours) / gib:.3f} | {paired_ratio(c_get, c_ours):.2f}x |")
                 client.delete(*names)
                 cache.close()
     print()

@@ -13,7 +13,8 @@ payload bytes u64 (uncompressed) | body bytes u64 | MAC 32s (zero without one)
 Decoding never raises and never returns unverified bytes: the result is a
 ``DecodedChunk`` or a ``MissReason``. Order of checks: value header, MAC
 (before anything else in the body is trusted), chunk header against the key,
-decompression bounded by the header's payload size, payload checksum.
+decompression bounded by the header's payload size, payload checksum (skipped
+after a valid MAC, which covers the same bytes).
 """
 from __future__ import annotations
 
@@ -220,8 +221,10 @@ class ValueCodec:
         payload = self._decompress(Codec(codec_id), elem_bytes, body[HEADER_BYTES:], payload_bytes)
         if isinstance(payload, MissReason):
             return payload
+        # A verified MAC already proves these are the bytes a secret holder encoded (checksum included).
+        mac_verified = self._mac_key is not None
         try:
-            verify_parts(body[:HEADER_BYTES], payload, key, require_checksum=True)
+            verify_parts(body[:HEADER_BYTES], payload, key, require_checksum=not mac_verified)
         except FingerprintMismatch:
             return MissReason.FINGERPRINT
         except ChunkFormatError:
