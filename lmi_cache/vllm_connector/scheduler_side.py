@@ -72,9 +72,9 @@ class _RequestPlan:
 
 @dataclass
 class SchedulerStats:
-    num_lookups: int = 0
+    num_match_queries: int = 0  # calls of get_num_new_matched_tokens, re-asks included
     num_hit_requests: int = 0
-    num_hit_tokens: int = 0
+    num_load_tokens: int = 0
     num_planned_saves: int = 0
     num_load_faults: int = 0
     num_preemptions: int = 0
@@ -130,7 +130,7 @@ class SchedulerSide:
             plan = _RequestPlan(chunk_keys=self._chunk_keys(request), num_prompt_tokens=len(prompt))
             self._plans[req_id] = plan
         plan.load_range, plan.load_confirmed = None, False
-        self.stats.num_lookups += 1
+        self.stats.num_match_queries += 1
         geo = self.geometry
         hit_tokens = self.index.leading_hits(plan.chunk_keys) * geo.chunk_size_tokens
         # vLLM must compute at least one token to produce logits.
@@ -159,7 +159,7 @@ class SchedulerSide:
         plan.load_range = (start, start + num_external_tokens)
         plan.load_confirmed = True
         self.stats.num_hit_requests += 1
-        self.stats.num_hit_tokens += num_external_tokens
+        self.stats.num_load_tokens += num_external_tokens
 
     # -- per-step planning ---------------------------------------------------------------
 

@@ -90,7 +90,7 @@ def test_warm_request_loads_leading_chunks_block_aligned() -> None:
     meta = side.build_connector_meta(output([new_req("r", [7, 8, 9, 10, 11], 64)], {"r": 11}))
     assert [(t.block_ids, t.block_offset) for t in meta.loads] == [((7, 8), 0), ((9, 10), 0)]
     assert not meta.saves  # both full chunks are already stored
-    assert side.stats.num_hit_tokens == 64
+    assert side.stats.num_load_tokens == 64
 
 
 def test_full_hit_leaves_a_token_to_compute() -> None:
