@@ -77,9 +77,9 @@ HOST_FIELDS = {
               "is_tmpfs", "is_overlay", "is_network"],
 }
 _byte_counts = st.one_of(st.integers(min_value=0, max_value=2**40), st.integers(min_value=0, max_value=2**64),
-                        st.sampled_from([0, 1, 2**63 - 1]))
+                        st.sampled_from([0, 1, 2**63 - 1, 2**64, 10**400]))
 _WELL_TYPED = {
-    "mount": st.sampled_from(["/", "/tmp", "/mnt/a,b", "/data", "/proc", "/dev/shm", "/nvme"]),
+    "mount": st.sampled_from(["/", "/tmp", "/mnt/a,b", "/data", "/proc", "/dev/shm", "/nvme", "relative/dir", ""]),
     "fs_type": st.sampled_from(["xfs", "ext4", "tmpfs", "nfs", "proc", "overlay", "fuse.s3fs"]),
     "device": st.sampled_from(["/dev/nvme0n1", "tmpfs", "overlay", ""]),
     "name": st.text(max_size=12),
@@ -114,6 +114,15 @@ def host_snapshots(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
             data[section][draw(st.integers(0, len(data[section]) - 1))][field] = value
     if draw(st.integers(0, 19)) == 0:
         data[draw(st.sampled_from(["gpus", "disks", "memory", "cpu_count"]))] = draw(json_values)
+    if data.get("disks") and isinstance(data["disks"], list) and draw(st.integers(0, 3)) == 0:
+        # Seeds from inputs that broke earlier versions: the best disk behind a comma or a
+        # relative mount point, and byte counts too large for a float.
+        best = data["disks"][0]
+        if isinstance(best, dict):
+            best.update({"mount": draw(st.sampled_from(["/mnt/a,b", "relative/nvme", ""])), "nvme": True,
+                         "rotational": False, "fs_type": "xfs", "free_bytes": 2**42, "total_bytes": 2**43})
+    if draw(st.integers(0, 7)) == 0 and isinstance(data.get("memory"), dict):
+        data["memory"][draw(st.sampled_from(HOST_FIELDS["memory"]))] = 10**400
     return data, json.dumps(data, allow_nan=True).encode()
 
 
