@@ -18,14 +18,13 @@ import yaml
 
 from lmi_cache.config_keys import (
     DEPRECATED_ALIASES,
-    ENV_NON_KEY_NAMES,
-    ENV_NON_KEY_PREFIXES,
     EXTRA_CONFIG_KEYS,
     LEGACY_KEYS,
     LMCACHE_KEYS,
     SERVED_REMOTE_SCHEMES,
     UNSUPPORTED_FEATURES,
 )
+from lmi_cache.config_env import env_names, env_override_names, env_where, misspelt_env_warnings  # noqa: F401 (re-exported)
 from lmi_cache.config_values import (
     MAX_CHUNK_TOKENS,
     MAX_DISK_WORKERS,
@@ -253,39 +252,6 @@ def read_yaml_mapping(path: str) -> Mapping[str, Any]:
     return data
 
 
-def _env_names() -> dict[str, str]:
-    """LMCACHE_<KEY> variable -> key, for every key, alias and legacy key."""
-    return {f"LMCACHE_{key.upper()}": key for key in list(LMCACHE_KEYS) + list(DEPRECATED_ALIASES) + list(LEGACY_KEYS)}
-
-
-def env_override_names(env: Mapping[str, str] | None = None) -> list[str]:
-    """The LMCACHE_<KEY> variables set in ``env`` that override an LMCache YAML (or a plan written as one).
-
-    LMCache's rule, which lmi_cache follows: the environment wins over the file. Names only:
-    values can hold credentials (remote_url, extra_config).
-    """
-    env = os.environ if env is None else env
-    return sorted(name for name in _env_names() if name in env)
-
-
-def _env_where(key: str) -> str:
-    head, _, inner = key.partition(".")  # "extra_config.use_odirect" -> env LMCACHE_EXTRA_CONFIG: key 'use_odirect'
-    return f"env LMCACHE_{head.upper()}" + (f": key {inner!r}" if inner else "")
-
-
-def _misspelt_env_warnings(env: Mapping[str, str]) -> list[str]:
-    known = _env_names()
-    out = []
-    for name in sorted(n for n in env if n.startswith("LMCACHE_") and n not in known):
-        rest = name[len("LMCACHE_"):]
-        if rest in ENV_NON_KEY_NAMES or rest.startswith(ENV_NON_KEY_PREFIXES):
-            continue
-        close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.85)
-        if close:
-            out.append(f"env {name}: not an LMCache setting, ignored; did you mean {close[0]}?")
-    return out
-
-
 def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -> tuple[CacheConfig, list[str]]:
     """The file (``path`` or ``$LMCACHE_CONFIG_FILE``) overridden by ``LMCACHE_<KEY>`` env vars.
 
@@ -301,9 +267,9 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -
         data = read_yaml_mapping(path)
         fields.update(_merge({str(k): v for k, v in data.items()}, lambda k: f"{path}: key {k!r}", path, warnings, True))
     # Only names from the tables are read: other LMCACHE_* vars (log level, ...) are not ours.
-    env_values = {key: unquote_env(env[name]) for name, key in _env_names().items() if name in env}
-    fields.update(_merge(env_values, _env_where, "environment", warnings, False))
-    warnings += _misspelt_env_warnings(env)
+    env_values = {key: unquote_env(env[name]) for name, key in env_names().items() if name in env}
+    fields.update(_merge(env_values, env_where, "environment", warnings, False))
+    warnings += misspelt_env_warnings(env)
     config = CacheConfig(**fields)
     _check(config, source, warnings)
     return config, warnings

@@ -303,7 +303,7 @@ def test_moe_layer_count_ignores_a_zero_step_and_garbage_dense_list(tmp_path: Pa
 
 
 def test_moe_layer_count_matches_the_rule() -> None:
-    from autoconfig.model_source import _moe_layer_count
+    from autoconfig.model_params import _moe_layer_count
 
     def brute(layers: int, first: int, step: int, only: list[int]) -> int:
         return sum(1 for i in range(layers) if i >= first and i not in only and (i + 1) % step == 0)
