@@ -97,6 +97,7 @@ def _resolve() -> None:
         raise KernelBackendError(f"{KERNELS_ENV}={raw!r} is not one of native, torch, auto; unset it for auto")
     if choice == "torch":
         _backend, _ext = "torch", None
+        logger.info("lmi-cache: KV copies use torch (%s=torch)", KERNELS_ENV)
         return
     try:
         ext = load_extension()
@@ -110,6 +111,7 @@ def _resolve() -> None:
         _backend, _ext = "torch", None
         return
     _backend, _ext = "native", ext
+    logger.info("lmi-cache: KV copies use the native kernels (%s=%s)", KERNELS_ENV, choice)
 
 
 def backend() -> str:
