@@ -33,7 +33,8 @@ class FiniteFloat(click.ParamType):
         above_low = number > self.low if self.low_open else number >= self.low
         if not math.isfinite(number) or not above_low or number > self.high:
             bracket = "(" if self.low_open else "["
-            self.fail(f"{str(value)[:40]!r} is not a finite number in {bracket}{self.low:g}, {self.high:g}]", param, ctx)
+            self.fail(f"{str(value)[:40]!r} is not a finite number in {bracket}{self.low:,g}, {self.high:,.0f}]",
+                      param, ctx)
         return number
 
 

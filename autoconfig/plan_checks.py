@@ -75,12 +75,16 @@ def check_disk_path_on_host(value: str, host: HostSnapshot) -> None:
                         "or hold files; choose a path on a local disk such as /mnt/nvme/lmcache")
 
 
-def check_parallel_fits_model(m: PlanModel, s: ServingSettings) -> None:
-    """vLLM refuses, at start, a tensor-parallel size that does not split the attention heads evenly."""
+def check_parallel_fits_model(m: PlanModel, s: ServingSettings, num_gpus: int = 0) -> None:
+    """vLLM refuses, at start, a tensor-parallel size that does not split the attention heads evenly.
+
+    ``num_gpus`` (0: no GPU, any degree) limits the degrees suggested in the message.
+    """
     heads = m.num_attention_heads
     tp = s.tp
     if heads and heads % tp:
-        divisors = [d for d in range(1, min(heads, MAX_PARALLEL_DEGREE) + 1) if heads % d == 0][-6:]
+        limit = min(heads, num_gpus or MAX_PARALLEL_DEGREE, MAX_PARALLEL_DEGREE)
+        divisors = [d for d in range(1, limit + 1) if heads % d == 0][-6:]
         raise PlanError(f"tensor_parallel_degree={tp} does not divide the model's {heads} attention heads, so "
                         f"vLLM would refuse to start; use one of {', '.join(map(str, divisors))}")
     kv_heads = m.layout.num_kv_heads

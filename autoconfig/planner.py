@@ -54,7 +54,7 @@ def plan_tiers(
 
     m = PlanModel.coerce(model)
     check_settings(settings)
-    check_parallel_fits_model(m, settings)
+    check_parallel_fits_model(m, settings, num_gpus=len(host.gpus))
     if settings.overrides.disk_path is not None:
         check_disk_path_on_host(settings.overrides.disk_path, host)
     why: list[str] = []
