@@ -90,3 +90,33 @@ def test_lmcache_ci_environments(name: str) -> None:
         config, warnings = load_config(env=env)
         _check_config(config, expected["config"])
         _check_warnings(warnings, expected["warnings"])
+
+
+# LMCache's own environment-parsing expectations, from its config tests
+# (LMCache/LMCache tests/v1/test_config.py at 0a01ad02811580f9b30069a7e35349442777b4ea):
+# surrounding spaces and one pair of quotes are dropped, quoted JSON is a mapping.
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ('  {"test_key": "test_value", "number": 42}  ', {"test_key": "test_value", "number": 42}),
+        ('\'{"nested": {"key": "value"}}\'', {"nested": {"key": "value"}}),
+        ('"{\\"config\\": \\"prod\\"}"', {"config": "prod"}),
+    ],
+)
+def test_extra_config_env_forms_from_lmcache_tests(raw: str, expected: dict[str, Any]) -> None:
+    from lmi_cache.config_values import parse_mapping
+
+    assert parse_mapping(raw, "env LMCACHE_EXTRA_CONFIG") == expected
+    load_config(env={"LMCACHE_EXTRA_CONFIG": raw})  # accepted by the engine's loader too
+
+
+def test_scalar_env_forms_from_lmcache_tests() -> None:
+    from lmi_cache.config_values import unquote_env
+
+    config, _ = load_config(env={"LMCACHE_CHUNK_SIZE": "  512  "})
+    assert config.chunk_size == 512
+    assert unquote_env("'http://example.com:8080'") == "http://example.com:8080"
+    assert unquote_env('"sender"') == "sender" and unquote_env("' ### '") == " ### "
+    # LMCache keeps its default for a value it cannot parse (a silent change); lmi-cache refuses it.
+    with pytest.raises(ConfigError, match="LMCACHE_CHUNK_SIZE"):
+        load_config(env={"LMCACHE_CHUNK_SIZE": "invalid_number"})
