@@ -130,16 +130,18 @@ def reset() -> None:
         _backend, _ext = None, None
 
 
-def _last_wins(table: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-    """Drop rows whose destination a later row writes again."""
-    if torch.unique(dest).numel() == dest.numel():
+def drop_overwritten(table: torch.Tensor, to_paged: bool) -> torch.Tensor:
+    """``table`` without the rows whose destination a later row writes again (later rows win)."""
+    rows = table.tolist()
+    dests = [r[2] for r in rows] if to_paged else [(r[0], r[1]) for r in rows]
+    if len(set(dests)) == len(dests):  # the usual case, cheap for the few rows of a step
         return table
-    seen: set[int] = set()
+    seen: set[object] = set()
     keep: list[int] = []
-    for row, key in reversed(list(enumerate(dest.tolist()))):
-        if key not in seen:
-            seen.add(key)
-            keep.append(row)
+    for index in range(len(dests) - 1, -1, -1):
+        if dests[index] not in seen:
+            seen.add(dests[index])
+            keep.append(index)
     return table[sorted(keep)]
 
 
@@ -182,8 +184,8 @@ def _copy(layers: Sequence[torch.Tensor], table: torch.Tensor, chunks: Sequence[
     table = _check_table(table)
     if table.size(0) == 0:
         return
-    dest = table[:, 2] if to_paged else table[:, 0] * (chunks[0].size(1) if chunks[0].dim() > 1 else 1) + table[:, 1]
-    table = _last_wins(table, dest)
+    if table.size(0) > 1:
+        table = drop_overwritten(table, to_paged)
     name = via or backend()
     if name == "torch":
         _torch_copy(layers, table, chunks, to_paged)

@@ -61,9 +61,9 @@ def _copy_with(impl: str, layers: list[torch.Tensor], table: torch.Tensor, chunk
                to_paged: bool) -> None:
     if impl == "emulated_cuda":
         # The raw extension refuses duplicate destinations; kernels' last-wins rule applies first.
-        dest = table[:, 2] if to_paged else table[:, 0] * chunks[0].size(1) + table[:, 1]
         ext = kernels.load_extension()
-        (ext.scatter_emulated if to_paged else ext.gather_emulated)(layers, kernels._last_wins(table, dest), chunks, 7)
+        deduped = kernels.drop_overwritten(table, to_paged)
+        (ext.scatter_emulated if to_paged else ext.gather_emulated)(layers, deduped, chunks, 7)
     else:
         (kernels.scatter if to_paged else kernels.gather)(layers, table, chunks, via=impl)
 
