@@ -98,7 +98,6 @@ _SIMPLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "save_unfull_chunk": parse_bool,
     "save_decode_cache": parse_bool,
     "min_retrieve_tokens": lambda v, w: parse_int(v, w, minimum=0),
-    "remote_url": parse_remote_url,
 }
 # extra_config integer keys -> their upper bound (threads and queue slots are allocated up front).
 _EXTRA_INT_MAX = {"disk_write_workers": MAX_DISK_WORKERS, "disk_read_workers": MAX_DISK_WORKERS,
@@ -168,6 +167,14 @@ def _merge(
             fields[key] = _SIMPLE_PARSERS[key](value, where)
         elif key == "cache_policy":
             fields[key] = _parse_policy(value, where, warnings)
+        elif key == "remote_url":
+            url = parse_remote_url(value, where)
+            if url is not None and url.lower().startswith("file://"):
+                warnings.append(f"{where}: file:// is not a remote store in LMCache 0.3-0.5 (LMI's LMCache guide shows "
+                                "it), ignored; to keep KV on local disk set local_disk: file:///path/ and "
+                                "max_local_disk_size")
+                url = None
+            fields[key] = url
         elif key == "extra_config":
             fields.update(_parse_extra(parse_mapping(value, where), where, where_of, warnings))
         elif key in UNSUPPORTED_FEATURES and _truthy(value):

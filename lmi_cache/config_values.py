@@ -134,6 +134,8 @@ def parse_remote_url(value: Any, where: str) -> str | None:
     if url is None:
         return None
     scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme == "file":  # LMI's LMCache guide shows it; not a remote store (see lmi_cache.config._check)
+        return url
     if scheme not in REMOTE_URL_SCHEMES:
         shown = f"scheme {scheme!r}" if scheme else "a value without a scheme://"
         raise ConfigError(f"{where}: remote_url has {shown}, which LMCache does not know; use one of "

@@ -256,3 +256,9 @@ def test_hostile_files_are_one_line_errors(tmp_path: Path, raw: bytes, needle: s
     with pytest.raises(ConfigError) as info:
         load_config(str(path), env={})
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_file_remote_url_from_lmis_guide_is_ignored_with_advice() -> None:
+    config, warnings = config_from_dict({"remote_url": "file:///tmp/lmcache"}, "guide.yaml")
+    assert config.remote_url is None
+    assert any("file:// is not a remote store" in w and "local_disk" in w for w in warnings)
