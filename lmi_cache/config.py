@@ -165,6 +165,10 @@ def _merge(
         where = where_of(key)
         if key in _SIMPLE_PARSERS:
             fields[key] = _SIMPLE_PARSERS[key](value, where)
+            if key == "local_disk" and _two_slash_file_url(value):
+                warnings.append(f"{where}: file://dir/ (two slashes) read as /dir/, as LMI's LMCache page means it "
+                                "(LMCache itself would use a directory relative to where the server starts); "
+                                "write file:///dir/")
         elif key == "cache_policy":
             fields[key] = _parse_policy(value, where, warnings)
         elif key == "remote_url":
@@ -194,6 +198,12 @@ def _merge(
     if unimplemented:
         warnings.append(f"{source}: LMCache keys not implemented by lmi_cache, ignored: {', '.join(unimplemented)}")
     return fields
+
+
+def _two_slash_file_url(value: Any) -> bool:
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return any(isinstance(i, str) and any(p.strip().startswith("file://") and not p.strip().startswith("file:///")
+                                          for p in i.split(",")) for i in items)
 
 
 def _truthy(value: Any) -> bool:

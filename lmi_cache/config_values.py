@@ -119,7 +119,9 @@ def parse_local_disk(value: Any, where: str) -> tuple[str, ...]:
                     raise ConfigError(
                         f"{where}: {_show(part)} is not a local path; use file:///dir/ (remote stores go in remote_url)"
                     )
-                part = rest
+                # file://tmp/cache/ (two slashes, as in LMI's LMCache page, "fixed for SM customers")
+                # means /tmp/cache/; lmi_cache.config warns that file:///tmp/cache/ is the spelling.
+                part = rest if rest.startswith("/") else "/" + rest
             if any(ord(c) < 32 for c in part):
                 raise ConfigError(f"{where}: {_show(part)} contains a control character; use a plain directory path")
             if not os.path.isabs(part):

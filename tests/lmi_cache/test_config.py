@@ -262,3 +262,12 @@ def test_file_remote_url_from_lmis_guide_is_ignored_with_advice() -> None:
     config, warnings = config_from_dict({"remote_url": "file:///tmp/lmcache"}, "guide.yaml")
     assert config.remote_url is None
     assert any("file:// is not a remote store" in w and "local_disk" in w for w in warnings)
+
+
+def test_two_slash_file_url_means_an_absolute_directory() -> None:
+    # LMI's LMCache page writes local_disk: "file://tmp/cache/" ("fixed for SM customers").
+    config, warnings = config_from_dict({"local_disk": "file://tmp/cache/", "max_local_disk_size": 1}, "perf.yaml")
+    assert config.local_disk == ("/tmp/cache",)
+    assert any("two slashes" in w and "file:///dir/" in w for w in warnings)
+    config, warnings = config_from_dict({"local_disk": "file:///tmp/cache/", "max_local_disk_size": 1}, "ok.yaml")
+    assert config.local_disk == ("/tmp/cache",) and not any("two slashes" in w for w in warnings)
