@@ -19,8 +19,10 @@ MAX_PARALLEL_DEGREE = 1 << 12
 MAX_MODEL_LEN = 1 << 40
 MAX_SIZE_GIB = float(1 << 20)  # 1 PiB per rank
 MAX_CHUNK_TOKENS = 1 << 16
-# Kernel views: a directory below them can never be created or hold files.
+# Kernel views: a directory below them can never be created or hold files (/dev/shm, a
+# tmpfs, and any other filesystem the snapshot shows mounted below /dev excepted).
 _KERNEL_TREES = ("/proc", "/sys", "/dev")
+_WRITABLE_UNDER_DEV = ("/dev/shm",)
 
 
 def check_settings(s: ServingSettings) -> None:
@@ -67,8 +69,13 @@ def disk_path_syntax_problem(value: str) -> str | None:
 def check_disk_path_on_host(value: str, host: HostSnapshot) -> None:
     """A disk-tier directory under a kernel view (/proc, /sys, /dev or a pseudo filesystem) can never be created."""
     path = normalize_disk_path(value)
-    inside_kernel_tree = any(path == tree or path.startswith(tree + "/") for tree in _KERNEL_TREES)
     disk = mount_of(host, path)
+    inside_kernel_tree = any(path == tree or path.startswith(tree + "/") for tree in _KERNEL_TREES)
+    if path.startswith("/dev/") and (
+        any(path == d or path.startswith(d + "/") for d in _WRITABLE_UNDER_DEV)
+        or (disk is not None and disk.mount.startswith("/dev/") and disk.fs_type not in PSEUDO_FS_TYPES)
+    ):
+        inside_kernel_tree = False
     if inside_kernel_tree or (disk is not None and disk.fs_type in PSEUDO_FS_TYPES):
         where = disk.fs_type if disk is not None and disk.fs_type in PSEUDO_FS_TYPES else "a kernel view"
         raise PlanError(f"lmcache_local_disk={value[:80]!r} is on {where}: that directory can never be created "

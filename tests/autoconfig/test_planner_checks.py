@@ -77,6 +77,12 @@ def test_disk_paths_that_can_never_work_are_refused(path: str, needle: str) -> N
     assert "\n" not in str(info.value)
 
 
+def test_dev_shm_is_a_usable_if_unwise_disk_path() -> None:
+    snap = host(1, 200, disks=[disk("/dev/shm", free_gib=100, fs_type="tmpfs", is_tmpfs=True), disk("/data", free_gib=10)])
+    plan = plan_tiers(snap, LLAMA_HEADS, ServingSettings(overrides=TierOverrides(disk_path="/dev/shm/kv", disk_size_gib=1)))
+    assert plan.disk.path == "/dev/shm/kv" and any("tmpfs" in w for w in plan.warnings)
+
+
 def test_auto_disk_never_picks_a_mount_with_a_comma() -> None:
     snap = host(1, 200, disks=[disk("/mnt/a,b", free_gib=5000), disk("/data", free_gib=1000)])
     plan = plan_tiers(snap, LLAMA_HEADS, ServingSettings())
