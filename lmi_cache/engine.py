@@ -31,10 +31,12 @@ Contract (the vLLM connector builds on exactly this; extend, don't change):
   index; a hint, since a race can make an entry stale: loads stay verified).
 - ``flush(timeout_s=30.0)``: wait for queued disk writes. ``clear()``,
   ``stats() -> dict``, ``close()``.
-- ``scan_persisted_digests(config) -> set[bytes]``: digests of the disk tier's
-  files by name, without reading them (the scheduler calls it at start-up),
-  over all ranks. Files live in ``<dir>/rank<rank_label>/<hex[:2]>/<hex>.lmc``:
-  every rank has its own subdirectory, budget and index.
+- ``scan_persisted_digests(config, replica=0, world_size=None) -> set[bytes]``:
+  digests of the disk tier's files by name, without reading them (the
+  scheduler calls it at start-up), over the ranks of one data-parallel replica
+  below ``world_size``. Files live in ``<dir>/rank<rank_label>/<hex[:2]>/<hex>.lmc``:
+  every rank of every replica has its own subdirectory, budget and index
+  (``tiers/disk_ranks``).
 
 CPU-to-disk feeding (``extra_config.disk_feed``): ``write_through`` (default)
 queues every stored chunk for disk at once, so a restart or crash loses at
@@ -62,6 +64,7 @@ from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers import disk_io
 from lmi_cache.tiers.buffers import copy_bytes, copy_payload_out, dtype_name, torch_dtype
 from lmi_cache.tiers.cpu_tier import CpuEntry, CpuTier, PayloadFill
+from lmi_cache.tiers.disk_ranks import replica_rank_dirs
 from lmi_cache.tiers.disk_tier import DiskTier, scan_persisted_digests_in
 from lmi_cache.tiers.factory import create_tier
 
@@ -334,19 +337,20 @@ def rank_disk_dirs(config: CacheConfig, rank_label: str) -> list[str]:
     """This rank's disk-tier directories: ``<dir>/rank<label>`` under each configured path.
 
     Ranks on one host share the configured paths, but each rank has its own
-    budget (GiB per rank) and index, so each gets its own subdirectory.
+    budget (GiB per rank) and index, so each gets its own subdirectory. The
+    connector labels ranks of data-parallel replicas > 0 ``<rank>-dp<replica>``
+    (``disk_ranks.rank_label``).
     """
     return [os.path.join(root, f"rank{rank_label}") for root in config.local_disk]
 
 
-def scan_persisted_digests(config: CacheConfig) -> set[bytes]:
-    """Digests of every rank's object files, by file name only (scheduler process, start-up)."""
+def scan_persisted_digests(config: CacheConfig, replica: int = 0, world_size: int | None = None) -> set[bytes]:
+    """Digests of one replica's object files, by file name only (scheduler process, start-up).
+
+    Only ranks below ``world_size`` (all when None) and only directories and
+    files that are ours count: digests no worker of this replica can serve
+    must not make the scheduler promise hits.
+    """
     if config.disk_capacity_bytes <= 0:
         return set()
-    dirs: list[str] = []
-    for root in config.local_disk:
-        try:
-            dirs.extend(e.path for e in os.scandir(root) if e.is_dir() and e.name.startswith("rank"))
-        except OSError:
-            continue
-    return scan_persisted_digests_in(dirs)
+    return scan_persisted_digests_in(replica_rank_dirs(config.local_disk, replica, world_size))

@@ -5,7 +5,9 @@ is a shard with its own byte budget and eviction order; a chunk's shard is
 chosen by its digest for writes, but an adopted file stays in the shard where
 it was found (so changing the directory list between runs loses nothing).
 Methods that evict return the victims: the caller deletes their files
-outside the lock.
+outside the lock. A shard's budget is its share of the configured size, or
+less when its filesystem has less free space (``limit_bytes``, see
+``disk_space``); a shard whose directory can't be trusted is disabled.
 """
 from __future__ import annotations
 
@@ -24,6 +26,14 @@ class DiskShard:
     policy: EvictionPolicy
     used_bytes: int = 0
     odirect: bool = False  # cleared when the filesystem refuses O_DIRECT
+    enabled: bool = True  # False: the directory is unsafe or busy; nothing is read or written there
+    limit_bytes: int | None = None  # what the filesystem's free space allows now (None: unknown)
+
+    @property
+    def budget_bytes(self) -> int:
+        if not self.enabled:
+            return 0
+        return self.capacity_bytes if self.limit_bytes is None else min(self.capacity_bytes, self.limit_bytes)
 
 
 def shard_index(digest: bytes, num_shards: int) -> int:
@@ -45,7 +55,8 @@ class DiskIndex:
 
     @property
     def capacity_bytes(self) -> int:
-        return sum(s.capacity_bytes for s in self.shards)
+        """The effective budget: configured, less what free space or disabled shards take away."""
+        return sum(s.budget_bytes for s in self.shards)
 
     def shard_for(self, digest: bytes) -> int:
         return shard_index(digest, len(self.shards))
@@ -78,6 +89,13 @@ class DiskIndex:
                 self._where[found.digest] = (number, found.size_bytes)
                 shard.policy.on_insert(found.digest)
                 shard.used_bytes += found.size_bytes
+            return self._evict_locked(shard, 0)
+
+    def set_limit(self, number: int, limit_bytes: int | None) -> list[bytes]:
+        """Apply a free-space limit to a shard; returns the victims now over its budget."""
+        shard = self.shards[number]
+        with self._lock:
+            shard.limit_bytes = limit_bytes
             return self._evict_locked(shard, 0)
 
     def reserve(self, number: int, num_bytes: int) -> list[bytes]:
@@ -122,7 +140,7 @@ class DiskIndex:
     def _evict_locked(self, shard: DiskShard, incoming_bytes: int) -> list[bytes]:
         victims: list[bytes] = []
         candidates = shard.policy.candidates()
-        while shard.used_bytes + incoming_bytes > shard.capacity_bytes:
+        while shard.used_bytes + incoming_bytes > shard.budget_bytes:
             candidate = next(candidates, None)
             if candidate is None:
                 break

@@ -3,7 +3,8 @@
 A chunk object is written to ``<hex>.lmc.<pid>-<tid>.tmp`` beside its final
 name and renamed over it with ``os.replace``, so a crash at any instant leaves
 either no file, the complete old file, or a ``*.tmp`` that the next start-up
-removes. Files are 0600, directories 0700. With O_DIRECT the object is copied
+removes. Files are 0600, directories 0700; reads accept only regular files
+of ours, opened without following links (``disk_trust``). With O_DIRECT the object is copied
 into a page-aligned buffer and zero-padded to a 4 KiB multiple (the header
 records the real length); filesystems that refuse O_DIRECT (tmpfs: EINVAL)
 raise OdirectUnsupported so the caller can fall back to buffered I/O.
@@ -16,10 +17,12 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from lmi_cache.chunk_format import HEADER_BYTES, BytesLike, ChunkHeader, byte_view
+from lmi_cache.tiers.disk_trust import entry_problem, is_our_dir, open_chunk
 
 ALIGN_BYTES = 4096
 FILE_SUFFIX = ".lmc"
@@ -94,9 +97,14 @@ def write_object_file(
     place (its header bytes and padding are overwritten) instead of copying.
     """
     tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (_O_DIRECT if odirect else 0)
+    # O_EXCL | O_NOFOLLOW: never write through a link or into a file someone placed at our tmp name.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (_O_DIRECT if odirect else 0)
     try:
-        fd = os.open(tmp, flags, 0o600)
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileExistsError:
+            os.unlink(tmp)  # our own leftover (same pid and thread), or a plant: either way not ours to use
+            fd = os.open(tmp, flags, 0o600)
     except FileNotFoundError:
         ensure_dir(os.path.dirname(path))
         fd = os.open(tmp, flags, 0o600)
@@ -141,7 +149,7 @@ def read_object_file(path: str, *, odirect: bool, scratch: bool = False) -> np.n
     """
     flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if odirect else 0)
     try:
-        fd = os.open(path, flags)
+        fd = open_chunk(path, flags)
     except OSError as err:
         if odirect and err.errno == errno.EINVAL:
             raise OdirectUnsupported(err.errno, "O_DIRECT refused", path) from None
@@ -176,7 +184,7 @@ def read_object_into(path: str, payload_out: np.ndarray) -> tuple[np.ndarray, in
     the caller's buffer is written once (no bounce copy). A short file
     leaves the tail of ``payload_out`` unspecified (the checksum rejects it).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_chunk(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         header = np.empty(HEADER_BYTES, dtype=np.uint8)
         header_view, payload_view = byte_view(header), byte_view(payload_out)
@@ -213,6 +221,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _our_subdir(entry: os.DirEntry[str], report: Callable[[str], None]) -> bool:
+    try:
+        info = entry.stat(follow_symlinks=False)
+    except OSError:
+        return False
+    if is_our_dir(info):
+        return True
+    if entry.is_symlink() or entry.is_dir(follow_symlinks=False):
+        report("symlink" if entry.is_symlink() else "unsafe_dir")
+    return False
+
+
 @dataclass(frozen=True)
 class ScannedFile:
     digest: bytes
@@ -220,16 +240,21 @@ class ScannedFile:
     mtime_ns: int
 
 
-def scan_root(root: str, remove_garbage: bool = True) -> list[ScannedFile]:
+def scan_root(
+    root: str, remove_garbage: bool = True, on_untrusted: Callable[[str], None] | None = None
+) -> list[ScannedFile]:
     """Object files under ``root`` (names and stat only, no payload reads), oldest first.
 
     With ``remove_garbage``, leftovers of crashed writers (``*.tmp`` of dead
     processes, or stale ones) and files too short to hold a header are deleted.
+    Entries that are not ours (symlinks, FIFOs, devices, other owners' files or
+    subdirectories) are skipped and reported to ``on_untrusted`` with a reason, never deleted.
     """
     found: list[ScannedFile] = []
     now = time.time()
+    report = on_untrusted if on_untrusted is not None else (lambda reason: None)
     try:
-        subdirs = [e for e in os.scandir(root) if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+        subdirs = [e for e in os.scandir(root) if len(e.name) == 2 and _our_subdir(e, report)]
     except FileNotFoundError:
         return found
     for subdir in subdirs:
@@ -242,6 +267,11 @@ def scan_root(root: str, remove_garbage: bool = True) -> list[ScannedFile]:
             try:
                 stat = entry.stat(follow_symlinks=False)
             except OSError:
+                continue
+            problem = entry_problem(stat)
+            if problem is not None:
+                if match or _TMP_RE.match(entry.name):
+                    report(problem)
                 continue
             if match and match.group(1)[:2] == subdir.name:
                 if stat.st_size < HEADER_BYTES:  # torn before the rename? never valid

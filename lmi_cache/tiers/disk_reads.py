@@ -3,7 +3,9 @@
 Mixed into ``DiskTier`` (which owns the state named below) to keep the write
 queue and the read path in files of readable size. A queued chunk is served
 from its pending buffer; a file is read and checked (header, fingerprint,
-checksum) and a damaged one is deleted: every fault is a counted miss.
+checksum) and a damaged one is deleted: every fault is a counted miss. A path
+that is not a regular file of ours (a planted symlink, FIFO, device or someone
+else's file) is never read or deleted: it is forgotten and counted.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from lmi_cache.chunk_format import (
 )
 from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
-from lmi_cache.tiers import disk_io
+from lmi_cache.tiers import disk_io, disk_trust
 from lmi_cache.tiers.disk_index import DiskIndex, DiskShard
 
 _T = TypeVar("_T")
@@ -59,6 +61,9 @@ class DiskReads:
         raise NotImplementedError
 
     def _fault(self, op: str, err: OSError, path: str) -> None:
+        raise NotImplementedError
+
+    def _untrusted(self, reason: str) -> None:
         raise NotImplementedError
 
     def load_object(self, key: ChunkKey, scratch: bool = False) -> np.ndarray | None:
@@ -148,7 +153,12 @@ class DiskReads:
         except FileNotFoundError:
             self._forget(key.digest)  # deleted behind our back
         except OSError as err:
-            self._fault("read", err, path)
+            reason = disk_trust.open_error_reason(err)
+            if reason is None:
+                self._fault("read", err, path)
+            else:
+                self._untrusted(reason)
+                self._forget(key.digest)  # not ours: forgotten, never read, never deleted
         return None
 
     def _verified(self, key: ChunkKey, path: str, header_bytes: BytesLike, payload: BytesLike) -> ChunkHeader | None:
@@ -164,7 +174,7 @@ class DiskReads:
 
     def _loaded(self, path: str, start_s: float) -> None:
         try:
-            os.utime(path)  # keeps LRU order across restarts (the scan sorts by mtime)
+            os.utime(path, follow_symlinks=False)  # keeps LRU order across restarts (the scan sorts by mtime)
         except OSError:
             pass
         self._metrics.loaded(self.name, time.perf_counter() - start_s)

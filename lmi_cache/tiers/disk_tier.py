@@ -9,6 +9,11 @@ and evicts oldest-first; loads refresh the mtime to keep that order.
 Writes go through a bounded queue to a few worker threads: when the queue is
 full the store is dropped and counted, the caller never waits. The read
 path (``disk_reads``) serves queued chunks from memory and verifies files.
+
+A directory is used only when it is ours, private and not held by another
+live engine (``disk_trust``); otherwise it is off (one warning, a metric) and
+the tier runs without it. Each directory's budget shrinks to the free space of
+its filesystem when that is smaller (``disk_space``).
 """
 from __future__ import annotations
 
@@ -25,10 +30,12 @@ import numpy as np
 from lmi_cache.chunk_format import BytesLike, ChunkHeader
 from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
-from lmi_cache.tiers import disk_io
+from lmi_cache.private_dir import UnsafeDirectoryError
+from lmi_cache.tiers import disk_io, disk_trust
 from lmi_cache.tiers.base import RemoveCallback, Tier
 from lmi_cache.tiers.disk_index import DiskIndex
 from lmi_cache.tiers.disk_reads import DiskReads, PendingWrite
+from lmi_cache.tiers.disk_space import FreeSpaceLimit
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,8 @@ class DiskTier(DiskReads, Tier):
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._queue: queue.Queue[PendingWrite | None] = queue.Queue(maxsize=queue_depth)
+        self._dir_locks: list[disk_trust.DirLock] = []
+        self._space = [FreeSpaceLimit(shard.root) for shard in self._index.shards]
         for number in range(len(self._index.shards)):
             self._open_shard(number)
         self._report_usage()
@@ -72,14 +81,22 @@ class DiskTier(DiskReads, Tier):
     def _open_shard(self, number: int) -> None:
         shard = self._index.shards[number]
         try:
-            disk_io.ensure_dir(shard.root)
-            files = disk_io.scan_root(shard.root)
+            self._dir_locks.append(disk_trust.acquire_tier_dir(shard.root))
+        except UnsafeDirectoryError as err:
+            shard.enabled = False
+            busy = isinstance(err, disk_trust.DirectoryBusy)
+            self._metrics.untrusted(self.name, "busy_dir" if busy else "unsafe_dir")
+            logger.warning("disk tier: %s; the disk tier is off for this directory", err)
+            return
+        try:
+            files = disk_io.scan_root(shard.root, on_untrusted=self._untrusted)
         except OSError as err:
             self._metrics.error(self.name, "scan")
             logger.warning("disk tier: cannot use %s (%s); it stays empty", shard.root, err.strerror)
             return
         victims = self._index.adopt(number, files)  # over budget if the budget shrank since last run
         self._evicted(number, victims)
+        self._follow_free_space(number)
         if files:
             logger.info("disk tier: %d chunks (%d bytes) found in %s", len(files), shard.used_bytes, shard.root)
 
@@ -127,6 +144,9 @@ class DiskTier(DiskReads, Tier):
             self._queue.put(None)
         for worker in self._workers:
             worker.join(timeout=5.0)
+        for lock in self._dir_locks:
+            lock.release()
+        self._dir_locks.clear()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued writes are done; False on timeout."""
@@ -159,6 +179,8 @@ class DiskTier(DiskReads, Tier):
         with self._lock:
             if digest in self._index or digest in self._pending:
                 reason = "present"
+            elif not shard.enabled:
+                reason = "tier_off"
             elif disk_io.round_up(header.total_bytes) > shard.capacity_bytes:
                 reason = "too_large"
             else:
@@ -204,6 +226,11 @@ class DiskTier(DiskReads, Tier):
         shard = self._index.shards[number]
         header = job.header.with_checksum(job.payload)
         reserve = disk_io.round_up(header.total_bytes) if shard.odirect else header.total_bytes
+        self._follow_free_space(number)
+        if reserve > shard.budget_bytes:  # the filesystem is full of other files: don't try
+            self._metrics.dropped(self.name, "no_space")
+            self._notify_removed([digest])
+            return
         self._evicted(number, self._index.reserve(number, reserve))
         path = disk_io.object_path(shard.root, digest)
         size = 0
@@ -218,6 +245,8 @@ class DiskTier(DiskReads, Tier):
                 size = disk_io.write_object_file(path, header, job.payload, odirect=False, fsync=self._fsync)
         except OSError as err:
             self._index.unreserve(number, reserve)
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._space[number].invalidate()
             self._fault("write", err, path)
             self._notify_removed([digest])
             return
@@ -235,9 +264,7 @@ class DiskTier(DiskReads, Tier):
         root = self._index.shards[number].root
         for digest in digests:
             try:
-                os.unlink(disk_io.object_path(root, digest))
-            except FileNotFoundError:
-                pass
+                disk_trust.unlink_if_ours(disk_io.object_path(root, digest))  # never someone else's file
             except OSError as err:
                 self._fault("delete", err, root)
         if notify and digests:
@@ -261,6 +288,23 @@ class DiskTier(DiskReads, Tier):
             self._notify_removed([digest])
             self._report_usage()
 
+    def _follow_free_space(self, number: int) -> None:
+        """Shrink (or restore) the shard's budget to its filesystem's free space; evicts what no longer fits."""
+        shard = self._index.shards[number]
+        before = shard.budget_bytes
+        self._evicted(number, self._index.set_limit(number, self._space[number].limit_bytes(shard.used_bytes)))
+        if shard.budget_bytes != before:
+            self._report_usage()
+            if shard.budget_bytes < shard.capacity_bytes:
+                self._warner.warn(
+                    "disk-space", f"disk tier: {shard.root} has {shard.budget_bytes} bytes of budget left of "
+                    f"{shard.capacity_bytes} (the filesystem is filling up); evicting to stay within it"
+                )
+
+    def _untrusted(self, reason: str) -> None:
+        self._metrics.untrusted(self.name, reason)
+        self._warner.warn(f"disk-untrusted-{reason}", f"disk tier: ignored an entry that is not ours ({reason})")
+
     def _report_usage(self) -> None:
         self._metrics.usage(self.name, self.used_bytes, self.capacity_bytes)
 
@@ -269,5 +313,6 @@ def scan_persisted_digests_in(dirs: Sequence[str]) -> set[bytes]:
     """Digests of object files in ``dirs`` by name only (nothing is read or deleted)."""
     digests: set[bytes] = set()
     for root in dirs:
-        digests.update(f.digest for f in disk_io.scan_root(root, remove_garbage=False))
+        if disk_trust.tier_dir_problem(root) is None:
+            digests.update(f.digest for f in disk_io.scan_root(root, remove_garbage=False))
     return digests

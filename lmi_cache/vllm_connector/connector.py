@@ -66,6 +66,25 @@ def _dp_index(vllm_config: VllmConfig) -> int:
     return int(getattr(parallel, "data_parallel_index", None) or getattr(parallel, "data_parallel_rank", 0) or 0)
 
 
+def _weights_identity(vllm_config: VllmConfig) -> str:
+    """What the served weights are (``lmi_cache.model_identity``), plus vLLM settings that change the weights."""
+    from lmi_cache.model_identity import model_identity
+
+    model_config = vllm_config.model_config
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    started = time.perf_counter()
+    identity = model_identity(
+        str(model_config.model),
+        revision=getattr(model_config, "revision", None),
+        cache_dirs=[download_dir] if download_dir else [],
+    )
+    quantization = getattr(model_config, "quantization", None)
+    if quantization:
+        identity += f"|quantization={quantization}"
+    logger.info("lmi-cache: model identity %s (%.3f s)", identity, time.perf_counter() - started)
+    return identity
+
+
 def _load_cache_config() -> Any:
     from lmi_cache.config import load_config
 
@@ -105,6 +124,8 @@ class LmiCacheConnector(KVConnectorBase_V1):
         self._kv_dtype = _kv_dtype_name(vllm_config)
         self._tp_size, self._pp_size = _parallel_sizes(vllm_config)
         self._dp_index = _dp_index(vllm_config)
+        # Keys are built by the scheduler only (workers get them in the metadata): identify the weights there.
+        self._model_identity = _weights_identity(vllm_config) if role == KVConnectorRole.SCHEDULER else ""
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -127,6 +148,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
             pp_size=self._pp_size,
             lora=lora,
             cache_salt=salt,
+            model_identity=self._model_identity,
         )
         return chunk_keys(tokens, namespace, self._config.chunk_size)
 
@@ -139,8 +161,11 @@ class LmiCacheConnector(KVConnectorBase_V1):
             started = time.perf_counter()
             try:
                 from lmi_cache.engine import scan_persisted_digests
+                from lmi_cache.tiers.disk_ranks import prune_orphan_rank_dirs
 
-                seed = set(scan_persisted_digests(self._config))
+                world_size = self._tp_size * self._pp_size
+                prune_orphan_rank_dirs(self._config.local_disk, self._dp_index, world_size)
+                seed = set(scan_persisted_digests(self._config, self._dp_index, world_size))
             except Exception as err:  # noqa: BLE001 - a cold index is only slower
                 logger.warning("lmi-cache: could not scan the disk tier (%s); starting with an empty index", err)
             logger.info("lmi-cache: seeded the index with %d persisted chunks in %.3f s", len(seed), time.perf_counter() - started)
@@ -173,10 +198,12 @@ class LmiCacheConnector(KVConnectorBase_V1):
             from lmi_cache.engine import CacheEngine
             from lmi_cache.metrics import CacheMetrics
             from lmi_cache.metrics_server import serve_metrics
+            from lmi_cache.tiers.disk_ranks import rank_label
 
             rank = self._rank_index()
             metrics = CacheMetrics(str(rank), engine_label=str(self._dp_index))
-            engine = CacheEngine(config, metrics=metrics, rank_label=str(rank))
+            # rank_label names the disk directory: rank<r>, or rank<r>-dp<d> for data-parallel replica d > 0.
+            engine = CacheEngine(config, metrics=metrics, rank_label=rank_label(rank, self._dp_index))
             serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=self._tp_size * self._pp_size,
                           rank=rank)
             return engine
