@@ -119,3 +119,14 @@ def test_cpu_tiny_demo_plans_on_a_cpu_only_host(tmp_path: Path) -> None:
     assert plan["gpu"]["backend"] == "cpu"
     assert plan["tiers"]["cpu"]["bytes_per_rank"] == 1 * GIB
     assert plan["tiers"]["disk"]["enabled"] is False
+
+
+def test_lmi_lmcache_recipe_runs_our_connector_with_its_yaml(tmp_path: Path) -> None:
+    mdir = stage(tmp_path, "lmi-lmcache-recipe", "llama-3.1-8b-instruct")
+    launch = serve(mdir, host(1, 256), tmp_path)
+    assert launch.mode == "file"
+    assert launch.env_set["LMCACHE_CONFIG_FILE"] == str(mdir / "lmcache.yaml")
+    assert json.loads(arg(launch, "--kv-transfer-config"))["kv_connector"] == "LmiCacheConnector"
+    assert arg(launch, "--dtype") == "bfloat16" and arg(launch, "--max-num-seqs") == "32"
+    assert any("LMI's LMCache recipe" in line for line in launch.summary)
+    assert any("option.max_new_tokens=256 ignored" in line for line in launch.summary)
