@@ -114,12 +114,14 @@ def _ranks_per_host(host: HostSnapshot, s: ServingSettings, why: list[str], warn
             f"tensor_parallel_degree={s.tp} x pipeline_parallel_degree={s.pp} needs {model_ranks} GPUs "
             f"but this host has {num_gpus}: lower tensor_parallel_degree (multi-node serving is out of scope)"
         )
-    replicas = min(s.dp, num_gpus // model_ranks)
-    if replicas < s.dp:
-        warn.append(
-            f"data_parallel_degree={s.dp} needs {s.ranks_per_host} GPUs, this host has {num_gpus}: planning "
-            f"for the {replicas} replica(s) that fit here (multi-node serving is out of scope)"
+    if s.ranks_per_host > num_gpus:
+        # vLLM would start the replicas that fit and fail on the next one: refuse it here, one line.
+        raise PlanError(
+            f"data_parallel_degree={s.dp} replicas x tensor_parallel_degree={s.tp} x pipeline_parallel_degree={s.pp} "
+            f"need {s.ranks_per_host} GPUs but this host has {num_gpus}: lower data_parallel_degree to "
+            f"{num_gpus // model_ranks} or less"
         )
+    replicas = s.dp
     ranks = replicas * model_ranks
     why.append(f"ranks_per_host = {ranks}: tp {s.tp} x pp {s.pp} x {replicas} DP replica(s) on {num_gpus} GPU(s)")
     return ranks

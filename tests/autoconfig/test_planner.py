@@ -43,10 +43,11 @@ def test_weights_that_do_not_fit_the_gpu_are_an_error() -> None:
         plan_tiers(host(1), big, S())
 
 
-def test_dp_beyond_gpus_plans_the_replicas_that_fit() -> None:
-    plan = plan_tiers(host(4), LLAMA8B, S(tp=2, dp=4))
-    assert plan.ranks_per_host == 4
-    assert any("data_parallel_degree=4" in w for w in plan.warnings)
+def test_dp_beyond_gpus_is_refused() -> None:
+    with pytest.raises(PlanError, match="data_parallel_degree=4 replicas .* need 8 GPUs .* has 4: lower "
+                                        "data_parallel_degree to 2"):
+        plan_tiers(host(4), LLAMA8B, S(tp=2, dp=4))
+    assert plan_tiers(host(4), LLAMA8B, S(tp=2, dp=2)).ranks_per_host == 4
 
 
 def test_cpu_backend_sets_kvcache_space_for_one_sequence() -> None:
