@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from lmi_cache.config_values import show
 from lmi_cache.errors import UserError
 from lmi_cache.kv_layout import KV_DTYPE_BYTES, KvLayout
 
@@ -191,8 +192,7 @@ def _positive(value: Any, key: str, source: str) -> int:
     if isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
         number = None
     if number is None or not 0 < number <= limit:
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise ModelConfigError(f"{source}: '{key}' must be a positive integer up to {limit:,}, got {shown}; "
+        raise ModelConfigError(f"{source}: '{key}' must be a positive integer up to {limit:,}, got {show(value)}; "
                                "fix the config.json")
     return int(number)
 

@@ -11,6 +11,7 @@ import math
 from typing import Any, Mapping
 
 from autoconfig.model_kv import ModelConfigError, text_section
+from lmi_cache.config_values import show
 
 __all__ = ["bytes_per_param", "estimate_num_params"]
 
@@ -93,9 +94,8 @@ def _count(section: Mapping[str, Any], names: tuple[str, ...], default: int, pre
         if isinstance(value, float) and math.isfinite(value) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_COUNT:
-            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
             raise ModelConfigError(f"'{prefix}{name}' must be a non-negative integer up to {_MAX_COUNT:,} to "
-                                   f"estimate the weights, got {shown}; fix the config.json")
+                                   f"estimate the weights, got {show(value)}; fix the config.json")
         return value
     return default
 

@@ -36,6 +36,7 @@ from lmi_cache.config_values import (
     parse_optional_str,
     parse_remote_url,
     parse_size_gib,
+    show,
     unquote_env,
 )
 from lmi_cache.errors import ConfigError
@@ -86,7 +87,7 @@ def _parse_policy(value: Any, where: str, warnings: list[str]) -> str:
     if upper in _FALLBACK_POLICIES:
         warnings.append(f"{where}: cache_policy {name} is not implemented by lmi_cache; using LRU")
         return "LRU"
-    raise ConfigError(f"{where}: unknown cache_policy {value!r:.40}; use one of {', '.join(CACHE_POLICIES)}")
+    raise ConfigError(f"{where}: unknown cache_policy {show(value)}; use one of {', '.join(CACHE_POLICIES)}")
 
 
 _SIMPLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
@@ -127,7 +128,7 @@ def _parse_extra(
         elif key == "disk_feed":
             feed = str(value).strip().lower().replace("-", "_")
             if feed not in DISK_FEEDS:
-                raise ConfigError(f"{kw}: expected one of {', '.join(DISK_FEEDS)}, got {value!r:.40}")
+                raise ConfigError(f"{kw}: expected one of {', '.join(DISK_FEEDS)}, got {show(value)}")
             fields[key] = feed
         else:
             fields[key] = parse_int(value, kw, minimum=1, maximum=_EXTRA_INT_MAX[key])
@@ -150,7 +151,7 @@ def unknown_key_problem(key: str, value: Any) -> tuple[str, bool]:
         return "unknown key; not an LMCache setting (see LMCache's configuration reference)", True
     default = LMCACHE_KEYS.get(close[0], (None, object()))[1]
     if type(value) is type(default) and value == default:
-        return (f"unknown key, ignored; did you mean {close[0]!r}? (its value {value!r} is {close[0]}'s default, "
+        return (f"unknown key, ignored; did you mean {close[0]!r}? (its value {show(value)} is {close[0]}'s default, "
                 "so ignoring it changes nothing)"), False
     return f"unknown key; did you mean {close[0]!r}?", True
 
@@ -226,7 +227,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> tuple[C
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: expected a mapping of LMCache keys at the top level")
     warnings: list[str] = []
-    fields = _merge({str(k): v for k, v in data.items()}, lambda k: f"{source}: key {k!r}", source, warnings, True)
+    fields = _merge({str(k): v for k, v in data.items()}, lambda k: f"{source}: key {show(k)}", source, warnings, True)
     config = CacheConfig(**fields)
     _check(config, source, warnings)
     return config, warnings
@@ -282,7 +283,7 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -
     source = path or "environment"
     if path:
         data = read_yaml_mapping(path)
-        fields.update(_merge({str(k): v for k, v in data.items()}, lambda k: f"{path}: key {k!r}", path, warnings, True))
+        fields.update(_merge({str(k): v for k, v in data.items()}, lambda k: f"{path}: key {show(k)}", path, warnings, True))
     # Only names from the tables are read: other LMCACHE_* vars (log level, ...) are not ours.
     env_values = {key: unquote_env(env[name]) for name, key in env_names().items() if name in env}
     fields.update(_merge(env_values, env_where, "environment", warnings, False))

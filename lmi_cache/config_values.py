@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import math
 import os
+import reprlib
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
@@ -139,7 +140,7 @@ def parse_remote_url(value: Any, where: str) -> str | None:
     if scheme == "file":  # LMI's LMCache guide shows it; not a remote store (see lmi_cache.config._check)
         return url
     if scheme not in REMOTE_URL_SCHEMES:
-        shown = f"scheme {scheme!r}" if scheme else "a value without a scheme://"
+        shown = f"scheme {show(scheme)}" if scheme else "a value without a scheme://"
         raise ConfigError(f"{where}: remote_url has {shown}, which LMCache does not know; use one of "
                           f"{', '.join(s + '://' for s in REMOTE_URL_SCHEMES[:8])}, ... (see LMCache's remote backends)")
     if scheme in ("redis", "rediss"):
@@ -170,7 +171,18 @@ def parse_mapping(value: Any, where: str) -> dict[str, Any]:
     return {str(k): v for k, v in value.items()}
 
 
-def _show(value: Any) -> str:
-    """A short repr for messages: user input can be megabytes long."""
-    text = repr(value)
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict = 2, 4, 4
+_SHORT_REPR.maxstring, _SHORT_REPR.maxother, _SHORT_REPR.maxlong = 50, 50, 40
+
+
+def show(value: Any) -> str:
+    """A short repr for messages, bounded in time and length.
+
+    User input can be megabytes long, or a YAML alias bomb whose full repr would never end.
+    """
+    text = _SHORT_REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+_show = show

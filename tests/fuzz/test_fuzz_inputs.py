@@ -199,6 +199,11 @@ def yaml_files(draw: st.DrawFn) -> bytes:
         return draw(st.binary(max_size=80))
     if kind == 1:
         return draw(st.text(max_size=80)).encode("utf-8", "surrogatepass")
+    if kind == 2:  # a YAML alias bomb (9^6 leaves) under a real key: no message may expand it
+        anchors = "".join(f"{k}: &{c} [{', '.join([p] * 9)}]\n" for k, c, p in zip(
+            ["blend_check_layers", "p2p_init_ports", "p2p_lookup_ports", "lmcache_worker_ids", "pd_peer_init_port",
+             "nixl_backends"], "abcdef", ['"lol"', "*a", "*b", "*c", "*d", "*e"]))
+        return (anchors + f"{draw(st.sampled_from(YAML_KEYS))}: *f\n").encode()
     data = draw(st.dictionaries(st.sampled_from(YAML_KEYS), yaml_values, max_size=6))
     return yaml.safe_dump(data, allow_unicode=True).encode("utf-8", "surrogatepass")
 
