@@ -54,23 +54,27 @@ def interleaved_best(repeats: int, fns: list[Callable[[], object]],
     return best
 
 
-def process_cpu_s() -> float:
-    """User + system CPU seconds of this process, all threads (page faults included)."""
+def process_cpu() -> tuple[float, int]:
+    """(user + system CPU seconds, minor page faults) of this process, all threads."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
 
 
-def wall_and_cpu(repeats: int, fns: list[Callable[[], object]]) -> tuple[list[list[float]], list[list[float]]]:
-    """Wall and process-CPU seconds of each fn per round, run interleaved (paired rounds)."""
+def wall_and_cpu(repeats: int, fns: list[Callable[[], object]]
+                 ) -> tuple[list[list[float]], list[list[float]], list[list[int]]]:
+    """Wall seconds, process-CPU seconds and minor faults of each fn per round, run interleaved (paired)."""
     walls: list[list[float]] = [[] for _ in fns]
     cpus: list[list[float]] = [[] for _ in fns]
+    faults: list[list[int]] = [[] for _ in fns]
     for _ in range(repeats):
         for i, fn in enumerate(fns):
-            wall, cpu = time.perf_counter(), process_cpu_s()
+            wall, (cpu, flt) = time.perf_counter(), process_cpu()
             fn()
             walls[i].append(time.perf_counter() - wall)
-            cpus[i].append(process_cpu_s() - cpu)
-    return walls, cpus
+            cpu_after, flt_after = process_cpu()
+            cpus[i].append(cpu_after - cpu)
+            faults[i].append(flt_after - flt)
+    return walls, cpus, faults
 
 
 def paired_ratio(base: list[float], ours: list[float]) -> float:
@@ -97,10 +101,11 @@ def bench_retrieve(args: argparse.Namespace) -> None:
     print("## Remote retrieve vs a plain GET loop (same values, same redis-py client, loopback redis-server)\n")
     print(f"redis-py reply parser: {parser}\n")
     print("GiB/s: best round. Ratios: median over rounds of (baseline time / get_many time), each round's")
-    print("pair run back to back. CPU: user+system seconds of this process per GiB (median).\n")
+    print("pair run back to back. CPU: user+system seconds of this process per GiB (median); faults: minor")
+    print("page faults of this process per GiB (median).\n")
     print("| value | batch | mode | GET loop GiB/s | MGET GiB/s | get_many GiB/s | get_many vs GET loop | "
-          "vs MGET | CPU s/GiB GET loop | CPU s/GiB get_many | CPU ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "vs MGET | CPU s/GiB GET loop | CPU s/GiB get_many | CPU ratio | faults/GiB GET loop | get_many |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with RedisServer() as server:
         for size_mib in args.sizes_mib:
             num = max(args.batch, int(args.total_mib // size_mib))
@@ -135,13 +140,14 @@ def bench_retrieve(args: argparse.Namespace) -> None:
                         for result in cache.get_many(batch):
                             assert isinstance(result, DecodedChunk)
 
-                (w_get, w_mget, w_ours), (c_get, c_mget, c_ours) = wall_and_cpu(
+                (w_get, w_mget, w_ours), (c_get, c_mget, c_ours), (f_get, _, f_ours) = wall_and_cpu(
                     args.repeats, [plain_get_loop, plain_mget, ours])
                 gib = num * size_mib / 1024
                 print(f"| {size_mib:g} MiB | {args.batch} | {mode} | {gib / min(w_get):.2f} | {gib / min(w_mget):.2f} "
                       f"| {gib / min(w_ours):.2f} | **{paired_ratio(w_get, w_ours):.2f}x** | "
                       f"{paired_ratio(w_mget, w_ours):.2f}x | {statistics.median(c_get) / gib:.3f} | "
-                      f"{statistics.median(c_ours) / gib:.3f} | {paired_ratio(c_get, c_ours):.2f}x |")
+                      f"{statistics.median(c_ours) / gib:.3f} | {paired_ratio(c_get, c_ours):.2f}x | "
+                      f"{statistics.median(f_get) / gib:.0f} | {statistics.median(f_ours) / gib:.0f} |")
                 client.delete(*names)
                 cache.close()
     print()
