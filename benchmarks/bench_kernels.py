@@ -1,6 +1,6 @@
 """Paged KV gather/scatter: native kernels vs the torch path vs a plain copy of the same bytes.
 
-Run: ``.venv/bin/python benchmarks/bench_kernels.py`` (about 30 s on 2 cores; ``--help``).
+Run: ``.venv/bin/python benchmarks/bench_kernels.py [--threads 1]`` (about 1 min; ``--help``).
 On a GPU: ``python benchmarks/bench_kernels.py --device cuda`` (the plain copy
 is then a device-to-device copy).
 
@@ -131,7 +131,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--repeats", type=int, default=0, help="timed repeats per measurement (default 15 cpu, 100 cuda)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads for every path (default: torch's; 1 is steadier on a busy host)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     repeats = args.repeats or (100 if device.type == "cuda" else 15)
     kernels.load_extension()
