@@ -70,11 +70,13 @@ def configure(
     probe: "Callable[[], HostSnapshot] | None" = None,
     write: bool = True,
     extra_files: "Mapping[str, str] | None" = None,
+    model: str | None = None,
 ) -> ConfigureResult:
     """Resolve properties, probe (unless ``host`` is given), plan and write the files.
 
     ``extra_files`` (name -> text, names from OUTPUT_FILES) are written with the
-    others; ``write=False`` checks the directory and writes nothing.
+    others; ``write=False`` checks the directory and writes nothing; ``model``
+    replaces option.model_id where config.json is read (an S3 model's local copy).
     """
     from autoconfig.render.vllm_args import vllm_args as render_args
 
@@ -93,7 +95,7 @@ def configure(
     run_env: dict[str, str] = {}
     files: dict[str, str] = {}
     if props.auto_config:
-        plan = _plan(props, mdir, host, env)
+        plan = _plan(props, mdir, host, env, model)
         yaml_path = out / "lmcache.yaml"
         files["lmcache.yaml"] = _yaml_text(plan)
         files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
@@ -127,11 +129,12 @@ def configure(
     return ConfigureResult(mode, out, written, props, plan, run_env, args, messages)
 
 
-def _plan(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str]) -> "TierPlan":
+def _plan(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str],
+          model_override: str | None = None) -> "TierPlan":
     from autoconfig.model_source import hub_access_from_env, load_model_info
     from autoconfig.planner import plan_tiers
 
-    model = props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
+    model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
     if model is None:
         raise ConfigureError(f"no model: {mdir} has no config.json and option.model_id / HF_MODEL_ID is unset; "
                              "set one of them or pass --model-dir")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, NoReturn
@@ -21,6 +22,7 @@ from autoconfig.configure import DEFAULT_MODEL_DIR, configure, default_output_di
 from autoconfig.lmi_names import SECRET_OPTIONS, SERVER_KEYS_USED, is_secret_env, masked
 from autoconfig.lmi_to_vllm import MappedArgs, flag_to_name, map_lmi_options
 from autoconfig.properties import ResolvedProperties, resolve_properties
+from autoconfig.s3_model import is_s3, materialize_s3_model
 from lmi_cache.errors import UserError
 from lmi_cache.front.options import FRONT_OPTIONS, front_launch
 from lmi_cache.metrics_settings import multiproc_env
@@ -110,12 +112,23 @@ def prepare_launch(
                          "lmcache_config_file sets (vLLM takes one KV connector); remove one of them")
     model = model_argument(props, mdir)
     check_parallelism(props, host)
+    out = Path(output_dir) if output_dir is not None else default_output_dir(env)
+    with ExitStack() as scratch:
+        checked = model  # what the checks and the plan read config.json from
+        if is_s3(model):
+            model, checked = materialize_s3_model(model, props.options["model_id"].where, out, dry_run, scratch)
+        return _launch(props, mapped, mdir, model, checked, out, env, host, port, python, dry_run, cache_on)
+
+
+def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: str, checked: str, out: Path,
+            env: dict[str, str], host: "HostSnapshot", port: int, python: str, dry_run: bool,
+            cache_on: bool) -> ServeLaunch:
     findings: list[str] = []
     if props.config_file is not None:
-        findings = check_user_config(props, model, host, env)
-    out = Path(output_dir) if output_dir is not None else default_output_dir(env)
+        findings = check_user_config(props, checked, host, env)
     secret_env, secret_files = secrets_for_vllm(mapped, props)
-    result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files)
+    result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files,
+                       model=checked if is_s3(props.model_id or "") else None)
     # After configure: it refuses a runtime directory another user controls before anything is made in it.
     metrics_env = multiproc_env(env, out, port, cache_on=cache_on, prepare=not dry_run)  # lmi_cache.metrics_settings
     argv = [python, "-m", VLLM_SERVER_MODULE, "--host", "0.0.0.0", "--port", str(port), "--model", model]
@@ -236,10 +249,8 @@ def server_port(env: Mapping[str, str]) -> int:
 def model_argument(props: ResolvedProperties, model_dir: Path) -> str:
     """What vLLM's --model gets: option.model_id (path or hub id) or the model directory itself."""
     if props.model_id is not None:
-        opt = props.options["model_id"]
-        if props.model_id.startswith("s3://"):
-            raise ServeError(f"{opt.where}={props.model_id}: S3 model locations are not downloaded here; "
-                             "use SageMaker's model data (copied to /opt/ml/model) or a local path")
+        if is_s3(props.model_id):
+            return props.model_id  # copied from S3 before the start (autoconfig.s3_model)
         candidate = Path(props.model_id)
         if not candidate.is_absolute() and (model_dir / candidate).exists():
             return str(model_dir / candidate)

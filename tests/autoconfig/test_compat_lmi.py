@@ -6,18 +6,22 @@ connector, vLLM arguments, environment, the notes a user sees) or refused
 (the message). Each is started with ``lmi-cache serve``'s own checks
 (``prepare_launch``, dry run) on the host LMI's benchmarks use
 (ml.p4de.24xlarge: 8 x A100 80 GB); Hub models the cache must size are found
-in a local Hugging Face cache made from our config.json fixtures.
+in a local Hugging Face cache made from our config.json fixtures, and the
+``s3://djl-llm/...`` models LMI's tests use in a local moto S3 server (a dry
+run reads only their config.json).
 """
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
 from autoconfig.catalog import host_snapshot_for
+from autoconfig.host import HostSnapshot
 from autoconfig.serve import ServeLaunch, prepare_launch
 from lmi_cache.errors import UserError
 
@@ -26,6 +30,28 @@ CASES = sorted(p.name for p in (ROOT / "compat" / "lmi").iterdir() if p.is_dir()
 # Hub ids of the cache-enabled cases -> our config.json fixture of the same architecture.
 HUB_CONFIGS = {"Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen2.5-7B": "qwen2.5-7b-instruct",
                "Qwen/Qwen2.5-72B": "qwen2.5-72b-instruct"}
+# S3 model prefixes of the cases -> our config.json fixture of the same architecture (Llama 3 8B = 3.1 8B's KV).
+S3_CONFIGS = {("djl-llm", "llama-3-8b-instruct-hf/"): "llama-3.1-8b-instruct"}
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                          aws_secret_access_key="testing")
+    for (bucket, prefix), fixture in S3_CONFIGS.items():
+        client.create_bucket(Bucket=bucket)
+        client.put_object(Bucket=bucket, Key=prefix + "config.json",
+                          Body=(ROOT / "hf_configs" / fixture / "config.json").read_bytes())
+    yield url
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +66,17 @@ def hf_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return home
 
 
+def lmi_host() -> HostSnapshot:
+    """ml.p4de.24xlarge as the catalog sees it, plus /opt/ml: SageMaker mounts the ML storage volume
+    (the NVMe instance store on this type) there, where LMI's tests put a disk tier (/opt/ml/model/cache/)."""
+    host = host_snapshot_for("ml.p4de.24xlarge")
+    store = next(d for d in host.disks if d.nvme)
+    return replace(host, disks=[*host.disks, replace(store, mount="/opt/ml")])
+
+
 def start(case: str, hf_home: Path, tmp_path: Path) -> ServeLaunch:
     env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    return prepare_launch(ROOT / "compat" / "lmi" / case, env, host=host_snapshot_for("ml.p4de.24xlarge"),
+    return prepare_launch(ROOT / "compat" / "lmi" / case, env, host=lmi_host(),
                           output_dir=tmp_path / "runtime", python="python3", dry_run=True)
 
 
@@ -53,10 +87,16 @@ def test_the_suite_is_broad() -> None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_real_lmi_file_behaves_as_its_authors_expect(case: str, hf_home: Path, tmp_path: Path,
+def test_real_lmi_file_behaves_as_its_authors_expect(case: str, hf_home: Path, s3_server: str, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "LMCACHE_CONFIG_FILE", "CUDA_VISIBLE_DEVICES"):
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "LMCACHE_CONFIG_FILE", "CUDA_VISIBLE_DEVICES",
+                "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
+    for var, value in {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_CONFIG_FILE": str(tmp_path / "none"),
+                       "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}.items():
+        monkeypatch.setenv(var, value)
     case_dir = ROOT / "compat" / "lmi" / case
     expected: dict[str, Any] = json.loads((case_dir / "expected.json").read_text())
     if expected["outcome"] == "refused":
@@ -76,6 +116,8 @@ def test_real_lmi_file_behaves_as_its_authors_expect(case: str, hf_home: Path, t
         assert argv.count(flag) == 1, f"{flag} in {argv}"
         if value is not True:
             assert argv[argv.index(flag) + 1] == value, f"{flag} in {argv}"
+    if expected.get("model_from_s3"):  # copied from S3 into the runtime directory before vLLM starts
+        assert argv[argv.index("--model") + 1].startswith(str(tmp_path / "runtime" / "s3-models") + "/")
     for flag in expected["absent"]:
         assert flag not in argv
     for var, value in expected["env"].items():

@@ -158,7 +158,6 @@ def test_user_yaml_errors_fail_before_start(tmp_path: Path, yaml_text: str, expe
         ("option.max_rolling_batch_sise=8\n", 1, "did you mean option.max_rolling_batch_size"),
         ("option.lmcache_auto_config=true\noption.kv_transfer_config={}\n", 1, "conflicts with the LMCache connector"),
         ("option.lmcache_auto_config=true\noption.kv_offloading_size=8\n", 1, "takes one KV connector"),
-        ("option.model_id=s3://bucket/llama/\n", 1, "S3 model locations"),
     ],
 )
 def test_bad_settings_fail_with_one_line(tmp_path: Path, properties: str, num_gpus: int, expected: str) -> None:

@@ -106,3 +106,12 @@ def test_hadolint_is_clean(path: Path) -> None:
 def test_image_declares_it_accepts_sagemakers_bind_to_port(path: Path) -> None:
     labels = " ".join(rest for w, rest in instructions(path) if w == "LABEL")
     assert "com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true" in labels.split()
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_image_can_copy_an_s3_model(path: Path) -> None:
+    # option.model_id=s3://... (LMI's usual form) needs boto3: the s3 extra.
+    installs = [rest for w, rest in instructions(path) if w == "RUN" and "pip install" in rest and "lmi-cache" in rest]
+    assert installs and any("s3" in run.split("pip install", 1)[1].split("&&")[0] for run in installs), installs
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("boto3") for dep in extras["s3"])
