@@ -6,7 +6,9 @@
 - ``store``: the byte-level ``RemoteStore`` interface and its errors.
 - ``redis_store`` / ``s3_store``: Redis/Valkey (single node or cluster) and S3.
 - ``cache``: ``RemoteCache``, the tier-shaped client: batched lookups under a
-  timeout, a bounded asynchronous put queue, reconnect with backoff, counters.
+  timeout, reconnect with backoff, counters; ``put_queue``: its bounded
+  asynchronous store queue and writer thread.
+- ``redis_server``: a throwaway loopback redis-server for tests and benchmarks.
 - ``factory``: ``open_remote`` (settings -> RemoteCache; imports redis/boto3 only
   when used) and ``probe_remote`` (one PING/HEAD for start-up messages).
 """

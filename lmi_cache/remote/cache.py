@@ -16,22 +16,21 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Sequence, TypeVar
 
-from lmi_cache.chunk_format import BytesLike, byte_view
+from lmi_cache.chunk_format import BytesLike
 from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.remote.put_queue import Batch, PutQueue
 from lmi_cache.remote.settings import RemoteSettings
 from lmi_cache.remote.store import Backoff, RemoteStore, StoreError
 from lmi_cache.remote.value_codec import DecodedChunk, MissReason, ValueCodec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-_PUT_BATCH_VALUES = 16
-_PUT_BATCH_BYTES = 64 << 20
 _PARALLEL_DECODE_BYTES = 4 << 20
 # Decode faults counted as corrupted reads; the others of MissReason are counted as tier errors.
 _CORRUPTED = {MissReason.CORRUPTED, MissReason.TRUNCATED}
@@ -60,18 +59,16 @@ class RemoteCache:
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmi-cache-remote-io")
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
-        self._queue: deque[tuple[ChunkKey, bytes]] = deque()
-        self._queued_bytes = 0
-        self._in_flight = 0
-        self._cond = threading.Condition()
         self._closed = False
         self._decode_pool: ThreadPoolExecutor | None = None
-        self._writer = threading.Thread(target=self._write_loop, name="lmi-cache-remote-writer", daemon=True)
-        self._writer.start()
+        self._decode_pool_lock = threading.Lock()
+        self._puts = PutQueue(self._write, settings.put_queue_bytes)
 
     # ------------------------------------------------------------ lookups and loads
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Which keys the store holds now; all False when it is down, slow or backing off."""
+        if not keys:
+            return []
         self._count("lookups")
         names = [self.store.key_for(k.digest) for k in keys]
         found = self._call("lookup", self.store.exists_many, names, self.settings.lookup_timeout_ms)
@@ -109,13 +106,16 @@ class RemoteCache:
         total_bytes = sum(len(v) for v in values if v is not None)
         if len(values) < 2 or total_bytes < _PARALLEL_DECODE_BYTES:
             return [self.codec.decode(value, key) for value, key in zip(values, keys)]
-        with self._cond:
+        with self._decode_pool_lock:
             if self._decode_pool is None:
                 self._decode_pool = ThreadPoolExecutor(
                     max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="lmi-cache-remote-decode"
                 )
             pool = self._decode_pool
-        return list(pool.map(self.codec.decode, values, keys))
+        try:
+            return list(pool.map(self.codec.decode, values, keys))
+        except RuntimeError:  # closed meanwhile: decode here (decode itself never raises)
+            return [self.codec.decode(value, key) for value, key in zip(values, keys)]
 
     def _record_bad_value(self, reason: MissReason) -> None:
         if reason == MissReason.NOT_FOUND:
@@ -164,19 +164,8 @@ class RemoteCache:
     # ------------------------------------------------------------ stores
     def put(self, key: ChunkKey, obj: BytesLike) -> bool:
         """Queue a chunk object for the store; False (counted) when dropped. Never waits on the network."""
-        size = len(byte_view(obj))
-        reason = None
-        with self._cond:
-            if self._closed:
-                reason = "closed"
-            elif not self._backoff.allow():
-                reason = "unavailable"
-            elif self._queued_bytes + size > self.settings.put_queue_bytes:
-                reason = "queue_full"
-            else:
-                self._queue.append((key, obj if isinstance(obj, bytes) else bytes(byte_view(obj))))
-                self._queued_bytes += size
-                self._cond.notify()
+        reason = "closed" if self._closed else None if self._backoff.allow() else "unavailable"
+        reason = reason or self._puts.offer(key, obj)
         if reason is not None:
             self._drop(reason)
             return False
@@ -189,29 +178,8 @@ class RemoteCache:
             for _ in range(num):
                 self._metrics.dropped(self.name, reason)
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                batch: list[tuple[ChunkKey, bytes]] = []
-                batch_bytes = 0
-                while self._queue and len(batch) < _PUT_BATCH_VALUES and batch_bytes < _PUT_BATCH_BYTES:
-                    item = self._queue.popleft()
-                    batch.append(item)
-                    batch_bytes += len(item[1])
-                self._queued_bytes -= batch_bytes
-                self._in_flight = len(batch)
-            try:
-                self._write(batch)
-            finally:
-                with self._cond:
-                    self._in_flight = 0
-                    self._cond.notify_all()
-
-    def _write(self, batch: list[tuple[ChunkKey, bytes]]) -> None:
+    def _write(self, batch: Batch) -> None:
+        """The writer thread's callback: encode, store in one batch, count; never raises."""
         items: list[tuple[str, bytes]] = []
         tokens: list[int] = []
         for key, obj in batch:
@@ -244,14 +212,7 @@ class RemoteCache:
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued puts are written (or dropped); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._queue or self._in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+        return self._puts.flush(timeout_s)
 
     # ------------------------------------------------------------ housekeeping
     def ping(self, timeout_s: float = 1.0) -> str | None:
@@ -272,9 +233,7 @@ class RemoteCache:
     def stats(self) -> dict[str, int]:
         with self._counts_lock:
             counts = dict(self._counts)
-        with self._cond:
-            counts["queued_puts"] = len(self._queue)
-            counts["queued_bytes"] = self._queued_bytes
+        counts["queued_puts"], counts["queued_bytes"] = self._puts.depth()
         counts["reconnects"] = self._backoff.reconnects
         counts["down"] = int(self._backoff.is_down)
         return counts
@@ -284,15 +243,10 @@ class RemoteCache:
         if self._closed:
             return
         self.flush(flush_timeout_s)
-        with self._cond:
-            self._closed = True
-            dropped = len(self._queue)
-            self._queue.clear()
-            self._queued_bytes = 0
-            self._cond.notify_all()
-        if dropped:
-            self._drop("closed", dropped)
-        self._writer.join(timeout=1.0)
+        self._closed = True
+        discarded = self._puts.close()
+        if discarded:
+            self._drop("closed", discarded)
         self._io.shutdown(wait=False, cancel_futures=True)
         if self._decode_pool is not None:
             self._decode_pool.shutdown(wait=False, cancel_futures=True)
