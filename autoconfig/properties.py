@@ -23,15 +23,15 @@ LMI's simplified environment variables and defaults are in
 """
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
 from autoconfig.java_properties import parse_properties
-from autoconfig.lmi_names import LMI_VALUES, SERVER_KEYS, SIMPLIFIED_ENV, masked
+from autoconfig.lmi_names import LMI_VALUES, SIMPLIFIED_ENV, masked
 from autoconfig.lmi_recipe import LmcacheRecipe, find_recipe
+from autoconfig.lmi_workers import canonical_name, check_server_keys, default_replicas, lmi_devices, noted, worker_gpus
 from autoconfig.settings import ServingSettings, TierOverrides
 from lmi_cache.errors import UserError
 
@@ -81,10 +81,6 @@ class ResolvedProperties:
                 for o in sorted(self.options.values(), key=lambda o: o.name)]
 
 
-def canonical_name(name: str) -> str:
-    return name.strip().lower().replace(".", "_").replace("-", "_")
-
-
 def collect_options(file_props: Mapping[str, str], source: str, env: Mapping[str, str]) -> dict[str, RawOption]:
     """Merge ``option.*`` from the file and ``OPTION_*`` from env; the file wins (LMI's rule)."""
     merged: dict[str, RawOption] = {}
@@ -119,8 +115,8 @@ def resolve_properties(
         except (OSError, UnicodeDecodeError) as err:
             raise PropertiesError(f"{path}: cannot read ({err.__class__.__name__}: {err}); fix its permissions/encoding")
         file_props = parse_properties(text, str(path))
-    notes = _check_server_keys(file_props, str(path))
-    starts = _lmi_devices(file_props, str(path), gpu_count)
+    notes = check_server_keys(file_props, str(path))
+    starts = lmi_devices(file_props, str(path), gpu_count)
     host_gpus = gpu_count or 0
     if starts is not None:
         # Each listed device starts one LMI worker; "max" then means the GPUs up to the next worker's.
@@ -176,15 +172,15 @@ def resolve_properties(
         notes.append(recipe.describe(engine, auto, config_file))
     if dp_option is None:
         workers = host_gpus if starts is None else len(starts) * tp * pp
-        dp = _default_replicas(tp * pp, workers, auto or config_file is not None, file_props, notes)
+        dp = default_replicas(tp * pp, workers, auto or config_file is not None, file_props, notes)
         settings = replace(settings, dp=dp)
     devices = None
     if starts is not None:
-        devices = _worker_gpus(starts[:settings.dp], tp * pp, host_gpus, str(path))
+        devices = worker_gpus(starts[:settings.dp], tp * pp, host_gpus, str(path))
     if engine == "lmcache":
         _check_upstream_lmcache(options["lmcache_engine"].where)
     model_id = get.value("model_id", _nonempty, None)
-    others = {k: v for k, v in file_props.items() if not k.startswith("option.") and not _noted(k, notes)}
+    others = {k: v for k, v in file_props.items() if not k.startswith("option.") and not noted(k, notes)}
     return ResolvedProperties(mdir, path, model_id, auto, config_file, settings, options, others,
                               config_where or "option.lmcache_config_file", recipe, consumed, notes, devices)
 
@@ -194,87 +190,6 @@ def _apply_env_defaults(options: dict[str, RawOption], env: Mapping[str, str]) -
     for var, name in SIMPLIFIED_ENV:
         if name not in options and env.get(var, "").strip():
             options[name] = RawOption(name, env[var].strip(), var, ENV_SOURCE)
-
-
-def _default_replicas(model_gpus: int, gpu_count: int, cache_on: bool, file_props: Mapping[str, str],
-                      notes: list[str]) -> int:
-    """LMI's number of model copies when option.data_parallel_degree is unset.
-
-    LMI starts as many workers as the GPUs hold (configurations.md), limited by
-    ``maxWorkers``/``gpu.maxWorkers`` and the devices in ``load_on_devices``;
-    with LMCache on it runs one worker (lmcache_user_guide.md), which we follow.
-    """
-    fit = gpu_count // model_gpus
-    if fit <= 1:
-        return 1
-    if cache_on:
-        notes.append(f"one model copy on {model_gpus} of {gpu_count} GPUs: LMI runs one worker when LMCache is on; "
-                     "set option.data_parallel_degree to serve more replicas, each with its own tiers")
-        return 1
-    limit = fit
-    for key in ("maxWorkers", "gpu.maxWorkers"):
-        value = file_props.get(key, "").strip()
-        if value.isdigit() and int(value) >= 1:
-            limit = min(limit, int(value))
-    if limit > 1:
-        notes.append(f"data parallel: {limit} replicas x {model_gpus} GPU(s) on {gpu_count} GPUs (LMI's default: "
-                     "as many model copies as the GPUs hold; set option.data_parallel_degree=1 for one)")
-    return limit
-
-
-def _lmi_devices(file_props: Mapping[str, str], source: str, gpu_count: int | None) -> list[int] | None:
-    """LMI's ``load_on_devices`` (``0`` or ``0;4``; ``*`` = all): the GPU each worker starts on, or None for all."""
-    raw = file_props.get("load_on_devices", file_props.get("load_on_device", "")).strip()
-    if not raw or raw == "*" or not gpu_count:
-        return None
-    try:
-        devices = sorted({int(d) for d in raw.replace(",", ";").split(";") if d.strip()})
-    except ValueError:
-        raise PropertiesError(f"{source}: load_on_devices={raw!r}: expected * or GPU indices such as 0;1") from None
-    if not devices or devices[0] < 0 or devices[-1] >= gpu_count:
-        raise PropertiesError(f"{source}: load_on_devices={raw!r}: this host has GPUs 0-{gpu_count - 1}")
-    return devices
-
-
-def _worker_gpus(starts: list[int], model_gpus: int, host_gpus: int, source: str) -> list[int]:
-    """The GPUs the workers starting at ``starts`` occupy, ``model_gpus`` each (LMI's load_on_devices)."""
-    gpus = [g for start in starts for g in range(start, start + model_gpus)]
-    if len(set(gpus)) != len(gpus) or gpus[-1] >= host_gpus:
-        raise PropertiesError(f"{source}: load_on_devices={';'.join(map(str, starts))}: workers of {model_gpus} GPU(s) "
-                              f"starting there need GPUs {', '.join(map(str, gpus))}, this host has 0-{host_gpus - 1}; "
-                              "list fewer devices or lower tensor_parallel_degree")
-    return gpus
-
-
-def _noted(key: str, notes: list[str]) -> bool:
-    return any(n.startswith(f"{key}=") for n in notes)
-
-
-def _check_server_keys(file_props: Mapping[str, str], source: str) -> list[str]:
-    """An un-prefixed key that looks like a misspelt ``option.`` key is an error, not a silent no-op.
-
-    An exact engine name without the prefix (``rolling_batch=scheduler`` in
-    LMI's own tests) is what LMI ignores too: a loud note, not an error.
-    """
-    from autoconfig.lmi_to_vllm import known_option_names
-
-    known = known_option_names()
-    notes: list[str] = []
-    for key in file_props:
-        if key.startswith("option.") or key in SERVER_KEYS:
-            continue
-        head, dot, rest = key.partition(".")
-        name = canonical_name(rest if dot else key)
-        if dot and difflib.get_close_matches(head.lower(), ["option"], n=1, cutoff=0.6):
-            raise PropertiesError(f"{source}: {key}: not an LMI key; did you mean option.{rest}?")
-        if name in known:
-            notes.append(f"{key}={file_props[key]} in {source} ignored: engine settings need the option. prefix "
-                         f"(write option.{name} to set it)")
-            continue
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
-        if close:
-            raise PropertiesError(f"{source}: {key}: not an LMI key; did you mean option.{close[0]}?")
-    return notes
 
 
 class _Getter:

@@ -23,15 +23,25 @@ from autoconfig.lmi_names import SECRET_OPTIONS, SERVER_KEYS_USED, is_secret_env
 from autoconfig.lmi_to_vllm import MappedArgs, flag_to_name, map_lmi_options
 from autoconfig.properties import ResolvedProperties, resolve_properties
 from autoconfig.s3_model import is_s3, materialize_s3_model
-from lmi_cache.errors import UserError
+from autoconfig.serve_checks import (
+    DEFAULT_PORT,
+    PORT_ENV,
+    ServeError,
+    check_parallelism,
+    check_user_config,
+    lmcache_env_findings,
+    model_argument,
+    server_port,
+)
 from lmi_cache.front.options import FRONT_OPTIONS, front_launch
 from lmi_cache.metrics_settings import multiproc_env
 
 if TYPE_CHECKING:
     from autoconfig.host import HostSnapshot
 
-PORT_ENV = "SAGEMAKER_BIND_TO_PORT"
-DEFAULT_PORT = 8080
+__all__ = ["DEFAULT_PORT", "PORT_ENV", "ServeError", "ServeLaunch", "exec_launch", "load_host_file",
+           "prepare_launch", "run_serve"]
+
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM arguments that serve derives from ServingSettings through configure's
 # vllm_args.json: the option values are not rendered a second time.
@@ -48,10 +58,6 @@ SECRETS_FILE = "vllm_secrets.yaml"
 # CPU backend: KV space when neither the user nor the planner chose one (vLLM
 # otherwise sizes against NUMA node 0 and can fail to start).
 CPU_KVCACHE_DEFAULT_GIB = 4
-
-
-class ServeError(UserError):
-    """Settings that cannot be served (names the option and what to do)."""
 
 
 @dataclass(frozen=True)
@@ -173,28 +179,6 @@ def secrets_for_vllm(mapped: MappedArgs, props: ResolvedProperties) -> tuple[dic
     return env, files
 
 
-def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
-    """LMCACHE_* variables the server will read: checked now (a bad value fails here) and named at start.
-
-    LMCache's rule, which lmi_cache follows: they override the YAML, planned or
-    the user's, so serve says which ones (names only: values can hold credentials).
-    """
-    from lmi_cache.config import CONFIG_FILE_ENV, env_override_names, load_config
-
-    lmcache_env = {k: v for k, v in env.items() if k.startswith("LMCACHE_") and k != CONFIG_FILE_ENV}
-    if not lmcache_env:
-        return []
-    if not cache_on:
-        return [f"WARNING {', '.join(sorted(lmcache_env))} set but the cache is off: not read"]
-    _, warnings = load_config(None, lmcache_env)
-    lines = [f"WARNING {w}" for w in warnings]
-    overrides = env_override_names(lmcache_env)
-    if overrides:
-        lines.append(f"WARNING {', '.join(overrides)} override the LMCache config (the environment wins over "
-                     "the file, as in LMCache)")
-    return lines
-
-
 def _upstream_recipe(props: ResolvedProperties, args: list[str]) -> list[str]:
     """configure's arguments; upstream LMCache through LMI's recipe keeps the user's kv_transfer_config."""
     if props.recipe is None or props.settings.engine != "lmcache" or "--kv-transfer-config" not in args:
@@ -231,77 +215,6 @@ def _probe_this_host() -> "HostSnapshot":
     from autoconfig.probe import probe_host
 
     return probe_host()
-
-
-def server_port(env: Mapping[str, str]) -> int:
-    raw = env.get(PORT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_PORT
-    try:
-        port = int(raw)
-    except ValueError:
-        port = -1
-    if not 0 < port < 65536:
-        raise ServeError(f"environment variable {PORT_ENV}={raw!r}: must be a TCP port number (1-65535)")
-    return port
-
-
-def model_argument(props: ResolvedProperties, model_dir: Path) -> str:
-    """What vLLM's --model gets: option.model_id (path or hub id) or the model directory itself."""
-    if props.model_id is not None:
-        if is_s3(props.model_id):
-            return props.model_id  # copied from S3 before the start (autoconfig.s3_model)
-        candidate = Path(props.model_id)
-        if not candidate.is_absolute() and (model_dir / candidate).exists():
-            return str(model_dir / candidate)
-        return props.model_id
-    if (model_dir / "config.json").is_file():
-        return str(model_dir)
-    raise ServeError(f"no model: {model_dir} has no config.json and option.model_id / HF_MODEL_ID is unset; "
-                     "set option.model_id or mount the model at --model-dir")
-
-
-def check_parallelism(props: ResolvedProperties, host: "HostSnapshot") -> None:
-    """Replicas x TP x PP must fit the GPUs (the planner checks it in auto mode; this covers the others)."""
-    s = props.settings
-    if not host.gpus or s.tp * s.pp * s.dp <= len(host.gpus):
-        return
-    if s.tp * s.pp > len(host.gpus) or s.dp == 1:
-        opt = props.options.get("tensor_parallel_degree")
-        where = opt.where if opt is not None else "tensor_parallel_degree"
-        raise ServeError(f"{where}={s.tp} (x pipeline_parallel_degree={s.pp}) needs {s.tp * s.pp} GPUs but this "
-                         f"host has {len(host.gpus)}: lower tensor_parallel_degree or use a larger instance")
-    opt = props.options.get("data_parallel_degree")
-    where = opt.where if opt is not None else "data_parallel_degree"
-    raise ServeError(f"{where}={s.dp} replicas x tp={s.tp} x pp={s.pp} need {s.dp * s.tp * s.pp} GPUs but this "
-                     f"host has {len(host.gpus)}: lower data_parallel_degree or use a larger instance")
-
-
-def check_user_config(
-    props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str]
-) -> list[str]:
-    """Validate option.lmcache_config_file against this host; errors fail, warnings are returned."""
-    from autoconfig.model_source import hub_access_from_env, load_model_info
-    from autoconfig.validate import validate_config
-
-    assert props.config_file is not None
-    where = props.config_where
-    if not props.config_file.is_file():
-        raise ServeError(f"{where}: {props.config_file} does not exist; fix the path "
-                         "(relative paths are resolved against the model directory)")
-    try:
-        hf_home, allow_network = hub_access_from_env(env)
-        info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                               hf_home=hf_home, allow_network=allow_network)
-    except UserError as err:
-        # The YAML's keys are still checked by configure; only the size checks need config.json.
-        return [f"sizes in {props.config_file} not checked against the host: {err}"]
-    findings = validate_config(str(props.config_file), info, props.settings, host)
-    errors = [f for f in findings if f.level == "error"]
-    if errors:
-        more = f" (+{len(errors) - 1} more: run 'lmi-cache validate {props.config_file}')" if len(errors) > 1 else ""
-        raise ServeError(f"{where}: {errors[0].key}: {errors[0].message}{more}")
-    return [str(f) for f in findings]
 
 
 def cpu_backend_env(env: Mapping[str, str], env_set: Mapping[str, str], host: "HostSnapshot") -> dict[str, str]:
