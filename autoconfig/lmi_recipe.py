@@ -62,6 +62,8 @@ def find_recipe(options: Mapping[str, "RawOption"], env: Mapping[str, str],
         config = json.loads(opt.value)
     except json.JSONDecodeError as err:
         raise RecipeError(f"{opt.where}: not valid JSON ({err.msg} at column {err.colno})") from None
+    except (ValueError, RecursionError):  # a number too long to convert, or nesting too deep to parse
+        raise RecipeError(f"{opt.where}: not usable JSON (nested too deeply or a number too long)") from None
     if not isinstance(config, dict) or config.get("kv_connector") not in LMCACHE_CONNECTORS:
         return None
     raw = env.get(CONFIG_ENV, "").strip()

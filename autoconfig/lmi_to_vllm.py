@@ -192,12 +192,16 @@ def parse_value(spec: VllmArgSpec, raw: str, label: str) -> Any:
             return json.loads(text)
         except json.JSONDecodeError as err:
             raise LmiOptionError(f"{label}: not valid JSON ({err.msg} at column {err.colno})") from None
+        except (ValueError, RecursionError):  # a number too long to convert, or nesting too deep to parse
+            raise LmiOptionError(f"{label}: not usable JSON (nested too deeply or a number too long)") from None
     if spec.kind == "list":
         if text.startswith("["):
             try:
                 items = json.loads(text)
             except json.JSONDecodeError as err:
                 raise LmiOptionError(f"{label}: not a valid JSON list ({err.msg})") from None
+            except (ValueError, RecursionError):
+                raise LmiOptionError(f"{label}: not a usable JSON list (nested too deeply or a number too long)") from None
             if not isinstance(items, list) or not items:
                 raise LmiOptionError(f"{label}: expected a non-empty JSON list")
             for item in items:

@@ -53,7 +53,8 @@ NASTY_STRINGS = ["nan", "NaN", "inf", "-inf", "Infinity", "1e308", "-1e308", "1e
                  "/tmp/lmcache", "/proc/lmcache", "/mnt/a,b/kv", "relative/dir", "file:///tmp/lmcache/",
                  "file://", "/tmp/a\tb", "'512'", "\"file:///x/\"", "{\"use_odirect\": true}", "'{\"a\": 1}'",
                  "[1, 2", "{", "lm://localhost:65432", "redis://h", "redis://h:99999", "ftp://x", "\u00e9\u00e8",
-                 "--trust-remote-code", "a=b", "x y"]
+                 "--trust-remote-code", "a=b", "x y", "[" * 3000 + "]" * 3000, '{"a": ' + "9" * 5000 + "}",
+                 '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}']
 nasty_text = st.one_of(st.sampled_from(NASTY_STRINGS), st.text(max_size=24))
 numbers = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),

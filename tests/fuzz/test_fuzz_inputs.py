@@ -153,7 +153,12 @@ OPTION_NAMES = [
 ]
 _GOOD_OPTION_VALUES = ["1", "2", "4096", "true", "false", "auto", "bf16", "fp16", "0.9", "0.5", "10", "256",
                        "/tmp/lmcache-fuzz", "max", "vllm", "lmi-dist"]
+# JSON-valued options get JSON that broke parsers before: too deep, a number too long, not JSON at all.
+_JSON_OPTIONS = ["kv_transfer_config", "speculative_config", "served_model_name", "compilation_config"]
+_BAD_JSON = ["[" * 3000 + "]" * 3000, '{"a": ' * 3000 + "1" + "}" * 3000, '{"a": ' + "9" * 5000 + "}", "[1, 2", "{",
+             '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}', "[\"a\", \"--host\"]", "null", "[]"]
 property_lines = st.one_of(
+    st.builds(lambda k, v: f"option.{k}={v}", st.sampled_from(_JSON_OPTIONS), st.sampled_from(_BAD_JSON)),
     st.builds(lambda k, v: f"option.{k}={v}", st.sampled_from(OPTION_NAMES), st.sampled_from(_GOOD_OPTION_VALUES)),
     st.builds(lambda k, v: f"option.{k}={v}", st.sampled_from(OPTION_NAMES), st.sampled_from(_GOOD_OPTION_VALUES)),
     st.builds(lambda k, v: f"option.{k}={v}", st.sampled_from(OPTION_NAMES), nasty_text),
