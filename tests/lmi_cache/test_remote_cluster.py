@@ -27,9 +27,9 @@ def cluster() -> Iterator[list[RedisServer]]:
         nodes = [f"127.0.0.1:{s.port}" for s in servers]
         subprocess.run([cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
                        check=True, capture_output=True, timeout=30)
-        client = redis.Redis(port=servers[0].port)
-        deadline = time.monotonic() + 20
-        while client.cluster("info")["cluster_state"] != "ok":
+        clients = [redis.Redis(port=s.port) for s in servers]
+        deadline = time.monotonic() + 30
+        while any(c.cluster("info")["cluster_state"] != "ok" for c in clients):  # every node must agree
             assert time.monotonic() < deadline, "the test cluster did not come up"
             time.sleep(0.05)
         yield servers
