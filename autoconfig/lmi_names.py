@@ -67,10 +67,7 @@ LMI_IGNORED: dict[str, str] = {
     "max_new_tokens": "a request sets max_tokens; LMI uses this only as its own default",
     "waiting_steps": "vLLM schedules prefills itself",
     "cluster_size": "multi-node LMI is not supported here; one host serves the model",
-    "adapters": "LMI's adapters/ directory is not loaded automatically; pass option.lora_modules",
-    "enable_stateful_sessions": "sessions are vLLM's SageMaker integration (SAGEMAKER_ENABLE_STATEFUL_SESSIONS)",
-    "sessions_path": "sessions are vLLM's SageMaker integration (SAGEMAKER_ENABLE_STATEFUL_SESSIONS)",
-    "sessions_expiration": "sessions are vLLM's SageMaker integration (SAGEMAKER_ENABLE_STATEFUL_SESSIONS)",
+    "adapters": "the model directory's adapters/ folder is what is served (with option.enable_lora=true)",
     "draft_model_id": "use option.speculative_config",
     "spec_length": "use option.speculative_config",
 }
