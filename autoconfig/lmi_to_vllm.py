@@ -184,9 +184,12 @@ def parse_value(spec: VllmArgSpec, raw: str, label: str) -> Any:
         raise LmiOptionError(f"{label}={raw!r}: expected an integer such as 4096 or 4k")
     if spec.kind == "float":
         try:
-            return float(text)
+            number = float(text)
         except ValueError:
             raise LmiOptionError(f"{label}={raw!r}: expected a number") from None
+        if number != number or number in (float("inf"), float("-inf")):  # NaN or infinite: vLLM would misbehave
+            raise LmiOptionError(f"{label}={raw!r}: expected a finite number")
+        return number
     if spec.kind == "json" or (spec.kind == "json_or_str" and text[:1] in ("{", "[")):
         try:
             return json.loads(text)
