@@ -201,3 +201,20 @@ def test_configure_lists_lmcache_env_overrides(tmp_path: Path) -> None:
     lines = [m for m in result.messages if "overrides the LMCache YAML" in m]
     assert len(lines) == 2 and any("LMCACHE_CHUNK_SIZE" in m for m in lines)
     assert not any("secret" in m for m in result.messages)
+
+
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ("option.cpu_offload_gb=inf", "expected a finite number"),
+        ("option.cpu_offload_gb=nan", "expected a finite number"),
+        ("option.speculative_config=" + "[" * 3000 + "]" * 3000, "nested too deeply"),
+        ("option.kv_transfer_config=" + '{"a": ' + "9" * 5000 + "}", "a number too long"),
+    ],
+)
+def test_serve_refuses_non_finite_and_unparseable_json_options(tmp_path: Path, line: str, needle: str) -> None:
+    mdir = _model_dir(tmp_path, line + "\n")
+    env = {"LMI_CACHE_RUNTIME_DIR": str(tmp_path / "runtime")}
+    result = CliRunner().invoke(main, ["serve", "--dry-run", "--model-dir", str(mdir),
+                                       "--host", str(REPO / "tests/fixtures/hosts/a100x8_nvme_cgroup.json")], env=env)
+    assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output
