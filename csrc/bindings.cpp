@@ -54,6 +54,8 @@ void plan_runs(const at::Tensor& layer, Plan& plan) {
   }
   plan.args.run_bytes = run_elems * elem;
   plan.args.num_runs = static_cast<int64_t>(plan.run_offsets.size());
+  TORCH_CHECK(plan.args.run_bytes * plan.args.num_runs < (int64_t{1} << 31),
+              "paged copy: one block of one layer must be smaller than 2 GiB");
   bool aligned = plan.args.run_bytes % 16 == 0 && plan.args.block_stride_bytes % 16 == 0;
   for (int64_t off : plan.run_offsets) aligned = aligned && off % 16 == 0;
   plan.args.runs_aligned16 = aligned ? 1 : 0;

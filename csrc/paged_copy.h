@@ -54,29 +54,47 @@ struct alignas(16) Wide16 {
   uint64_t lo, hi;
 };
 
+LMI_HD void copy_unit(bool wide, char* dst, const char* src) {
+  if (wide) {
+    *reinterpret_cast<Wide16*>(dst) = *reinterpret_cast<const Wide16*>(src);
+  } else {
+    *dst = *src;
+  }
+}
+
 // The work of thread `tid` of `num_threads` on one item: the body of the CUDA
-// kernel, also run sequentially on the host by the emulated ops.
+// kernel, also run sequentially on the host by the emulated ops. Unit indices
+// are 32-bit (the binding refuses blocks of 2 GiB or more): a GPU divides
+// 64-bit integers slowly.
 LMI_HD void lmi_copy_piece(const PagedCopyArgs& a, int64_t item, int64_t tid, int64_t num_threads) {
   char* paged;
   char* chunk;
   item_addresses(a, item, &paged, &chunk);
   const bool wide = a.runs_aligned16 && (reinterpret_cast<uintptr_t>(paged) % 16) == 0 &&
                     (reinterpret_cast<uintptr_t>(chunk) % 16) == 0;
-  const int64_t unit = wide ? 16 : 1;
-  const int64_t units_per_run = a.run_bytes / unit;
-  const int64_t total = units_per_run * a.num_runs;
-  for (int64_t u = tid; u < total; u += num_threads) {
-    const int64_t r = u / units_per_run;
-    const int64_t within = (u - r * units_per_run) * unit;
-    char* p = paged + a.run_offsets[r] + within;
-    char* c = chunk + r * a.run_bytes + within;
-    char* dst = a.to_paged ? p : c;
-    const char* src = a.to_paged ? c : p;
-    if (wide) {
-      *reinterpret_cast<Wide16*>(dst) = *reinterpret_cast<const Wide16*>(src);
-    } else {
-      *dst = *src;
+  const uint32_t unit = wide ? 16u : 1u;
+  const uint32_t units_per_run = static_cast<uint32_t>(a.run_bytes / unit);
+  const uint32_t threads = static_cast<uint32_t>(num_threads);
+  if (units_per_run >= threads) {
+    // Long runs (whole blocks, K/V halves): every thread strides through each run in turn.
+    for (int64_t r = 0; r < a.num_runs; ++r) {
+      char* p = paged + a.run_offsets[r];
+      char* c = chunk + r * a.run_bytes;
+      for (uint32_t k = static_cast<uint32_t>(tid); k < units_per_run; k += threads) {
+        const uint32_t off = k * unit;
+        copy_unit(wide, a.to_paged ? p + off : c + off, a.to_paged ? c + off : p + off);
+      }
     }
+    return;
+  }
+  // Short runs (HND by strides: one head's row per run): threads spread over all runs at once.
+  const uint32_t total = units_per_run * static_cast<uint32_t>(a.num_runs);
+  for (uint32_t u = static_cast<uint32_t>(tid); u < total; u += threads) {
+    const uint32_t r = u / units_per_run;
+    const uint32_t off = (u - r * units_per_run) * unit;
+    char* p = paged + a.run_offsets[r] + off;
+    char* c = chunk + static_cast<int64_t>(r) * a.run_bytes + off;
+    copy_unit(wide, a.to_paged ? p : c, a.to_paged ? c : p);
   }
 }
 
