@@ -65,7 +65,8 @@ def test_damaged_values_and_mac(moto_s3: str) -> None:
         intruder.close()
 
 
-def test_endpoint_down_is_a_bounded_miss(caplog: pytest.LogCaptureFixture) -> None:
+def test_endpoint_down_is_a_bounded_miss(moto_s3: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A second moto server, stopped: requests are signed (moto_s3 set credentials) and reach a closed port."""
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -81,6 +82,7 @@ def test_endpoint_down_is_a_bounded_miss(caplog: pytest.LogCaptureFixture) -> No
             assert all(isinstance(r, MissReason) for r in cache.get_many(keys))
             assert time.monotonic() - started < 2.5
         assert sum("is not answering" in r.message for r in caplog.records) == 1
+        assert "Could not connect" in caplog.text or "Connect" in caplog.text  # the network path, not credentials
         assert cache.ping(timeout_s=1.0) is not None
     finally:
         cache.close()
