@@ -52,6 +52,8 @@ def unsuitable_reason(disk: DiskInfo) -> str | None:
         return f"{disk.mount} is not writable"
     if "," in disk.mount:
         return f"{disk.mount!r} contains a comma, which LMCache's local_disk format reads as two paths"
+    if any(ord(c) < 32 for c in disk.mount):
+        return f"{disk.mount!r} contains a control character"
     return None
 
 
