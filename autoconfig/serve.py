@@ -118,20 +118,24 @@ def prepare_launch(
                          "lmcache_config_file sets (vLLM takes one KV connector); remove one of them")
     model = model_argument(props, mdir)
     check_parallelism(props, host)
+    env_findings = lmcache_env_findings(env, cache_on)  # a bad LMCACHE_* value fails before any download or file
     out = Path(output_dir) if output_dir is not None else default_output_dir(env)
     with ExitStack() as scratch:
         checked = model  # what the checks and the plan read config.json from
         if is_s3(model):
             model, checked = materialize_s3_model(model, props.options["model_id"].where, out, dry_run, scratch)
-        return _launch(props, mapped, mdir, model, checked, out, env, host, port, python, dry_run, cache_on)
+        launch = _launch(props, mapped, mdir, model, checked, out, env, host, port, python, dry_run, cache_on,
+                         env_findings)
+    return launch
 
 
 def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: str, checked: str, out: Path,
             env: dict[str, str], host: "HostSnapshot", port: int, python: str, dry_run: bool,
-            cache_on: bool) -> ServeLaunch:
+            cache_on: bool, env_findings: list[str]) -> ServeLaunch:
     findings: list[str] = []
     if props.config_file is not None:
         findings = check_user_config(props, checked, host, env)
+    findings += env_findings
     secret_env, secret_files = secrets_for_vllm(mapped, props)
     result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files,
                        model=checked if is_s3(props.model_id or "") else None)
@@ -154,7 +158,6 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
     env_set.update(metrics_env)
     if not host.gpus:
         env_set.update(cpu_backend_env(env, env_set, host))
-    findings += lmcache_env_findings(env, cache_on)
     summary = _summary(props, result.mode, model, port, mapped, result.messages, findings, env_set, result.plan)
     summary[-1:-1] = front.summary
     return ServeLaunch(argv, {**env, **env_set}, env_set, result.mode, summary)

@@ -190,7 +190,10 @@ def test_lmcache_env_variables_are_named_checked_and_misspellings_flagged(tmp_pa
     assert "LMCACHE_CHUNK_SIZE, LMCACHE_REMOTE_URL override the LMCache config" in text
     assert "LMCACHE_CHUNCK_SIZE: not an LMCache setting, ignored; did you mean LMCACHE_CHUNK_SIZE?" in text
     assert "pw@h" not in text
+    bad = tmp_path / "bad"
+    bad.mkdir()
     with pytest.raises(UserError, match="LMCACHE_MAX_LOCAL_CPU_SIZE"):
-        launch(tmp_path, "option.lmcache_auto_config=true\n", env={"LMCACHE_MAX_LOCAL_CPU_SIZE": "abc"})
+        launch(bad, "option.lmcache_auto_config=true\n", env={"LMCACHE_MAX_LOCAL_CPU_SIZE": "abc"})
+    assert not (bad / "runtime").exists(), "a bad LMCACHE_* value fails before anything is written"
     off = launch(tmp_path, "", env={"LMCACHE_CHUNK_SIZE": "512"})
     assert any("LMCACHE_CHUNK_SIZE set but the cache is off" in line for line in off.summary)
