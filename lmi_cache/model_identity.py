@@ -24,12 +24,14 @@ keeps its cache.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -84,6 +86,26 @@ def model_identity(
         "is keyed by name and revision only: set %s when you replace the weights", model, MODEL_VERSION_ENV,
     )
     return f"name:{model}@{revision or 'default'}"
+
+
+def served_model_identity(model_config: Any, download_dir: str | None = None) -> str:
+    """``model_identity`` of vLLM's ``model_config``, plus the vLLM settings that change what the same
+    files compute: the weights' dtype (with an fp8 KV cache the KV dtype alone hides it), quantization,
+    and config overrides such as rope scaling."""
+    identity = model_identity(
+        str(model_config.model),
+        revision=getattr(model_config, "revision", None),
+        cache_dirs=[download_dir] if download_dir else [],
+    )
+    identity += f"|dtype={str(getattr(model_config, 'dtype', '')).removeprefix('torch.')}"
+    quantization = getattr(model_config, "quantization", None)
+    if quantization:
+        identity += f"|quantization={quantization}"
+    overrides = getattr(model_config, "hf_overrides", None)
+    if isinstance(overrides, dict) and overrides:
+        canonical = json.dumps(overrides, sort_keys=True, default=str).encode()
+        identity += "|overrides=" + xxhash.xxh64_hexdigest(canonical)
+    return identity
 
 
 def _checked_version(value: str) -> str:

@@ -67,20 +67,11 @@ def _dp_index(vllm_config: VllmConfig) -> int:
 
 
 def _weights_identity(vllm_config: VllmConfig) -> str:
-    """What the served weights are (``lmi_cache.model_identity``), plus vLLM settings that change the weights."""
-    from lmi_cache.model_identity import model_identity
+    from lmi_cache.model_identity import served_model_identity
 
-    model_config = vllm_config.model_config
-    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
     started = time.perf_counter()
-    identity = model_identity(
-        str(model_config.model),
-        revision=getattr(model_config, "revision", None),
-        cache_dirs=[download_dir] if download_dir else [],
-    )
-    quantization = getattr(model_config, "quantization", None)
-    if quantization:
-        identity += f"|quantization={quantization}"
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    identity = served_model_identity(vllm_config.model_config, download_dir)
     logger.info("lmi-cache: model identity %s (%.3f s)", identity, time.perf_counter() - started)
     return identity
 

@@ -135,3 +135,23 @@ def test_unreadable_weight_file_still_gives_an_identity(tmp_path: Path) -> None:
     model = write_model(tmp_path / "m", seed=1)
     (model / "broken.safetensors").symlink_to(tmp_path / "missing")
     assert identity(model).startswith("content:")
+
+
+def test_served_identity_adds_settings_that_change_the_computation(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("LMI_CACHE_MODEL_VERSION", raising=False)
+    model = write_model(tmp_path / "m", seed=1)
+
+    def served(**fields: object) -> str:
+        base = {"model": str(model), "revision": None, "dtype": "torch.bfloat16", "quantization": None,
+                "hf_overrides": None}
+        return mi.served_model_identity(SimpleNamespace(**{**base, **fields}))
+
+    plain = served()
+    assert plain == identity(model) + "|dtype=bfloat16"
+    variants = {served(dtype="torch.float16"), served(quantization="fp8"),
+                served(hf_overrides={"rope_scaling": {"factor": 2.0}}), served(hf_overrides={"rope_theta": 1e6})}
+    assert len(variants | {plain}) == 5
+    assert served(hf_overrides={"a": 1, "b": 2}) == served(hf_overrides={"b": 2, "a": 1})
