@@ -27,6 +27,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 ADAPTER_HEADER = b"x-amzn-sagemaker-adapter-identifier"
+# vLLM 0.32 copies this header into the engine request's session_id, which the
+# scheduler (and so a KV connector) sees: the hook for session-aware caching.
+VLLM_SESSION_HEADER = b"x-session-id"
 # The registry is read once per process (the folder was checked by serve at start).
 _ADAPTERS: dict[str, Adapter] = registry_from_env()
 register_with_vllm(_ADAPTERS)
@@ -51,6 +54,8 @@ class LmiFrontMiddleware:
             if expired is not None:
                 await _send_json(send, 400, {"error": expired, "code": 400})
                 return
+            if not any(k == VLLM_SESSION_HEADER for k, _ in headers):
+                headers.append((VLLM_SESSION_HEADER, session_id.encode("latin-1", errors="replace")))
         plan: LmiRequestPlan | None = None
         session_request = b'"requestType"' in body
         if b'"inputs"' in body or b'"adapters"' in body or b'"model"' in body or self.broken:

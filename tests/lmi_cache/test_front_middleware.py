@@ -139,6 +139,10 @@ def test_session_ids_are_passed_bare_whichever_header_carries_them() -> None:
     run(front, {"prompt": "Q"}, {"X-Amzn-SageMaker-New-Session-Id": "def; Expires=2030-01-01T00:00:00Z"})
     assert stub.seen_headers[b"x-amzn-sagemaker-session-id"] == b"def"
     assert b"x-amzn-sagemaker-new-session-id" not in stub.seen_headers
+    # vLLM turns X-Session-ID into the engine request's session_id (seen by the KV connector).
+    assert stub.seen_headers[b"x-session-id"] == b"def"
+    run(front, {"prompt": "Q"})
+    assert b"x-session-id" not in stub.seen_headers
 
 
 def test_a_new_session_answer_also_carries_lmis_session_header() -> None:
