@@ -296,6 +296,48 @@ def test_fuzz_plan_flags(argv: tuple[list[str], str | None]) -> None:
         assert_plan_within_host(json.loads(result.output), load_host(host_file))
 
 
+DEPLOY_FLAGS = {
+    "--name": ["kv-demo", "", "a" * 80, "bad name!", "x"],
+    "--image": ["123456789012.dkr.ecr.us-east-1.amazonaws.com/lmi-cache:1", "", "not an image", "nginx"],
+    "--model-data": ["s3://bucket/model/", "s3://bucket/model.tar.gz", "s3://", "/local/path", ""],
+    "--instance-type": ["ml.g6e.12xlarge", "ml.p4d.24xlarge", "ml.nope", "", "ml.g5.xlarge"],
+    "--role": ["arn:aws:iam::123456789012:role/SageMakerRole", "arn:aws:iam::1:role/r", "", "role"],
+    "--option": ["tensor_parallel_degree=4", "tensor_parallel_degree=64", "max_model_len=nan", "=x", "noequals",
+                 "hf_token=hf_secret", "lmcache_auto_config=true", "optoin=1"],
+    "--env": ["HF_TOKEN=hf_secret", "X=", "=y", "noequals", "LMCACHE_CHUNK_SIZE='512'"],
+    "--instance-count": ["1", "0", "-1", "1e3", "99999999999999999999"],
+    "--startup-timeout": ["60", "3600", "3601", "0", "nan"],
+    "--region": ["us-east-1", "", "mars-1"],
+}
+
+
+@st.composite
+def deploy_argv(draw: st.DrawFn) -> list[str]:
+    """A valid deploy command (first value of each flag) with a few flags changed, dropped or repeated."""
+    values = {flag: [choices[0]] for flag, choices in DEPLOY_FLAGS.items()}
+    for flag in draw(st.lists(st.sampled_from(sorted(DEPLOY_FLAGS)), max_size=4)):
+        change = draw(st.integers(0, 5))
+        if change == 0:
+            values.pop(flag, None)
+        else:
+            new = draw(st.one_of(st.sampled_from(DEPLOY_FLAGS[flag]), nasty_text))
+            values[flag] = values.get(flag, []) + [new] if change == 1 else [new]
+    args = ["sagemaker", "deploy", "--dry-run"]
+    for flag, items in values.items():
+        for item in items:
+            args += [flag, item]
+    return args
+
+
+@fuzz_settings(150)
+@given(args=deploy_argv())
+def test_fuzz_sagemaker_deploy_flags(args: list[str]) -> None:
+    result = run_cli(args, env={"AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"})
+    count("sagemaker deploy flags", f"exit {result.exit_code}")
+    assert_clean_exit(result, (0, 2))
+    assert "hf_secret" not in result.output  # secrets are never printed
+
+
 def test_zz_report_case_counts() -> None:
     """Prints how many generated cases each target ran (pytest -s shows it; the README quotes it)."""
     print("\nfuzz cases: " + report())
