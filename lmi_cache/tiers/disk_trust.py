@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import stat
 from pathlib import Path
 
 from lmi_cache.private_dir import UnsafeDirectoryError, ensure_private_dir, private_dir_problem
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lmi-cache.lock"
 # Reasons counted in lmi_cache_untrusted_files_total.
@@ -131,7 +134,14 @@ class DirLock:
         try:
             if entry_problem(os.fstat(fd)) is not None:
                 raise UnsafeDirectoryError(f"{self.path} is not a regular file of ours: remove it")
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                # A filesystem without locks: run unguarded rather than without the tier.
+                logger.warning("disk tier: %s can't be locked (%s); make sure no other server uses this "
+                               "directory", self.path, err.strerror)
         except BlockingIOError:
             os.close(fd)
             return False

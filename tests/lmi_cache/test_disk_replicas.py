@@ -184,3 +184,17 @@ def test_real_statvfs_gives_a_limit(tmp_path: Path) -> None:
     assert free > 0 and 0 <= headroom <= disk_space.HEADROOM_MAX_BYTES
     limit = FreeSpaceLimit(str(tmp_path)).limit_bytes(0)
     assert limit is not None and abs(limit - max(0, free - headroom)) < 256 << 20  # others write meanwhile
+
+
+def test_filesystem_without_locks_keeps_the_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    key = chunk_keys(TOKENS, NS[0], 16)[0]
+    tier = make_tier(tmp_path / "kv")
+    assert tier.capacity_bytes > 0 and put(tier, key) and tier.flush() and tier.contains(key.digest)
+    tier.close()
