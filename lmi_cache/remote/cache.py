@@ -63,6 +63,7 @@ class RemoteCache:
         self._decode_pool: ThreadPoolExecutor | None = None
         self._decode_pool_lock = threading.Lock()
         self._puts = PutQueue(self._write, settings.put_queue_bytes)
+        self._io.submit(self._warm_up)  # not waited for: a store that is down costs nothing here
 
     # ------------------------------------------------------------ lookups and loads
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -100,6 +101,12 @@ class RemoteCache:
                 self._count(f"miss_{result.value}")
                 self._record_bad_value(result)
         return results
+
+    def _warm_up(self) -> None:
+        try:
+            self.store.warm_up()
+        except Exception:  # the first real call reports it (once) and backs off
+            pass
 
     def _decode_all(self, values: Sequence[bytes | None], keys: Sequence[ChunkKey]) -> list[DecodedChunk | MissReason]:
         """Decode (MAC, decompression, checksum) in parallel when a batch is large: zstd and BLAKE3 drop the GIL."""

@@ -8,6 +8,7 @@ no batch is in flight; ``close`` stops the writer and returns what it left.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -16,6 +17,7 @@ from typing import Callable
 from lmi_cache.chunk_format import BytesLike, byte_view
 from lmi_cache.chunk_hashing import ChunkKey
 
+logger = logging.getLogger(__name__)
 Batch = list[tuple[ChunkKey, bytes]]
 
 
@@ -69,6 +71,8 @@ class PutQueue:
                 self._in_flight = len(batch)
             try:
                 self._write_batch(batch)
+            except Exception:  # the callback must not raise; if it does, keep the writer alive
+                logger.exception("remote store writer: a batch of %d values was lost", len(batch))
             finally:
                 with self._cond:
                     self._in_flight = 0

@@ -129,6 +129,15 @@ class RedisStore(RemoteStore):
         except Exception as err:
             raise self._error("ping", err) from None
 
+    def warm_up(self) -> None:
+        for lookup in (True, False):
+            try:
+                self._client(lookup).ping()
+            except StoreError:
+                raise
+            except Exception as err:
+                raise self._error("ping", err) from None
+
     def close(self) -> None:
         with self._lock:
             clients, self._lookup_client, self._io_client = (self._lookup_client, self._io_client), None, None

@@ -54,6 +54,10 @@ class RemoteStore(ABC):
     def ping(self) -> None:
         """One cheap request; StoreError when the store does not answer."""
 
+    def warm_up(self) -> None:
+        """Open connections (and, for a cluster, learn its topology) before the first lookup needs them."""
+        self.ping()
+
     def close(self) -> None:
         return None
 
@@ -71,9 +75,14 @@ class Backoff:
         self.reconnects = 0  # recoveries after a failure
 
     def allow(self) -> bool:
-        """Whether a call may go to the store now."""
+        """Whether a call may go to the store now; while it is down, one caller per delay gets to probe it."""
         with self._lock:
-            return time.monotonic() >= self._retry_at
+            now = time.monotonic()
+            if now < self._retry_at:
+                return False
+            if self.failures:
+                self._retry_at = now + self._delay_s  # the probe's outcome decides what comes next
+            return True
 
     @property
     def is_down(self) -> bool:

@@ -39,8 +39,9 @@ def cluster() -> Iterator[list[RedisServer]]:
 
 
 def test_cluster_round_trip_spreads_keys_and_survives_a_lost_node(cluster: list[RedisServer]) -> None:
+    # generous timeouts: this test is about correctness on a cluster, and the host may be busy
     cache = open_remote(redis_settings(f"redis://127.0.0.1:{cluster[0].port}?cluster=true", "cl",
-                                       compression="zstd"))
+                                       compression="zstd", lookup_timeout_ms=3000, io_timeout_ms=5000))
     try:
         keys = make_keys(24)
         objs = [make_object(k, 2048, seed=i) for i, k in enumerate(keys)]
@@ -56,7 +57,7 @@ def test_cluster_round_trip_spreads_keys_and_survives_a_lost_node(cluster: list[
         started = time.monotonic()
         assert cache.contains_many(keys) == [False] * 24
         assert all(isinstance(r, MissReason) for r in cache.get_many(keys))
-        assert time.monotonic() - started < 3.0
+        assert time.monotonic() - started < 9.0  # bounded by the timeouts (a refused connection is faster)
         assert cache.stats()["down"] == 1
     finally:
         cache.close()

@@ -1,4 +1,4 @@
-"""Remote values (lmi_cache.remote.value_codec) and settings: every damaged or foreign value is a typed miss."""
+"""Remote values (value_codec), settings, backoff and the put queue: the server-free parts of the remote tier."""
 from __future__ import annotations
 
 import struct
@@ -12,7 +12,9 @@ from remote_fixtures import make_keys, make_object, payload_of
 from lmi_cache.chunk_format import ChunkFormatError, ChunkHeader
 from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.errors import ConfigError
+from lmi_cache.remote.put_queue import PutQueue
 from lmi_cache.remote.settings import RemoteSettings, redact_url, redis_client_url, s3_location
+from lmi_cache.remote.store import Backoff
 from lmi_cache.remote.value_codec import (
     SECRET_ENV,
     VALUE_HEADER_BYTES,
@@ -215,3 +217,49 @@ def test_encode_refuses_an_object_of_another_key() -> None:
     assert ValueCodec().encode(obj, KEYS[0])
     with pytest.raises(ChunkFormatError, match="belong"):
         ValueCodec().encode(obj, KEYS[1])
+
+
+def test_backoff_lets_one_probe_through_per_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lmi_cache.remote.store as store_module
+
+    now = [100.0]
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(store_module.random, "uniform", lambda a, b: 1.0)
+    backoff = Backoff(initial_s=0.5, max_s=1.5)
+    assert backoff.allow() and backoff.failed()  # the first failure opens it (True: it was up)
+    assert not backoff.allow()
+    now[0] += 0.6
+    assert backoff.allow()  # one probe ...
+    assert not backoff.allow()  # ... and only one
+    assert not backoff.failed()  # the probe failed (not a new outage): the delay doubles to 1.0
+    now[0] += 0.6
+    assert not backoff.allow()
+    now[0] += 0.5
+    assert backoff.allow()
+    backoff.failed()
+    backoff.failed()  # capped at 1.5
+    now[0] += 1.6
+    assert backoff.allow()
+    assert backoff.succeeded() and backoff.allow() and backoff.allow() and backoff.reconnects == 1
+
+
+def test_put_queue_writer_survives_a_raising_callback() -> None:
+    written: list[int] = []
+
+    def write(batch: list) -> None:
+        if not written:
+            written.append(-1)
+            raise RuntimeError("boom")
+        written.append(len(batch))
+
+    queue = PutQueue(write, max_bytes=1 << 20)
+    try:
+        keys = make_keys(2)
+        assert queue.offer(keys[0], make_object(keys[0], 64)) is None
+        assert queue.flush(5)
+        assert queue.offer(keys[1], make_object(keys[1], 64)) is None
+        assert queue.flush(5) and written == [-1, 1]
+        assert queue.offer(keys[1], b"x" * (2 << 20)) == "queue_full"
+    finally:
+        assert queue.close() == 0
+    assert queue.offer(keys[0], b"x") == "closed"
