@@ -15,6 +15,8 @@ loopback port and stops it at the end.
    into 256-token chunk objects. For each codec: ratio, encode and decode
    speed (CPU time of one core), and the link speed below which compression
    makes a remote load faster (raw/link > compressed/link + decode time).
+3. Integrity checks per core: the XXH3 payload checksum, the BLAKE3 keyed MAC
+   and HMAC-SHA256 (the MAC not chosen), in thread CPU time.
 """
 from __future__ import annotations
 
@@ -224,6 +226,30 @@ def bench_compression(args: argparse.Namespace) -> None:
     print()
 
 
+# ------------------------------------------------------------ 3. integrity costs
+def bench_integrity(args: argparse.Namespace) -> None:
+    import hashlib
+    import hmac
+
+    import blake3
+    import xxhash
+
+    data = np.random.default_rng(0).integers(0, 256, 32 * MIB, dtype=np.uint8).tobytes()
+    key = SECRET[:32]
+    fns: dict[str, Callable[[], object]] = {
+        "XXH3-64 payload checksum (values read without a secret)": lambda: xxhash.xxh3_64_intdigest(data),
+        "BLAKE3 keyed MAC (with LMI_CACHE_REMOTE_SECRET)": lambda: blake3.blake3(data, key=key).digest(),
+        "HMAC-SHA256 (the alternative, not used)": lambda: hmac.digest(key, data, hashlib.sha256),
+    }
+    times = interleaved_best(args.repeats, list(fns.values()), time.thread_time)
+    print("## Integrity checks per core (32 MiB, thread CPU time)\n")
+    print("| check | GiB/s | CPU s per GiB |")
+    print("|---|---|---|")
+    for name, seconds in zip(fns, times):
+        print(f"| {name} | {len(data) / seconds / 2**30:.2f} | {seconds / (len(data) / 2**30):.3f} |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[0.25, 1.0, 4.0], help="value sizes")
@@ -233,12 +259,14 @@ def main() -> None:
     parser.add_argument("--mac", action=argparse.BooleanOptionalAction, default=True, help="also rows with a MAC")
     parser.add_argument("--models", nargs="+", default=["7m", "32m"], help="tiny model sizes for compression")
     parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens per model")
-    parser.add_argument("--skip", choices=["retrieve", "compression"], action="append", default=[])
+    parser.add_argument("--skip", choices=["retrieve", "compression", "integrity"], action="append", default=[])
     args = parser.parse_args()
     if "retrieve" not in args.skip:
         bench_retrieve(args)
     if "compression" not in args.skip:
         bench_compression(args)
+    if "integrity" not in args.skip:
+        bench_integrity(args)
 
 
 if __name__ == "__main__":
