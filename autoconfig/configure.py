@@ -71,12 +71,14 @@ def configure(
     write: bool = True,
     extra_files: "Mapping[str, str] | None" = None,
     model: str | None = None,
+    resolved: ResolvedProperties | None = None,
 ) -> ConfigureResult:
     """Resolve properties, probe (unless ``host`` is given), plan and write the files.
 
     ``extra_files`` (name -> text, names from OUTPUT_FILES) are written with the
     others; ``write=False`` checks the directory and writes nothing; ``model``
-    replaces option.model_id where config.json is read (an S3 model's local copy).
+    replaces option.model_id where config.json is read (an S3 model's local copy);
+    ``resolved`` is serve's own resolution of the same properties (with its TP fit).
     """
     from autoconfig.render.vllm_args import vllm_args as render_args
 
@@ -89,7 +91,7 @@ def configure(
 
             probe = probe_host
         host = probe()
-    props = resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=len(host.gpus))
+    props = resolved or resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=len(host.gpus))
     messages = [f"option {line}" for line in props.summary_lines()] + [f"note: {n}" for n in props.notes]
     plan = None
     run_env: dict[str, str] = {}

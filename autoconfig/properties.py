@@ -74,6 +74,7 @@ class ResolvedProperties:
     consumed: frozenset[str] = frozenset()  # options read here that serve must not pass to vLLM
     notes: list[str] = field(default_factory=list)  # defaults applied and translations, for the summary
     devices: list[int] | None = None  # GPUs of LMI's load_on_devices workers: all vLLM may use (None: all)
+    tp_is_max: bool = False  # tensor_parallel_degree unset or "max" (serve may fit it to the model's heads)
 
     def summary_lines(self) -> list[str]:
         """One line per option with its origin (secrets masked), for the configure log."""
@@ -100,10 +101,12 @@ def resolve_properties(
     env: Mapping[str, str] | None = None,
     *,
     gpu_count: int | None = None,
+    fit_max_tp: Callable[[int], int] | None = None,
 ) -> ResolvedProperties:
     """Read ``<model_dir>/serving.properties`` (if any) and env; type and check every known option.
 
-    ``gpu_count`` resolves ``tensor_parallel_degree=max`` (None: treated as 1 GPU).
+    ``gpu_count`` resolves ``tensor_parallel_degree=max`` (None: treated as 1 GPU);
+    ``fit_max_tp`` lowers that "max" to a degree the model's heads allow (serve knows the model).
     """
     env = dict(os.environ if env is None else env)
     mdir = Path(model_dir) if model_dir is not None else None
@@ -127,12 +130,17 @@ def resolve_properties(
 
     pp = get.value("pipeline_parallel_degree", _positive_int, 1)
     tp = get.value("tensor_parallel_degree", lambda v: _parse_tp(v, gpu_count, pp), None)
+    tp_is_max = "tensor_parallel_degree" not in options or options["tensor_parallel_degree"].value.strip().lower() == "max"
     if tp is None:
         # LMI's default is "max" (starting-guide.md, TENSOR_PARALLEL_DEGREE): every GPU.
         tp = _parse_tp("max", gpu_count, pp)
         if gpu_count:
             notes.append(f"tensor_parallel_degree unset: {tp} (LMI's default 'max': all {gpu_count} GPUs"
                          f"{' / pipeline_parallel_degree' if pp > 1 else ''})")
+    if tp_is_max and fit_max_tp is not None and fit_max_tp(tp) != tp:
+        notes.append(f"tensor_parallel_degree 'max' is {fit_max_tp(tp)}, not {tp}: the model's attention heads "
+                     f"do not split {tp} ways (vLLM would refuse to start)")
+        tp = fit_max_tp(tp)
     dp_option = get.value("data_parallel_degree", _positive_int, None)
     recipe = find_recipe(options, env, mdir)
     engine = get.value("lmcache_engine", _engine, "lmi_cache")
@@ -182,7 +190,8 @@ def resolve_properties(
     model_id = get.value("model_id", _nonempty, None)
     others = {k: v for k, v in file_props.items() if not k.startswith("option.") and not noted(k, notes)}
     return ResolvedProperties(mdir, path, model_id, auto, config_file, settings, options, others,
-                              config_where or "option.lmcache_config_file", recipe, consumed, notes, devices)
+                              config_where or "option.lmcache_config_file", recipe, consumed, notes, devices,
+                              tp_is_max)
 
 
 def _apply_env_defaults(options: dict[str, RawOption], env: Mapping[str, str]) -> None:

@@ -29,8 +29,10 @@ from autoconfig.serve_checks import (
     ServeError,
     check_parallelism,
     check_user_config,
+    largest_fitting_tp,
     lmcache_env_findings,
     model_argument,
+    model_heads,
     server_port,
 )
 from lmi_cache.front.options import FRONT_OPTIONS, front_launch
@@ -103,6 +105,10 @@ def prepare_launch(
     if host is None:
         host = probe() if probe is not None else _probe_this_host()
     props = resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=len(host.gpus))
+    heads = model_heads(props, mdir, env) if props.tp_is_max and props.settings.tp > 1 else None
+    if heads is not None:  # LMI's "max", lowered to a degree the model's heads split into
+        props = resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=len(host.gpus),
+                                   fit_max_tp=lambda n: largest_fitting_tp(n, heads))
     passed = {name: opt for name, opt in props.options.items()
               if name not in props.consumed and name not in FRONT_OPTIONS}
     mapped = map_lmi_options(
@@ -138,7 +144,7 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
     findings += env_findings
     secret_env, secret_files = secrets_for_vllm(mapped, props)
     result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files,
-                       model=checked if is_s3(props.model_id or "") else None)
+                       model=checked if is_s3(props.model_id or "") else None, resolved=props)
     # After configure: it refuses a runtime directory another user controls before anything is made in it.
     metrics_env = multiproc_env(env, out, port, cache_on=cache_on, prepare=not dry_run)  # lmi_cache.metrics_settings
     argv = [python, "-m", VLLM_SERVER_MODULE, "--host", "0.0.0.0", "--port", str(port), "--model", model]

@@ -116,3 +116,34 @@ def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
         lines.append(f"WARNING {', '.join(overrides)} override the LMCache config (the environment wins over "
                      "the file, as in LMCache)")
     return lines
+
+
+def largest_fitting_tp(num_gpus: int, heads: tuple[int, int]) -> int:
+    """The largest TP <= ``num_gpus`` vLLM accepts for (attention heads, KV heads).
+
+    vLLM (ModelConfig.verify_with_parallel_config) needs the attention heads
+    divisible by TP; KV heads are split when there are at least TP of them
+    (divisible) and replicated otherwise (TP a multiple of them).
+    """
+    attn, kv = heads
+    for tp in range(max(1, num_gpus), 0, -1):
+        if attn % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0):
+            return tp
+    return 1
+
+
+def model_heads(props: ResolvedProperties, model_dir: Path, env: Mapping[str, str]) -> tuple[int, int] | None:
+    """(attention heads, KV heads) of the model when its config.json can be read now, else None."""
+    from autoconfig.model_source import hub_access_from_env, load_model_info
+
+    model = props.model_id or (str(model_dir) if (model_dir / "config.json").is_file() else None)
+    if model is None or is_s3(model):
+        return None
+    try:
+        hf_home, allow_network = hub_access_from_env(env)
+        info = load_model_info(model, hf_home=hf_home, allow_network=allow_network)
+    except UserError:
+        return None  # the plan or vLLM reports an unreadable model; only the TP choice needs it here
+    if info.kv.num_attention_heads is None:
+        return None
+    return info.kv.num_attention_heads, max(1, info.kv.layout.num_kv_heads)

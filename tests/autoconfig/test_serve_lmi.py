@@ -197,3 +197,21 @@ def test_lmcache_env_variables_are_named_checked_and_misspellings_flagged(tmp_pa
     assert not (bad / "runtime").exists(), "a bad LMCACHE_* value fails before anything is written"
     off = launch(tmp_path, "", env={"LMCACHE_CHUNK_SIZE": "512"})
     assert any("LMCACHE_CHUNK_SIZE set but the cache is off" in line for line in off.summary)
+
+
+def test_tp_max_is_lowered_to_what_the_models_heads_allow(tmp_path: Path) -> None:
+    # Qwen2.5-7B: 28 attention heads, 4 KV heads. vLLM refuses TP 8 (28 % 8) and TP 7 (7 % 4 KV heads).
+    result = launch(tmp_path, "", host=make_host(8), model="qwen2.5-7b-instruct")
+    assert flag_value(result.argv, "--tensor-parallel-size") == "4"
+    assert flag_value(result.argv, "--data-parallel-size") == "2"
+    assert any("'max' is 4, not 8" in line for line in result.summary)
+    explicit = launch(tmp_path, "option.tensor_parallel_degree=2\n", host=make_host(8), model="qwen2.5-7b-instruct")
+    assert flag_value(explicit.argv, "--tensor-parallel-size") == "2"  # a number is the user's choice
+
+
+@pytest.mark.parametrize(("gpus", "heads", "expected"), [(8, (32, 8), 8), (6, (32, 8), 4), (8, (28, 4), 4),
+                                                         (8, (64, 1), 8), (3, (40, 8), 2), (8, (12, 12), 6)])
+def test_largest_fitting_tp(gpus: int, heads: tuple[int, int], expected: int) -> None:
+    from autoconfig.serve_checks import largest_fitting_tp
+
+    assert largest_fitting_tp(gpus, heads) == expected
