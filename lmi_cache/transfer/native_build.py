@@ -120,8 +120,15 @@ def load_or_build(
     try:
         key = build_key(name, [*sources, *depends], flags)
         root.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise NativeBuildError(f"cannot prepare the kernel cache {root}: {err.strerror or err}") from None
+        return _load_or_build(name, sources, root, key, with_cuda, extra_cflags, extra_cuda_cflags)
+    except OSError as err:  # unwritable cache, full disk: the caller falls back or refuses, with this line
+        raise NativeBuildError(f"kernel cache {root}: {err.strerror or err} ({getattr(err, 'filename', '')})") from None
+    except ImportError as err:
+        raise NativeBuildError(f"cannot load the built kernels: {err}") from None
+
+
+def _load_or_build(name: str, sources: Sequence[Path], root: Path, key: str, with_cuda: bool,
+                   extra_cflags: Sequence[str], extra_cuda_cflags: Sequence[str]) -> tuple[ModuleType, bool]:
     final = root / f"{name}-{key}"
     library = final / f"{name}.so"
     failed = root / f"{name}-{key}.failed"

@@ -62,6 +62,15 @@ def test_without_a_compiler_auto_falls_back_with_one_line_and_native_refuses(tmp
     ]
 
 
+def test_an_unusable_cache_directory_falls_back_with_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = run_py(BACKEND_CLI, {native_build.CACHE_DIR_ENV: str(blocker / "kernels")})
+    assert proc.returncode == 0 and proc.stdout.strip() == "torch"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"kernel cache {blocker / 'kernels'}" in lines[0], proc.stderr
+
+
 def test_a_second_process_loads_the_cached_build_without_a_compiler() -> None:
     kernels.load_extension()  # builds into the default cache on a fresh machine, else loads it
     env = {kernels.KERNELS_ENV: "native", "PATH": "/nonexistent", **NO_COMPILER}
@@ -71,7 +80,7 @@ def test_a_second_process_loads_the_cached_build_without_a_compiler() -> None:
 
 
 TINY_SOURCE = """
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 int answer() { return ANSWER; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
 """
