@@ -111,7 +111,9 @@ class CacheEngine:
             assert isinstance(cpu, CpuTier)
             self._cpu = cpu
         if config.remote_url:
-            logger.warning("remote_url %s is not used yet: remote tiers come in a later release", config.remote_url)
+            # The scheme only: the URL can carry a password (redis://user:secret@host).
+            logger.warning("remote_url %s:// is not used yet: remote tiers come in a later release",
+                           config.remote_url.partition("://")[0])
 
     # ------------------------------------------------------------ lookup
     def keys_for(self, tokens: Sequence[int] | np.ndarray, namespace: KeyNamespace) -> list[ChunkKey]:

@@ -276,3 +276,14 @@ def test_two_slash_file_url_means_an_absolute_directory() -> None:
     assert any("two slashes" in w and "file:///dir/" in w for w in warnings)
     config, warnings = config_from_dict({"local_disk": "file:///tmp/cache/", "max_local_disk_size": 1}, "ok.yaml")
     assert config.local_disk == ("/tmp/cache",) and not any("two slashes" in w for w in warnings)
+
+
+def test_engine_never_logs_the_remote_url_password(caplog: pytest.LogCaptureFixture) -> None:
+    from lmi_cache.engine import CacheEngine
+
+    config, _ = config_from_dict({"remote_url": "rediss://user:s3cret-pw@cache:6380", "max_local_cpu_size": 0.01},
+                                 "c.yaml")
+    with caplog.at_level("WARNING"):
+        engine = CacheEngine(config)
+    assert "rediss://" in caplog.text and "s3cret-pw" not in caplog.text
+    engine.close()
