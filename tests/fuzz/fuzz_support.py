@@ -23,7 +23,8 @@ from autoconfig.cli import main
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "tests" / "fixtures" / "hf_configs"
 HOSTS = REPO / "tests" / "fixtures" / "hosts"
-SCALE = max(1, int(os.environ.get("LMI_CACHE_FUZZ_SCALE", "1") or 1))
+_scale = os.environ.get("LMI_CACHE_FUZZ_SCALE", "1").strip()
+SCALE = max(1, int(_scale)) if _scale.isdigit() else 1
 RANDOM = os.environ.get("LMI_CACHE_FUZZ_RANDOM") == "1"
 # Every generated case is counted here per target and outcome; test_zz_report prints the totals.
 CASES: dict[str, dict[str, int]] = {}
