@@ -5,7 +5,8 @@ the LMCache YAML they copy beside it) and ``expected.json``: served (mode,
 connector, vLLM arguments, environment, the notes a user sees) or refused
 (the message). Each is started with ``lmi-cache serve``'s own checks
 (``prepare_launch``, dry run) on the host LMI's benchmarks use
-(ml.p4de.24xlarge: 8 x A100 80 GB); Hub models the cache must size are found
+(ml.p4de.24xlarge: 8 x A100 80 GB) with the environment the case's
+``run_env`` names (LMI's guide sets ``LMCACHE_CONFIG_FILE``); Hub models the cache must size are found
 in a local Hugging Face cache made from our config.json fixtures, and the
 ``s3://djl-llm/...`` models LMI's tests use in a local moto S3 server (a dry
 run reads only their config.json).
@@ -74,8 +75,10 @@ def lmi_host() -> HostSnapshot:
     return replace(host, disks=[*host.disks, replace(store, mount="/opt/ml")])
 
 
-def start(case: str, hf_home: Path, tmp_path: Path) -> ServeLaunch:
-    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+def start(case: str, hf_home: Path, tmp_path: Path, run_env: dict[str, str]) -> ServeLaunch:
+    case_dir = ROOT / "compat" / "lmi" / case
+    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1",
+           **{k: v.replace("{dir}", str(case_dir)) for k, v in run_env.items()}}
     return prepare_launch(ROOT / "compat" / "lmi" / case, env, host=lmi_host(),
                           output_dir=tmp_path / "runtime", python="python3", dry_run=True)
 
@@ -101,10 +104,10 @@ def test_real_lmi_file_behaves_as_its_authors_expect(case: str, hf_home: Path, s
     expected: dict[str, Any] = json.loads((case_dir / "expected.json").read_text())
     if expected["outcome"] == "refused":
         with pytest.raises(UserError) as info:
-            start(case, hf_home, tmp_path)
+            start(case, hf_home, tmp_path, expected.get("run_env", {}))
         assert expected["message"] in str(info.value) and "\n" not in str(info.value)
         return
-    result = start(case, hf_home, tmp_path)
+    result = start(case, hf_home, tmp_path, expected.get("run_env", {}))
     assert result.mode == expected["mode"]
     argv = result.argv
     if expected["connector"] is None:
