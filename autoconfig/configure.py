@@ -91,7 +91,7 @@ def configure(
 
             probe = probe_host
         host = probe()
-    props = resolved or resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=len(host.gpus))
+    props = resolved or resolve_fitted(mdir, env, len(host.gpus))
     messages = [f"option {line}" for line in props.summary_lines()] + [f"note: {n}" for n in props.notes]
     plan = None
     run_env: dict[str, str] = {}
@@ -144,6 +144,18 @@ def _plan(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapp
     info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
                            hf_home=hf_home, allow_network=allow_network)
     return plan_tiers(host, info, props.settings, cpu_kvcache_space_gib=cpu_kvcache_space_from_env(env))
+
+
+def resolve_fitted(mdir: Path, env: Mapping[str, str], num_gpus: int) -> ResolvedProperties:
+    """The properties, with LMI's tensor_parallel_degree "max" fitted to the model's heads when they can be read."""
+    from autoconfig.serve_checks import largest_fitting_tp, model_heads
+
+    props = resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=num_gpus)
+    heads = model_heads(props, mdir, env) if props.tp_is_max and props.settings.tp > 1 else None
+    if heads is None:
+        return props
+    return resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=num_gpus,
+                              fit_max_tp=lambda n: largest_fitting_tp(n, heads))
 
 
 def cpu_kvcache_space_from_env(env: Mapping[str, str]) -> int | None:

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, NoReturn
 
-from autoconfig.configure import DEFAULT_MODEL_DIR, configure, default_output_dir
+from autoconfig.configure import DEFAULT_MODEL_DIR, configure, default_output_dir, resolve_fitted
 from autoconfig.lmi_names import SECRET_OPTIONS, SERVER_KEYS_USED, is_secret_env, masked
 from autoconfig.lmi_to_vllm import MappedArgs, flag_to_name, map_lmi_options
-from autoconfig.properties import ResolvedProperties, resolve_properties
+from autoconfig.properties import ResolvedProperties
 from autoconfig.s3_model import is_s3, materialize_s3_model
 from autoconfig.serve_checks import (
     DEFAULT_PORT,
@@ -29,10 +29,8 @@ from autoconfig.serve_checks import (
     ServeError,
     check_parallelism,
     check_user_config,
-    largest_fitting_tp,
     lmcache_env_findings,
     model_argument,
-    model_heads,
     server_port,
 )
 from lmi_cache.front.options import FRONT_OPTIONS, front_launch
@@ -104,11 +102,7 @@ def prepare_launch(
     port = server_port(env)
     if host is None:
         host = probe() if probe is not None else _probe_this_host()
-    props = resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=len(host.gpus))
-    heads = model_heads(props, mdir, env) if props.tp_is_max and props.settings.tp > 1 else None
-    if heads is not None:  # LMI's "max", lowered to a degree the model's heads split into
-        props = resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=len(host.gpus),
-                                   fit_max_tp=lambda n: largest_fitting_tp(n, heads))
+    props = resolve_fitted(mdir, env, len(host.gpus))  # LMI's TP "max" fitted to the model's heads
     passed = {name: opt for name, opt in props.options.items()
               if name not in props.consumed and name not in FRONT_OPTIONS}
     mapped = map_lmi_options(

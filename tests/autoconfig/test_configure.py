@@ -134,3 +134,14 @@ def test_probe_is_used_when_no_host_given(tmp_path: Path) -> None:
 
     configure(mdir, tmp_path / "out", {}, probe=fake_probe)
     assert calls == [1]
+
+
+def test_configure_fits_lmis_tp_max_to_the_models_heads(tmp_path: Path) -> None:
+    mdir = tmp_path / "model"
+    mdir.mkdir()
+    shutil.copy(FIXTURES / "qwen2.5-7b-instruct" / "config.json", mdir / "config.json")  # 28 heads, 4 KV heads
+    (mdir / "serving.properties").write_text("option.lmcache_auto_config=true\n")
+    result = configure(mdir, tmp_path / "out", {}, host=host(8, 1024))
+    args = json.loads((tmp_path / "out" / "vllm_args.json").read_text())
+    assert args[args.index("--tensor-parallel-size") + 1] == "4"
+    assert any("'max' is 4, not 8" in m for m in result.messages)
