@@ -105,10 +105,15 @@ def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
     from lmi_cache.config import CONFIG_FILE_ENV, env_override_names, load_config
 
     lmcache_env = {k: v for k, v in env.items() if k.startswith("LMCACHE_") and k != CONFIG_FILE_ENV}
+    if not cache_on:
+        named = sorted(k for k in env if k.startswith("LMCACHE_"))
+        if not named:
+            return []
+        return [f"WARNING {', '.join(named)} set but the cache is off: not read (turn it on with LMI's "
+                'option.kv_transfer_config={"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}, '
+                "option.lmcache_config_file or option.lmcache_auto_config=true)"]
     if not lmcache_env:
         return []
-    if not cache_on:
-        return [f"WARNING {', '.join(sorted(lmcache_env))} set but the cache is off: not read"]
     _, warnings = load_config(None, lmcache_env)
     lines = [f"WARNING {w}" for w in warnings]
     overrides = env_override_names(lmcache_env)

@@ -195,8 +195,9 @@ def test_lmcache_env_variables_are_named_checked_and_misspellings_flagged(tmp_pa
     with pytest.raises(UserError, match="LMCACHE_MAX_LOCAL_CPU_SIZE"):
         launch(bad, "option.lmcache_auto_config=true\n", env={"LMCACHE_MAX_LOCAL_CPU_SIZE": "abc"})
     assert not (bad / "runtime").exists(), "a bad LMCACHE_* value fails before anything is written"
-    off = launch(tmp_path, "", env={"LMCACHE_CHUNK_SIZE": "512"})
-    assert any("LMCACHE_CHUNK_SIZE set but the cache is off" in line for line in off.summary)
+    off = launch(tmp_path, "", env={"LMCACHE_CHUNK_SIZE": "512", "LMCACHE_CONFIG_FILE": "/x.yaml"})
+    said = [line for line in off.summary if "set but the cache is off" in line]
+    assert len(said) == 1 and "LMCACHE_CHUNK_SIZE, LMCACHE_CONFIG_FILE" in said[0] and "kv_transfer_config" in said[0]
 
 
 def test_tp_max_is_lowered_to_what_the_models_heads_allow(tmp_path: Path) -> None:
