@@ -80,10 +80,23 @@ LMI_HD void lmi_copy_piece(const PagedCopyArgs& a, int64_t item, int64_t tid, in
     for (int64_t r = 0; r < a.num_runs; ++r) {
       char* p = paged + a.run_offsets[r];
       char* c = chunk + r * a.run_bytes;
-      for (uint32_t k = static_cast<uint32_t>(tid); k < units_per_run; k += threads) {
-        const uint32_t off = k * unit;
-        copy_unit(wide, a.to_paged ? p + off : c + off, a.to_paged ? c + off : p + off);
+      char* dst = a.to_paged ? p : c;
+      const char* src = a.to_paged ? c : p;
+      uint32_t k = static_cast<uint32_t>(tid);
+      if (wide) {
+        // Four loads in flight per thread before their stores (the pointers may alias, so the
+        // compiler would not reorder them itself).
+        const Wide16* s16 = reinterpret_cast<const Wide16*>(src);
+        Wide16* d16 = reinterpret_cast<Wide16*>(dst);
+        for (; k + 3 * threads < units_per_run; k += 4 * threads) {
+          const Wide16 v0 = s16[k], v1 = s16[k + threads], v2 = s16[k + 2 * threads], v3 = s16[k + 3 * threads];
+          d16[k] = v0;
+          d16[k + threads] = v1;
+          d16[k + 2 * threads] = v2;
+          d16[k + 3 * threads] = v3;
+        }
       }
+      for (; k < units_per_run; k += threads) copy_unit(wide, dst + k * unit, src + k * unit);
     }
     return;
   }

@@ -131,7 +131,7 @@ def test_cuda_kernels_match_the_reference_byte_for_byte(case: dict) -> None:
     check_case(case, "cuda", ["native", "torch"])
 
 
-@pytest.mark.parametrize("via", ["native", "torch"])
+@pytest.mark.parametrize("via", IMPLS)
 def test_whole_chunks_round_trip_on_a_vllm_sized_cpu_cache(via: str) -> None:
     # 7M-model geometry: 4 layers, 2 KV heads, block 128, head 32, bf16; 3 chunks of 2 blocks.
     gen = torch.Generator().manual_seed(3)
@@ -139,11 +139,11 @@ def test_whole_chunks_round_trip_on_a_vllm_sized_cpu_cache(via: str) -> None:
     table = torch.tensor([(c, s, b) for c, (s, b) in [(0, (0, 7)), (0, (1, 3)), (1, (0, 30)), (1, (1, 31)),
                                                       (2, (1, 0)), (2, (0, 39))]], dtype=torch.long)
     chunks = [torch.empty((4, 2, 2, 128, 64), dtype=torch.bfloat16) for _ in range(3)]
-    kernels.gather(layers, table, chunks, via=via)
+    _copy_with(via, layers, table, chunks, to_paged=False)
     assert torch.equal(as_bytes(chunks[0][2, 1]), as_bytes(layers[2][3]))
     assert torch.equal(as_bytes(chunks[2][3, 0]), as_bytes(layers[3][39]))
     dst = [torch.zeros_like(t) for t in layers]
-    kernels.scatter(dst, table, chunks, via=via)
+    _copy_with(via, dst, table, chunks, to_paged=True)
     for t_src, t_dst in zip(layers, dst):
         for b in (7, 3, 30, 31, 0, 39):
             assert torch.equal(as_bytes(t_dst[b]), as_bytes(t_src[b]))
