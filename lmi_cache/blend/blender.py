@@ -1,0 +1,188 @@
+"""The blending algorithm (CacheBlend-style), layer by layer over plain tensors.
+
+Runs in the process that owns the model: the reference blender on CPU here,
+and (later) the vLLM worker, which supplies the same per-layer pieces through
+``LayerwiseModel``. Nothing here knows a model class.
+
+``blend`` takes the exact KV of a prefix and, for each following segment, the
+per-layer KV stored for it when it was computed alone at positions 0..n-1. It
+re-rotates every cached K to the segment's new positions, recomputes all
+blended tokens through the layers before the first check layer and the Q/K/V
+of the check layer itself (those K/V are exact: their inputs are), then keeps
+only the tokens whose fresh K deviates most from the cached one and carries
+them through the remaining layers, attending causally over
+[prefix | blended segments]. Every other token keeps its cached KV. With
+ratio 1.0 this is exactly a prefill; with one segment at position 0 and ratio
+0 it is exactly the cached KV. ``prefill`` then computes the tail (the
+question) over the blended KV as vLLM would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, Sequence
+
+import torch
+
+from lmi_cache.blend.attention import attend
+from lmi_cache.blend.rope import RopeSpec, apply_rope, rerotate
+from lmi_cache.blend.selection import kv_deviation, select_random, select_topk
+
+
+class LayerwiseModel(Protocol):
+    """The per-layer pieces of a Llama-family decoder that blending needs."""
+
+    num_layers: int
+    attn_scale: float
+    rope: RopeSpec
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden] input hidden states."""
+
+    def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normalised projections before RoPE: q [T, H, D], k and v [T, H_kv, D]."""
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, MLP: layer input [T, hidden] + attention [T, H*D] -> layer output."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: [T, hidden] -> [T, vocab]."""
+
+
+@dataclass(frozen=True)
+class KVStack:
+    """Per-layer KV of consecutive tokens: k and v of shape [layers, T, H_kv, D], K after RoPE."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.k.shape[1])
+
+    def cat(self, other: "KVStack") -> "KVStack":
+        return KVStack(torch.cat((self.k, other.k), dim=1), torch.cat((self.v, other.v), dim=1))
+
+
+@dataclass(frozen=True)
+class BlendOutcome:
+    """KV of [prefix | blended segments] and which blended tokens were recomputed past the check layers."""
+
+    kv: KVStack
+    recomputed: torch.Tensor  # indices into the blended tokens (0 = first token after the prefix), ascending
+
+
+def empty_kv(like: KVStack) -> KVStack:
+    """KV of zero tokens with ``like``'s layers, heads, head size and dtype."""
+    return KVStack(like.k[:, :0], like.v[:, :0])
+
+
+def prefill(
+    model: LayerwiseModel, token_ids: torch.Tensor, past: KVStack | None = None
+) -> tuple[KVStack, torch.Tensor]:
+    """Ordinary prefill of ``token_ids`` after ``past`` (positions continue from it).
+
+    Returns the new tokens' KV and their final hidden states [T, hidden].
+    """
+    start = 0 if past is None else past.num_tokens
+    positions = torch.arange(start, start + token_ids.numel())
+    all_positions = torch.arange(start + token_ids.numel())
+    hidden = model.embed(token_ids)
+    new_k: list[torch.Tensor] = []
+    new_v: list[torch.Tensor] = []
+    for layer in range(model.num_layers):
+        q, k, v = model.qkv(layer, hidden)
+        q, k = apply_rope(q, positions, model.rope), apply_rope(k, positions, model.rope)
+        new_k.append(k)
+        new_v.append(v)
+        full_k = k if past is None else torch.cat((past.k[layer], k))
+        full_v = v if past is None else torch.cat((past.v[layer], v))
+        attn = attend(q, full_k, full_v, positions, all_positions, model.attn_scale)
+        hidden = model.finish_layer(layer, hidden, attn)
+    return KVStack(torch.stack(new_k), torch.stack(new_v)), hidden
+
+
+def segment_kv(model: LayerwiseModel, token_ids: torch.Tensor) -> KVStack:
+    """The KV stored for a segment: computed alone, at positions 0..n-1."""
+    return prefill(model, token_ids)[0]
+
+
+def rerotated_segments(model: LayerwiseModel, cached: Sequence[KVStack], start: int) -> KVStack:
+    """Cached segment KVs laid end to end from position ``start``, every layer's K re-rotated."""
+    ks: list[torch.Tensor] = []
+    offset = start
+    for seg in cached:
+        n = seg.num_tokens
+        old = torch.arange(n)
+        new = old + offset
+        ks.append(torch.stack([rerotate(seg.k[layer], old, new, model.rope) for layer in range(seg.k.shape[0])]))
+        offset += n
+    return KVStack(torch.cat(ks, dim=1), torch.cat([seg.v for seg in cached], dim=1))
+
+
+def blend(
+    model: LayerwiseModel,
+    prefix_kv: KVStack,
+    segment_tokens: Sequence[torch.Tensor],
+    cached: Sequence[KVStack],
+    check_layers: Sequence[int],
+    recompute_counts: Sequence[int],
+    selection: Literal["topk", "random"] = "topk",
+    deviation: Literal["k", "kv"] = "k",
+    generator: torch.Generator | None = None,
+) -> BlendOutcome:
+    """Blend cached segments after an exact prefix; see the module docstring.
+
+    ``recompute_counts[i]`` tokens (of all blended tokens) stay in the recompute set after
+    ``check_layers[i]``; each check selects among the tokens the previous one kept.
+    """
+    if len(segment_tokens) != len(cached) or not cached:
+        raise ValueError("give the token ids and the cached KV of each segment (at least one)")
+    if len(check_layers) != len(recompute_counts):
+        raise ValueError("one recompute count per check layer")
+    tokens = torch.cat(list(segment_tokens))
+    start = prefix_kv.num_tokens
+    positions = torch.arange(start, start + tokens.numel())
+    all_positions = torch.arange(start + tokens.numel())
+    cached_kv = rerotated_segments(model, cached, start)
+    out_k, out_v = cached_kv.k.clone(), cached_kv.v.clone()
+    counts = dict(zip(check_layers, recompute_counts))
+    active = torch.arange(tokens.numel())
+    hidden = model.embed(tokens)
+    for layer in range(model.num_layers):
+        if active.numel() == 0:
+            break
+        q, k, v = model.qkv(layer, hidden)
+        pos = positions[active]
+        q, k = apply_rope(q, pos, model.rope), apply_rope(k, pos, model.rope)
+        out_k[layer, active] = k
+        out_v[layer, active] = v
+        if layer in counts:
+            if selection == "topk":
+                with_v = deviation == "kv"
+                scores = kv_deviation(
+                    k, cached_kv.k[layer, active], v if with_v else None, cached_kv.v[layer, active] if with_v else None
+                )
+                keep = select_topk(scores, counts[layer])
+            else:
+                if generator is None:
+                    raise ValueError("random selection needs a seeded torch.Generator")
+                keep = select_random(active.numel(), counts[layer], generator)
+            active, q, hidden, pos = active[keep], q[keep], hidden[keep], pos[keep]
+            if active.numel() == 0:
+                break
+        full_k = torch.cat((prefix_kv.k[layer], out_k[layer]))
+        full_v = torch.cat((prefix_kv.v[layer], out_v[layer]))
+        attn = attend(q, full_k, full_v, pos, all_positions, model.attn_scale)
+        hidden = model.finish_layer(layer, hidden, attn)
+    return BlendOutcome(prefix_kv.cat(KVStack(out_k, out_v)), active)
+
+
+def naive_concat(model: LayerwiseModel, prefix_kv: KVStack, cached: Sequence[KVStack]) -> KVStack:
+    """The baseline with no recompute at all: cached segment KV re-rotated and appended to the prefix."""
+    return prefix_kv.cat(rerotated_segments(model, cached, prefix_kv.num_tokens))
+
+
+def next_token_logits(model: LayerwiseModel, context: KVStack, tail_ids: torch.Tensor) -> torch.Tensor:
+    """Prefill the tail over ``context`` and return the logits after its last token [vocab]."""
+    _, hidden = prefill(model, tail_ids, context)
+    return model.logits(hidden[-1:])[0]

@@ -1,0 +1,130 @@
+"""Rotary position embedding (Llama family) and re-rotation of cached K to new positions.
+
+Runs wherever blending runs (the vLLM worker, the reference blender, tests).
+Covers the rotary embeddings of Llama 2/3/3.1+ (``rope_theta``; ``rope_scaling``
+types ``default``, ``linear`` and ``llama3``), Qwen2/2.5/3 and Mistral (default
+RoPE), in the "rotate half" (GPT-NeoX) layout that Hugging Face and vLLM use for
+them. Other types (dynamic NTK, YaRN, LongRoPE, partial rotary) are refused
+with a ``BlendConfigError``: their angles are not a fixed function of position,
+or their cached K cannot be rotated exactly.
+
+Re-rotation undoes the rotation at the positions a K was computed at and
+applies the one at its new positions, using the same float32 angle formula as
+the model, so the result equals K computed at the new positions to float32
+rounding (a single rotation by the position difference would not: the model
+rounds ``position * inv_freq``, not the difference).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from lmi_cache.blend.settings import BlendConfigError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Everything that decides the rotation angles of one model's attention heads."""
+
+    head_dim: int
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> "RopeSpec":
+        """From a model's ``config.json`` (old ``rope_theta``/``rope_scaling`` or new ``rope_parameters``)."""
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        params: dict[str, Any] = {}
+        if isinstance(config.get("rope_parameters"), Mapping):
+            params.update(config["rope_parameters"])
+        if isinstance(config.get("rope_scaling"), Mapping):
+            params.update(config["rope_scaling"])
+        theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+        rope_type = str(params.get("rope_type", params.get("type", "default")))
+        partial = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0)
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise BlendConfigError(
+                f"config.json: rope type {rope_type!r} cannot be blended (supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}); turn enable_blending off for this model"
+            )
+        if partial != 1.0:
+            raise BlendConfigError(
+                f"config.json: partial_rotary_factor {partial} cannot be blended; turn enable_blending off"
+            )
+        if rope_type == "default":
+            return cls(head_dim=int(head_dim), theta=theta)
+        original = params.get("original_max_position_embeddings", config.get("max_position_embeddings", 8192))
+        return cls(
+            head_dim=int(head_dim),
+            theta=theta,
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(original),
+        )
+
+    def inv_freq(self) -> torch.Tensor:
+        """Inverse frequencies, float32, ``head_dim // 2`` of them."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        inv = 1.0 / (self.theta**exponents)
+        if self.rope_type == "linear":
+            return inv / self.factor
+        if self.rope_type == "llama3":
+            return _llama3_inv_freq(inv, self)
+        return inv
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape [T, head_dim] for integer ``positions`` of shape [T]."""
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq().to(positions.device)[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _llama3_inv_freq(inv: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between."""
+    wavelen = 2 * math.pi / inv
+    low_freq_wavelen = spec.original_max_position_embeddings / spec.low_freq_factor
+    high_freq_wavelen = spec.original_max_position_embeddings / spec.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv / spec.factor, inv)
+    ramp = (spec.original_max_position_embeddings / wavelen - spec.low_freq_factor) / (
+        spec.high_freq_factor - spec.low_freq_factor
+    )
+    smoothed = (1 - ramp) * scaled / spec.factor + ramp * scaled
+    in_between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_between, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Rotate ``x`` of shape [T, heads, head_dim] to ``positions`` [T]."""
+    cos, sin = spec.cos_sin(positions, x.dtype)
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+def rerotate(
+    k: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor, spec: RopeSpec
+) -> torch.Tensor:
+    """Cached K [T, kv_heads, head_dim] computed at ``from_positions``, moved to ``to_positions``.
+
+    Computed in float32 and returned in ``k``'s dtype (bf16/fp16 caches round once, not twice).
+    """
+    if torch.equal(from_positions, to_positions):
+        return k  # keeps a segment cached at its own place bit for bit
+    k32 = k.to(torch.float32)
+    cos, sin = spec.cos_sin(from_positions)
+    unrotated = k32 * cos[:, None, :] - _rotate_half(k32) * sin[:, None, :]
+    return apply_rope(unrotated, to_positions, spec).to(k.dtype)

@@ -1,0 +1,45 @@
+"""Which blended tokens to recompute: KV deviation scores and top-k (or random) selection.
+
+Pure torch; runs at a check layer of the blender (reference or in vLLM). A
+token whose freshly computed K (or K and V) at the check layer deviates most
+from its cached, re-rotated K is the one whose cached KV missed the most
+cross-segment attention, so it is recomputed through the remaining layers.
+Random selection of the same count is the baseline that top-k must beat.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def kv_deviation(
+    k_fresh: torch.Tensor,
+    k_cached: torch.Tensor,
+    v_fresh: torch.Tensor | None = None,
+    v_cached: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Squared L2 distance per token [T] between fresh and cached K (plus V when both are given).
+
+    Inputs are [T, kv_heads, head_dim]; the sum runs in float32 whatever the cache dtype.
+    """
+    diff = (k_fresh.to(torch.float32) - k_cached.to(torch.float32)).pow(2).flatten(1).sum(dim=1)
+    if v_fresh is not None and v_cached is not None:
+        diff = diff + (v_fresh.to(torch.float32) - v_cached.to(torch.float32)).pow(2).flatten(1).sum(dim=1)
+    return diff
+
+
+def select_topk(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` largest scores, ascending (ties: lower index first)."""
+    count = max(0, min(count, scores.numel()))
+    if count == scores.numel():
+        return torch.arange(count, device=scores.device)
+    # A stable descending sort makes ties deterministic (torch.topk's order is not specified).
+    order = torch.sort(scores, descending=True, stable=True).indices[:count]
+    return torch.sort(order).values
+
+
+def select_random(num_tokens: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` distinct indices of ``num_tokens``, drawn with ``generator``, ascending."""
+    count = max(0, min(count, num_tokens))
+    if count == num_tokens:
+        return torch.arange(count)
+    return torch.sort(torch.randperm(num_tokens, generator=generator)[:count]).values

@@ -1,0 +1,32 @@
+"""Tiny random float32 transformers models (Llama, Qwen2, Qwen3) for the blending tests; no downloads."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB = 256
+
+
+def tiny_model(model_type: str = "llama", *, seed: int = 0, **overrides: Any) -> Any:
+    """A 4-layer random model in eval mode; ``initializer_range`` large so outputs depend on the prompt."""
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }
+    config_cls, model_cls = classes[model_type]
+    kwargs: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.12, tie_word_embeddings=False,
+    )
+    if model_type == "qwen3":
+        kwargs["head_dim"] = 16
+    if model_type == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**kwargs)).float().eval()
