@@ -1,7 +1,9 @@
 """RemoteCache: the tier-shaped, never-blocking client of a remote store (vLLM worker process).
 
 Data-path verbs over ``ChunkKey``s: ``contains_many`` (one batched EXISTS or
-HEAD round trip, bounded by ``lookup_timeout_ms``), ``get_many`` (one batched
+HEAD round trip, bounded by ``lookup_timeout_ms``; ``contains_many_async``
+returns a ``PendingLookup`` to poll instead, for vLLM's scheduler, which may
+answer "not yet" and ask again on a later step), ``get_many`` (one batched
 GET, bounded by ``io_timeout_ms``; values verified by ``ValueCodec``) and
 ``put`` (queued for a background writer; a full queue drops the put and counts
 it, so the caller never waits on the network). Calls run on a small I/O pool
@@ -78,6 +80,13 @@ class RemoteCache:
         self._count("lookup_hits", sum(found))
         return found
 
+    def contains_many_async(self, keys: Sequence[ChunkKey]) -> PendingLookup:
+        """``contains_many`` without waiting: poll the result (vLLM's scheduler may ask again next step)."""
+        self._count("lookups")
+        names = [self.store.key_for(k.digest) for k in keys]
+        future = self._submit("lookup", self.store.exists_many, names) if keys else MissReason.UNAVAILABLE
+        return PendingLookup(self, future, len(keys), time.monotonic() + self.settings.lookup_timeout_ms / 1000)
+
     def get_many(self, keys: Sequence[ChunkKey]) -> list[DecodedChunk | MissReason]:
         """Verified chunks in key order, or the reason each one is a miss."""
         if not keys:
@@ -140,16 +149,33 @@ class RemoteCache:
 
     def _call(self, op: str, fn: Callable[[Any], T], arg: Any, timeout_ms: int) -> T | MissReason:
         """``fn(arg)`` on the I/O pool, waited for at most ``timeout_ms``; a MissReason on any fault."""
+        future = self._submit(op, fn, arg)
+        if isinstance(future, MissReason):
+            return future
+        try:
+            future.result(timeout=timeout_ms / 1000)
+        except Exception:  # settled below, once
+            pass
+        return self._settle(op, future, timeout_ms)
+
+    def _submit(self, op: str, fn: Callable[[Any], T], arg: Any) -> Future[T] | MissReason:
         if self._closed or not self._backoff.allow():
             self._count(f"{op}_skipped_backoff")
             return MissReason.UNAVAILABLE
         try:
-            future: Future[T] = self._io.submit(fn, arg)
-            result = future.result(timeout=timeout_ms / 1000)
-        except FutureTimeout:
+            return self._io.submit(fn, arg)
+        except RuntimeError as err:  # the pool was shut down by close()
+            self._fault(op, err)
+            return MissReason.UNAVAILABLE
+
+    def _settle(self, op: str, future: Future[T], timeout_ms: int) -> T | MissReason:
+        """The outcome of a call whose time is up: its result, or a fault (counted, backed off)."""
+        if not future.done():
             self._fault(op, StoreError(f"{self.name} {op} took longer than {timeout_ms} ms", timeout=True))
             return MissReason.TIMEOUT
-        except Exception as err:  # StoreError, or a pool already shut down by close()
+        try:
+            result = future.result(timeout=0)
+        except Exception as err:  # StoreError (or a cancelled future at close)
             self._fault(op, err)
             return MissReason.TIMEOUT if isinstance(err, StoreError) and err.timeout else MissReason.UNAVAILABLE
         if self._backoff.succeeded():
@@ -258,3 +284,30 @@ class RemoteCache:
         if self._decode_pool is not None:
             self._decode_pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()
+
+
+class PendingLookup:
+    """An existence check in flight; ``poll`` never blocks and settles at most once."""
+
+    def __init__(self, cache: RemoteCache, future: Future[list[bool]] | MissReason, num_keys: int,
+                 deadline: float) -> None:
+        self._cache = cache
+        self._future = future
+        self._num_keys = num_keys
+        self._deadline = deadline
+        self._result: list[bool] | None = None if isinstance(future, Future) else [False] * num_keys
+
+    def poll(self) -> list[bool] | None:
+        """Which keys the store holds, or None while the check is in flight and within the lookup timeout."""
+        if self._result is not None:
+            return self._result
+        assert isinstance(self._future, Future)
+        if not self._future.done() and time.monotonic() < self._deadline:
+            return None
+        found = self._cache._settle("lookup", self._future, self._cache.settings.lookup_timeout_ms)
+        if isinstance(found, MissReason) or len(found) != self._num_keys:
+            self._result = [False] * self._num_keys
+        else:
+            self._cache._count("lookup_hits", sum(found))
+            self._result = found
+        return self._result

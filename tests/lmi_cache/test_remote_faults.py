@@ -166,3 +166,29 @@ def test_probe_says_whether_the_store_answers(own_redis: RedisServer) -> None:
         own_redis.resume()
     own_redis.kill()
     assert "did not answer" in (probe_remote(settings, timeout_s=1.0) or "")
+
+
+def test_async_lookup_polls_without_blocking(own_redis: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    cache = open_cache(own_redis)
+    try:
+        fill(cache)
+        pending = cache.contains_many_async(KEYS)
+        assert wait_until(lambda: pending.poll() is not None)
+        assert pending.poll() == [True] * 6
+        own_redis.pause()
+        with caplog.at_level(logging.WARNING):
+            pending = cache.contains_many_async(KEYS)
+            started = time.monotonic()
+            polls = 0
+            while (found := pending.poll()) is None:
+                polls += 1
+                time.sleep(0.01)
+            assert found == [False] * 6 and polls > 0  # "not yet" until the lookup timeout, then misses
+            assert time.monotonic() - started < LOOKUP_MS / 1000 + SLACK_S
+            _, seconds = timed(lambda: cache.contains_many_async(KEYS).poll())
+            assert seconds < 0.1  # backing off: answered at once
+        assert sum("is not answering" in r.message for r in caplog.records) == 1
+        assert cache.stats()["lookup_timeouts"] == 1
+    finally:
+        own_redis.resume()
+        cache.close()
