@@ -51,6 +51,8 @@ class S3Store(RemoteStore):
             config = Config(
                 connect_timeout=timeout_s, read_timeout=timeout_s, max_pool_connections=workers,
                 retries={"mode": "standard", "total_max_attempts": 1},
+                # values carry their own checksum (and MAC): skip botocore's extra CRC pass over every body
+                request_checksum_calculation="when_required", response_checksum_validation="when_required",
             )
             return session.client(
                 "s3", region_name=settings.s3_region, endpoint_url=settings.s3_endpoint_url, config=config
