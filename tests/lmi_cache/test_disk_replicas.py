@@ -30,9 +30,12 @@ TOKENS = list(range(16 * 8))
 SIZE = 5000
 
 
+FILE_BYTES = 384  # one chunk file of a (4, 16) float32 tensor: header + 256 bytes
+
+
 def config(root: Path, files_per_rank: int = 100) -> CacheConfig:
     return CacheConfig(chunk_size=16, local_cpu=False, local_disk=(str(root),),
-                       max_local_disk_size=files_per_rank * 4096 / 1024**3)
+                       max_local_disk_size=files_per_rank * FILE_BYTES / 1024**3)
 
 
 def store_all(engine: CacheEngine, keys: list[ChunkKey]) -> None:
@@ -59,6 +62,7 @@ def test_second_engine_on_a_busy_rank_directory_evicts_nothing(tmp_path: Path, c
             assert second.stats()["disk_capacity_bytes"] == 0
             assert second.store(keys[0], torch.zeros(4, 16)) is False
         assert sum("in use by another lmi-cache engine" in r.getMessage() for r in caplog.records) == 1
+        assert sum(1 for _ in tmp_path.rglob("*.lmc")) == len(keys)
         assert first.lookup(keys) == keys[-1].end
         assert all(first.retrieve(key) is not None for key in keys)
     with CacheEngine(config(tmp_path), rank_label="0") as restarted:  # the lock died with its holder
@@ -67,7 +71,7 @@ def test_second_engine_on_a_busy_rank_directory_evicts_nothing(tmp_path: Path, c
 
 def test_data_parallel_replicas_keep_separate_directories(tmp_path: Path) -> None:
     keys = chunk_keys(TOKENS, NS[0], 16)
-    cfg = config(tmp_path, files_per_rank=4)
+    cfg = config(tmp_path, files_per_rank=12)  # >= 4 KiB: a store must fit a page-rounded file
     with CacheEngine(cfg, rank_label=rank_label(0, 0)) as replica0, \
             CacheEngine(cfg, rank_label=rank_label(0, 1)) as replica1:
         store_all(replica0, keys[:4])
