@@ -148,7 +148,7 @@ def main() -> int:
             case = dataclasses.replace(case, num_chunks=case.num_chunks * 8)
         r = bench_case(case, device, repeats, per_chunk)
         gbs = r["bytes"] / 1e9
-        name = f"{case.name[:22]}, 1 call per chunk" if per_chunk else case.name
+        name = f"{case.name.split(',')[0]}, one call per chunk" if per_chunk else case.name
         print(f"{name:36} {r['bytes'] / 2**20:6.1f} {gbs / r['plain']:10.2f} | "
               f"{gbs / r['g_nat']:11.2f} {r['plain'] / r['g_nat']:6.2f} {r['g_torch'] / r['g_nat']:5.1f}x | "
               f"{gbs / r['s_nat']:12.2f} {r['plain'] / r['s_nat']:6.2f} {r['s_torch'] / r['s_nat']:5.1f}x")
