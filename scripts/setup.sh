@@ -21,6 +21,16 @@ if ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
 fi
 .venv/bin/pip install -q -e ".[test]"
 
+# The remote-tier tests start their own redis-server processes on loopback ports they pick.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -qq redis-server >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
+  else
+    echo "setup: redis-server is missing; install it (apt-get install redis-server) for the remote-tier tests" >&2
+  fi
+fi
+
 # Native KV copy kernels: a C++ compiler (ninja comes from pip) and one compile
 # now into ~/.cache/lmi-cache/kernels, so no vLLM worker compiles at start-up.
 PY_H=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h
