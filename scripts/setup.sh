@@ -4,6 +4,7 @@
 # when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive
 
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
