@@ -1,0 +1,108 @@
+"""LmiCacheConnector's wiring of the weights' identity and the data-parallel replica into the disk tier.
+
+Driven with a small fake VllmConfig (the real thing is covered end to end in
+tests/e2e): the scheduler of replica 1 with TP=2 seeds its index from its own
+ranks only, prunes its ranks beyond the world, and keys carry the identity;
+its workers write to ``rank<r>-dp1``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from lmi_cache.chunk_hashing import KeyNamespace, chunk_keys
+from lmi_cache.config import CacheConfig
+from lmi_cache.engine import CacheEngine
+from lmi_cache.tiers.disk_ranks import rank_label
+
+pytest.importorskip("vllm")
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from lmi_cache.vllm_connector.connector import LmiCacheConnector  # noqa: E402
+
+CHUNK = 16
+TOKENS = list(range(4 * CHUNK))
+
+
+def fake_vllm_config(model_dir: Path, dp_index: int, tp_size: int = 2) -> Any:
+    model_config = SimpleNamespace(
+        model=str(model_dir), dtype="torch.float32", revision=None, quantization=None, hf_overrides=None,
+        use_mla=False, get_num_kv_heads=lambda parallel: 2, get_head_size=lambda: 32,
+    )
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
+        cache_config=SimpleNamespace(block_size=CHUNK, cache_dtype="auto"),
+        model_config=model_config,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1,
+                                        data_parallel_index=dp_index, data_parallel_rank=0),
+        load_config=SimpleNamespace(download_dir=None),
+    )
+
+
+def fill(disk: Path, label: str, namespace: KeyNamespace) -> set[bytes]:
+    config = CacheConfig(chunk_size=CHUNK, local_cpu=False, local_disk=(str(disk),), max_local_disk_size=0.01)
+    keys = chunk_keys(TOKENS, namespace, CHUNK)
+    with CacheEngine(config, rank_label=label) as engine:
+        for key in keys:
+            assert engine.store(key, torch.zeros(4, 16))
+        engine.flush()
+    return {k.digest for k in keys}
+
+
+@pytest.fixture
+def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    disk = tmp_path / "disk"
+    for key in list(os.environ):
+        if key.startswith("LMCACHE_") or key.startswith("LMI_CACHE_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("LMCACHE_CHUNK_SIZE", str(CHUNK))
+    monkeypatch.setenv("LMCACHE_LOCAL_CPU", "false")
+    monkeypatch.setenv("LMCACHE_LOCAL_DISK", f"file://{disk}/")
+    monkeypatch.setenv("LMCACHE_MAX_LOCAL_DISK_SIZE", "0.01")
+    return model, disk
+
+
+def test_scheduler_of_a_replica_seeds_from_its_own_live_ranks(setup: tuple[Path, Path]) -> None:
+    model, disk = setup
+    ns = KeyNamespace("x", "float32", "t")
+    own = fill(disk, rank_label(0, 1), ns) | fill(disk, rank_label(1, 1), KeyNamespace("x", "float32", "t", tp_rank=1))
+    other_replica = fill(disk, rank_label(0, 0), KeyNamespace("x", "float32", "t", tp_rank=2))
+    orphan = fill(disk, rank_label(2, 1), KeyNamespace("x", "float32", "t", tp_rank=3))  # from a TP=4 past
+    connector = LmiCacheConnector(fake_vllm_config(model, dp_index=1), KVConnectorRole.SCHEDULER, None)
+    index = connector.scheduler_side.index  # type: ignore[union-attr]
+    assert all(d in index for d in own)
+    assert not any(d in index for d in other_replica | orphan)
+    assert not (disk / "rank2-dp1").exists() and (disk / "rank0").exists()
+    assert connector._model_identity.startswith("content:") and "|dtype=float32" in connector._model_identity
+
+
+def test_identity_changes_the_scheduler_keys(setup: tuple[Path, Path]) -> None:
+    model, _ = setup
+    before = LmiCacheConnector(fake_vllm_config(model, 0), KVConnectorRole.SCHEDULER, None)
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 8}')
+    after = LmiCacheConnector(fake_vllm_config(model, 0), KVConnectorRole.SCHEDULER, None)
+    key_before = before._keys(TOKENS, 0, "t", None, None)[0]
+    key_after = after._keys(TOKENS, 0, "t", None, None)[0]
+    assert key_before.digest != key_after.digest
+
+
+def test_workers_of_a_replica_write_their_own_directory(setup: tuple[Path, Path]) -> None:
+    model, disk = setup
+    connector = LmiCacheConnector(fake_vllm_config(model, dp_index=1), KVConnectorRole.WORKER, None)
+    side = connector.worker_side
+    assert side is not None
+    engine = side._engine_factory()  # what register_kv_caches calls (rank 0 without distributed state)
+    try:
+        assert engine.store(chunk_keys(TOKENS, KeyNamespace("x", "float32", "t"), CHUNK)[0], torch.zeros(4, 16))
+        engine.flush()
+    finally:
+        engine.close()
+    assert sorted(p.name for p in disk.iterdir()) == ["rank0-dp1"]
