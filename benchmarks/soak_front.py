@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,7 +90,7 @@ def one_request(url: str, rng: random.Random, pool: list[str], sessions: list[st
         texts = [json.loads(body)["choices"][0]["message"]["content"]]
     prompts = [prompt, pool[0]] if shape == "lmi-batch" else [prompt]
     kind = "chat" if shape == "chat" else "completion"
-    return [(f"{kind}|{adapter}|{p}", t) for p, t in zip(prompts, texts)], None
+    return [(f"{kind}|{adapter}|{p}", f"{shape}\t{t}") for p, t in zip(prompts, texts)], None
 
 
 def tree_rss_bytes(pid: int) -> int:
@@ -107,6 +108,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--no-cache", action="store_true", help="control run: serve without lmi-cache")
+    parser.add_argument("--vllm-prefix-cache", action="store_true",
+                        help="control run: vLLM's own prefix cache instead of lmi-cache")
     args = parser.parse_args()
     from lmi_cache.devtools.front_demo import make_front_model_dir
     from lmi_cache.devtools.tiny_model import make_tiny_model
@@ -114,7 +118,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="soak-front-"))
     tiny = make_tiny_model(work / "tiny-7m", "7m", seed=0)
     model_dir = make_front_model_dir(work / "model", tiny, work / "sessions",
-                                     extra=["option.max_rolling_batch_size=16"])
+                                     extra=["option.max_rolling_batch_size=16",
+                                            f"option.enable_prefix_caching={str(args.vllm_prefix_cache).lower()}"],
+                                     cache=not (args.no_cache or args.vllm_prefix_cache))
     for sub in ("rpc", "vllm-cache", "runtime"):
         (work / sub).mkdir()
     port = 18000 + os.getpid() % 1000
@@ -165,17 +171,26 @@ def main() -> int:
         first: dict[str, str] = {}
         changed = 0
         repeats = 0
+        by_kind: dict[str, int] = {}
         for answers, _ in results:
-            for key, text in answers:
+            for key, tagged in answers:
+                shape, text = tagged.split("\t", 1)
                 if key in first:
                     repeats += 1
-                    changed += text != first[key]
+                    if text != first[key]:
+                        changed += 1
+                        kind = f"{key.split('|')[0]} adapter={key.split('|')[1]} shape={shape}"
+                        by_kind[kind] = by_kind.get(kind, 0) + 1
                 else:
                     first[key] = text
-        print(f"{args.requests} requests at concurrency {args.concurrency} in {elapsed:.1f} s: "
+        mode = "vLLM prefix cache" if args.vllm_prefix_cache else "no cache" if args.no_cache else "lmi-cache"
+        print(f"{mode}: "
+              f"{args.requests} requests at concurrency {args.concurrency} in {elapsed:.1f} s: "
               f"{len(errors)} errors, {repeats} repeated answers, {changed} differing from the first")
         for err in errors[:5]:
             print(f"  error: {err}")
+        for kind, count in sorted(by_kind.items()):
+            print(f"  differing: {count} x {kind}")
         step = max(1, len(samples) // 12)
         curve = ", ".join(f"{t:.0f}s {rss / 2**30:.2f}" for t, rss in samples[::step])
         print(f"resident memory of the server tree (GiB): {curve}")
@@ -189,6 +204,10 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+        if os.environ.get("LMI_CACHE_KEEP_SOAK"):
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
