@@ -23,9 +23,11 @@ void paged_copy_cpu(const PagedCopyArgs& a) {
     int64_t i = begin;
     while (i < end) {
       const int64_t item = i / a.num_runs;
-      char* paged;
-      char* chunk;
-      item_addresses(a, item, &paged, &chunk);
+      // Layer-major order: consecutive rows of one layer fill a chunk's layer slab front to back.
+      const int64_t layer = item / a.num_entries;
+      const int64_t* row = a.table + 3 * (item - layer * a.num_entries);
+      char* paged = a.layer_ptrs[layer] + row[2] * a.block_stride_bytes;
+      char* chunk = a.chunk_ptrs[row[0]] + (layer * a.blocks_per_chunk + row[1]) * block_bytes(a);
       // Runs of one item are consecutive in i: walk them without re-deriving the addresses.
       const int64_t item_end = std::min(end, (item + 1) * a.num_runs);
       for (int64_t r = i - item * a.num_runs; i < item_end; ++i, ++r) {
