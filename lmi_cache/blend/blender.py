@@ -106,24 +106,38 @@ def segment_kv(model: LayerwiseModel, token_ids: torch.Tensor) -> KVStack:
     return prefill(model, token_ids)[0]
 
 
-def rerotated_segments(model: LayerwiseModel, cached: Sequence[KVStack], start: int) -> KVStack:
-    """Cached segment KVs laid end to end from position ``start``, every layer's K re-rotated."""
+def rerotated_segments(model: LayerwiseModel, cached: Sequence[KVStack | None], lengths: Sequence[int],
+                       start: int) -> KVStack:
+    """Cached segment KVs laid end to end from position ``start``, every layer's K re-rotated.
+
+    A segment without cached KV (None) gets zeros: the blender recomputes all of its tokens.
+    """
+    like = next((seg for seg in cached if seg is not None), None)
+    if like is None:
+        raise ValueError("at least one segment must have cached KV")
     ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
     offset = start
-    for seg in cached:
-        n = seg.num_tokens
-        old = torch.arange(n)
-        new = old + offset
-        ks.append(torch.stack([rerotate(seg.k[layer], old, new, model.rope) for layer in range(seg.k.shape[0])]))
+    for seg, n in zip(cached, lengths):
+        if seg is None:
+            ks.append(like.k.new_zeros((like.k.shape[0], n, *like.k.shape[2:])))
+            vs.append(like.v.new_zeros((like.v.shape[0], n, *like.v.shape[2:])))
+        else:
+            if seg.num_tokens != n:
+                raise ValueError(f"cached KV holds {seg.num_tokens} tokens, its segment {n}")
+            old = torch.arange(n)
+            new = old + offset
+            ks.append(torch.stack([rerotate(seg.k[layer], old, new, model.rope) for layer in range(seg.k.shape[0])]))
+            vs.append(seg.v)
         offset += n
-    return KVStack(torch.cat(ks, dim=1), torch.cat([seg.v for seg in cached], dim=1))
+    return KVStack(torch.cat(ks, dim=1), torch.cat(vs, dim=1))
 
 
 def blend(
     model: LayerwiseModel,
     prefix_kv: KVStack,
     segment_tokens: Sequence[torch.Tensor],
-    cached: Sequence[KVStack],
+    cached: Sequence[KVStack | None],
     check_layers: Sequence[int],
     recompute_counts: Sequence[int],
     selection: Literal["topk", "random"] = "topk",
@@ -132,18 +146,20 @@ def blend(
 ) -> BlendOutcome:
     """Blend cached segments after an exact prefix; see the module docstring.
 
-    ``recompute_counts[i]`` tokens (of all blended tokens) stay in the recompute set after
-    ``check_layers[i]``; each check selects among the tokens the previous one kept.
+    ``cached[i]`` is segment i's stored KV, or None when it is not cached: its tokens are then
+    computed in full (never deselected). ``recompute_counts[i]`` cached tokens stay in the
+    recompute set after ``check_layers[i]``; each check selects among those the previous one kept.
     """
     if len(segment_tokens) != len(cached) or not cached:
-        raise ValueError("give the token ids and the cached KV of each segment (at least one)")
+        raise ValueError("give the token ids and the cached KV (or None) of each segment (at least one)")
     if len(check_layers) != len(recompute_counts):
         raise ValueError("one recompute count per check layer")
     tokens = torch.cat(list(segment_tokens))
     start = prefix_kv.num_tokens
     positions = torch.arange(start, start + tokens.numel())
     all_positions = torch.arange(start + tokens.numel())
-    cached_kv = rerotated_segments(model, cached, start)
+    cached_kv = rerotated_segments(model, cached, [int(t.numel()) for t in segment_tokens], start)
+    forced = torch.cat([torch.full((int(t.numel()),), c is None) for t, c in zip(segment_tokens, cached)])
     out_k, out_v = cached_kv.k.clone(), cached_kv.v.clone()
     counts = dict(zip(check_layers, recompute_counts))
     active = torch.arange(tokens.numel())
@@ -157,16 +173,9 @@ def blend(
         out_k[layer, active] = k
         out_v[layer, active] = v
         if layer in counts:
-            if selection == "topk":
-                with_v = deviation == "kv"
-                scores = kv_deviation(
-                    k, cached_kv.k[layer, active], v if with_v else None, cached_kv.v[layer, active] if with_v else None
-                )
-                keep = select_topk(scores, counts[layer])
-            else:
-                if generator is None:
-                    raise ValueError("random selection needs a seeded torch.Generator")
-                keep = select_random(active.numel(), counts[layer], generator)
+            keep = _select(
+                k, v, cached_kv, layer, active, forced[active], counts[layer], selection, deviation, generator
+            )
             active, q, hidden, pos = active[keep], q[keep], hidden[keep], pos[keep]
             if active.numel() == 0:
                 break
@@ -177,9 +186,41 @@ def blend(
     return BlendOutcome(prefix_kv.cat(KVStack(out_k, out_v)), active)
 
 
+def _select(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cached_kv: KVStack,
+    layer: int,
+    active: torch.Tensor,
+    forced: torch.Tensor,
+    count: int,
+    selection: Literal["topk", "random"],
+    deviation: Literal["k", "kv"],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Positions within ``active`` that stay: every forced one plus ``count`` chosen among the rest."""
+    candidates = torch.nonzero(~forced).flatten()
+    if selection == "topk":
+        with_v = deviation == "kv"
+        scores = kv_deviation(
+            k[candidates],
+            cached_kv.k[layer, active[candidates]],
+            v[candidates] if with_v else None,
+            cached_kv.v[layer, active[candidates]] if with_v else None,
+        )
+        chosen = select_topk(scores, count)
+    else:
+        if generator is None:
+            raise ValueError("random selection needs a seeded torch.Generator")
+        chosen = select_random(candidates.numel(), count, generator)
+    if not bool(forced.any()):
+        return candidates[chosen]
+    return torch.sort(torch.cat((torch.nonzero(forced).flatten(), candidates[chosen]))).values
+
+
 def naive_concat(model: LayerwiseModel, prefix_kv: KVStack, cached: Sequence[KVStack]) -> KVStack:
     """The baseline with no recompute at all: cached segment KV re-rotated and appended to the prefix."""
-    return prefix_kv.cat(rerotated_segments(model, cached, prefix_kv.num_tokens))
+    return prefix_kv.cat(rerotated_segments(model, cached, [c.num_tokens for c in cached], prefix_kv.num_tokens))
 
 
 def next_token_logits(model: LayerwiseModel, context: KVStack, tail_ids: torch.Tensor) -> torch.Tensor:

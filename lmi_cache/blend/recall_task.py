@@ -27,11 +27,11 @@ _FIRST_FREE_ID = 4
 class RecallTask:
     """Shape of the task; token ids: 0-3 specials, then keys, then values."""
 
-    num_keys: int = 40
-    num_values: int = 40
+    num_keys: int = 24
+    num_values: int = 24
     num_docs: int = 4
-    pairs_per_doc: int = 5
-    num_questions: int = 6
+    pairs_per_doc: int = 4
+    num_questions: int = 8
     distractor_prob: float = 0.5
 
     @property
@@ -97,13 +97,17 @@ def sample_prompt(task: RecallTask, rng: random.Random) -> RecallPrompt:
 
 
 def training_batch(task: RecallTask, rng: random.Random, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input ids [B, T] and labels [B, T] (-100 except at answers), for next-token training."""
+    """Input ids [B, T] and labels [B, T] (-100 except at answers), for transformers' causal LM loss.
+
+    Labels sit on the answer tokens themselves: transformers shifts them, so the logits
+    after each question's key are trained to predict its answer.
+    """
     rows, labels = [], []
     for _ in range(batch_size):
         ids, answer_at = sample_prompt(task, rng).training_ids()
         label = [-100] * len(ids)
         for pos in answer_at:
-            label[pos] = ids[pos + 1]
+            label[pos + 1] = ids[pos + 1]
         rows.append(ids)
         labels.append(label)
     return torch.tensor(rows), torch.tensor(labels)

@@ -110,3 +110,51 @@ def segment_key(tokens: Sequence[int] | np.ndarray, namespace: KeyNamespace) -> 
     fingerprint.update(SEGMENT_SCHEME_TAG)
     fingerprint.update(body)
     return SegmentKey(digest.digest(), fingerprint.intdigest(), len(body) // 4)
+
+
+@dataclass(frozen=True)
+class BlendPlan:
+    """What one request blends: after ``prefix_tokens`` exact tokens, ``pieces`` then the tail.
+
+    Each piece is a span with a flag saying whether its segment KV is cached; uncached
+    pieces (a segment not in the store, or the part of a segment the exact prefix hit
+    cut into) are computed in full by the blender. The tail is prefilled normally.
+    """
+
+    prefix_tokens: int
+    pieces: tuple[tuple[Span, bool], ...]
+    tail: Span
+
+    @property
+    def blended_tokens(self) -> int:
+        """Tokens whose KV comes from the segment cache."""
+        return sum(span.num_tokens for span, hit in self.pieces if hit)
+
+
+def plan_blend(
+    split: SegmentSplit, prefix_hit_tokens: int, segment_cached: Sequence[bool], min_tokens: int
+) -> BlendPlan | None:
+    """The blend for a request whose first ``prefix_hit_tokens`` are an exact prefix hit, or None.
+
+    None when fewer than ``min_tokens`` (``blend_min_tokens``) tokens would come from cached
+    segments: such a request is served by the prefix path alone. Uncached segments after the
+    last cached one join the tail (blending them would only cost a pass).
+    """
+    if len(segment_cached) != len(split.segments):
+        raise ValueError("one cached flag per segment")
+    pieces: list[tuple[Span, bool]] = []
+    for span, hit in zip(split.segments, segment_cached):
+        if span.end <= prefix_hit_tokens:
+            continue
+        if span.start < prefix_hit_tokens:
+            pieces.append((Span(prefix_hit_tokens, span.end), False))
+        else:
+            pieces.append((span, bool(hit)))
+    while pieces and not pieces[-1][1]:
+        pieces.pop()
+    if not pieces:
+        return None
+    plan = BlendPlan(prefix_hit_tokens, tuple(pieces), Span(pieces[-1][0].end, split.tail.end))
+    if plan.blended_tokens == 0 or plan.blended_tokens < min_tokens:
+        return None
+    return plan

@@ -119,3 +119,18 @@ def test_quality_curve_ends_exact_and_improves_on_naive() -> None:
     assert rows["prefix-only caching"].mean_kl < 1e-8
     assert rows["naive concatenation"].mean_kl > 1e-3
     assert rows["blend 0.3"].mean_kl < rows["naive concatenation"].mean_kl
+
+
+def test_uncached_segment_is_computed_in_full(model: Any) -> None:
+    adapter = HFLayerwiseModel(model)
+    prefix, segments, tail = _case(7)
+    with torch.no_grad():
+        prefix_kv, _ = prefill(adapter, prefix)
+        exact = prefix_kv.cat(prefill(adapter, torch.cat(segments), prefix_kv)[0])
+        cached = [segment_kv(adapter, segments[0]), None, segment_kv(adapter, segments[2])]
+        n_cached = segments[0].numel() + segments[2].numel()
+        full = blend(adapter, prefix_kv, segments, cached, [1], [n_cached])
+        assert torch.equal(full.kv.k, exact.k) and torch.equal(full.kv.v, exact.v)
+        none = blend(adapter, prefix_kv, segments, cached, [1], [0])
+    first, second = segments[0].numel(), segments[1].numel()
+    assert torch.equal(none.recomputed, torch.arange(first, first + second))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmi_cache.blend.segments import Span, segment_key, separator_ids, split_segments
+from lmi_cache.blend.segments import Span, plan_blend, segment_key, separator_ids, split_segments
 from lmi_cache.chunk_hashing import KeyNamespace, chunk_keys
 
 NS = KeyNamespace(model="m", kv_dtype="float32", layout="cpu-v1")
@@ -69,3 +69,32 @@ def test_segment_key_is_never_a_chunk_key() -> None:
     chunk_digests = {k.digest for size in (1, 4, 16) for k in chunk_keys(tokens, NS, size, include_partial=True)}
     assert seg.digest not in chunk_digests
     assert seg.fingerprint not in {k.fingerprint for k in chunk_keys(tokens, NS, 16)}
+
+
+def test_plan_blend_after_a_prefix_hit() -> None:
+    split = split_segments([1, 2, 9, 3, 4, 9, 5, 6, 9, 7, 8, 9, 0], [9])  # segments of 3 tokens, tail [0]
+    plan = plan_blend(split, prefix_hit_tokens=3, segment_cached=[True, True, False, True], min_tokens=4)
+    assert plan is not None
+    assert plan.prefix_tokens == 3
+    assert plan.pieces == ((Span(3, 6), True), (Span(6, 9), False), (Span(9, 12), True))
+    assert plan.tail == Span(12, 13) and plan.blended_tokens == 6
+
+
+def test_plan_blend_cut_segment_and_trailing_misses() -> None:
+    split = split_segments([1, 2, 9, 3, 4, 9, 5, 6, 9, 0], [9])
+    plan = plan_blend(split, prefix_hit_tokens=4, segment_cached=[True, True, True, False][:3], min_tokens=0)
+    assert plan is not None
+    assert plan.pieces == ((Span(4, 6), False), (Span(6, 9), True))
+    split2 = split_segments([1, 9, 2, 9, 3, 9, 0], [9])
+    plan2 = plan_blend(split2, 0, [True, False, False], min_tokens=0)
+    assert plan2 is not None and plan2.pieces == ((Span(0, 2), True),) and plan2.tail == Span(2, 7)
+
+
+def test_plan_blend_declines_below_min_tokens_or_without_hits() -> None:
+    split = split_segments([1, 2, 9, 3, 4, 9, 0], [9])
+    assert plan_blend(split, 0, [True, True], min_tokens=7) is None
+    assert plan_blend(split, 0, [True, True], min_tokens=6) is not None
+    assert plan_blend(split, 0, [False, False], min_tokens=0) is None
+    assert plan_blend(split, 6, [True, True], min_tokens=0) is None
+    with pytest.raises(ValueError):
+        plan_blend(split, 0, [True], min_tokens=0)
