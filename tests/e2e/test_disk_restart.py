@@ -62,7 +62,7 @@ def test_load_beyond_vllm_own_prefix_hit(restart_run: dict[str, Any]) -> None:
     reload = phase(restart_run, "reload")
     loaded_chunks = sum(expected_hit_tokens(len(d)) // 256 for d in DOCS) - 1
     assert reload["delta"]["worker.num_chunks_loaded"] == loaded_chunks
-    assert reload["delta"]["scheduler.num_hit_tokens"] == sum(expected_hit_tokens(len(d)) for d in DOCS) - 256
+    assert reload["delta"]["scheduler.num_load_tokens"] == sum(expected_hit_tokens(len(d)) for d in DOCS) - 256
 
 
 def test_corrupted_disk_files_are_recomputed(baseline: dict[str, Any], restart_run: dict[str, Any]) -> None:
