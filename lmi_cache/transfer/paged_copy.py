@@ -167,7 +167,8 @@ class PagedChunkCopier(TransferHandler):
             raise ChunkShapeError(f"blocks {block_offset}..{block_offset + num} outside a chunk of {self._blocks_per_chunk}")
         table = self._table(block_ids, block_offset)
         if self._streams is None:
-            kernels.scatter(self._views, table, [chunk])
+            # The native kernels read contiguous buffers; engines hand out contiguous ones, so this rarely copies.
+            kernels.scatter(self._views, table, [chunk.contiguous()])
             return
         assert self._device_load_staging is not None
         compute = self._streams.current_stream(self._device)

@@ -223,3 +223,15 @@ def test_cuda_copier_moves_exact_blocks_through_side_streams(kind: str) -> None:
         assert torch.equal(block_of(dst[layer_idx], kind, 2), block_of(src[layer_idx], kind, 0))
         assert torch.equal(block_of(dst[layer_idx], kind, 7), block_of(src[layer_idx], kind, 9))
         assert int(block_of(dst[layer_idx], kind, 5).abs().sum()) == 0
+
+
+def test_scatter_accepts_a_non_contiguous_chunk_buffer() -> None:
+    src = make_layers("flash_nhd", 12)
+    copier = copier_for(src, 2)
+    chunk = copier.gather_chunk([3, 8]).clone()
+    strided = chunk.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    assert not strided.is_contiguous()
+    dst = [torch.zeros_like(t) for t in src]
+    copier_for(dst, 2).scatter_chunk(strided, [0, 1])
+    assert torch.equal(block_of(dst[2], "flash_nhd", 0), block_of(src[2], "flash_nhd", 3))
+    assert torch.equal(block_of(dst[2], "flash_nhd", 1), block_of(src[2], "flash_nhd", 8))
