@@ -24,6 +24,7 @@ from lmi_cache.config_keys import (
     SERVED_REMOTE_SCHEMES,
     UNSUPPORTED_FEATURES,
 )
+from lmi_cache.config_remote import REMOTE_EXTRA_KEYS, parse_lookup_timeout, parse_remote_extra, parse_serde, remote_settings
 from lmi_cache.config_env import env_names, env_override_names, env_where, misspelt_env_warnings  # noqa: F401 (re-exported)
 from lmi_cache.config_values import (
     MAX_CHUNK_TOKENS,
@@ -62,13 +63,25 @@ class CacheConfig:
     save_decode_cache: bool = False  # also store KV produced while decoding
     cache_policy: str = "LRU"  # eviction policy of every tier: LRU or FIFO
     min_retrieve_tokens: int = 0  # a hit shorter than this is reported as 0
-    remote_url: str | None = None  # any LMCache remote_url scheme; accepted, the remote tier is off for now
+    remote_url: str | None = None  # redis/rediss/valkey/valkeys/unix/s3 turn the remote tier on; others warn
+    remote_serde: str = "naive"  # LMCache remote_serde: only the lossless "naive"
+    lookup_timeout_ms: int = 50  # remote existence checks give up after this (LMCache's default is 3000)
     use_odirect: bool = False  # extra_config.use_odirect: O_DIRECT disk I/O where the FS allows
     disk_feed: str = "write_through"  # extra_config.disk_feed: write_through or demote (on CPU eviction)
     disk_fsync: bool = False  # extra_config.disk_fsync: fsync each file before the rename
     disk_write_workers: int = 2  # extra_config.disk_write_workers: threads writing files
     disk_read_workers: int = 2  # extra_config.disk_read_workers: parallel reads in retrieve_many
     disk_queue_depth: int = 64  # extra_config.disk_queue_depth: queued writes before stores drop
+    # extra_config keys of the remote tier (lmi_cache.config_remote; RemoteSettings documents each).
+    remote_compression: str = "off"  # off | zstd | zstd-planes (lossless)
+    remote_io_timeout_ms: int = 2000  # a batched remote load or store batch gives up after this
+    remote_put_queue_bytes: int = 256 << 20  # stores waiting for the network; beyond: dropped, counted
+    remote_key_prefix: str = "lmi-cache"  # first part of every remote key
+    remote_ttl_s: int = 0  # Redis/Valkey expiry (0: until the store evicts)
+    remote_cluster: bool = False  # Redis/Valkey cluster mode (or ?cluster=true in the URL)
+    s3_endpoint_url: str | None = None  # S3-compatible endpoint
+    s3_region: str | None = None  # S3 region (default: boto3's chain)
+    remote_max_workers: int = 16  # parallel S3 requests per batch
 
     @property
     def cpu_capacity_bytes(self) -> int:
@@ -99,6 +112,8 @@ _SIMPLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "save_unfull_chunk": parse_bool,
     "save_decode_cache": parse_bool,
     "min_retrieve_tokens": lambda v, w: parse_int(v, w, minimum=0),
+    "remote_serde": parse_serde,
+    "lookup_timeout_ms": parse_lookup_timeout,
 }
 # extra_config integer keys -> their upper bound (threads and queue slots are allocated up front).
 _EXTRA_INT_MAX = {"disk_write_workers": MAX_DISK_WORKERS, "disk_read_workers": MAX_DISK_WORKERS,
@@ -123,7 +138,9 @@ def _parse_extra(
     for key in sorted(EXTRA_CONFIG_KEYS & set(extra)):
         kw = where_of(f"extra_config.{key}")
         value = extra[key]
-        if key in ("use_odirect", "disk_fsync"):
+        if key in REMOTE_EXTRA_KEYS:
+            fields[key] = parse_remote_extra(key, value, kw)
+        elif key in ("use_odirect", "disk_fsync"):
             fields[key] = parse_bool(value, kw)
         elif key == "disk_feed":
             feed = str(value).strip().lower().replace("-", "_")
@@ -219,7 +236,12 @@ def _check(config: CacheConfig, source: str, warnings: list[str]) -> None:
     scheme = (config.remote_url or "").partition("://")[0].lower()
     if config.remote_url and scheme not in SERVED_REMOTE_SCHEMES:
         warnings.append(f"{source}: remote_url ({scheme}://) is a valid LMCache remote store, but lmi_cache has "
-                        "no remote tier yet: the remote tier is off (the local tiers still serve)")
+                        "no store for it: the remote tier is off (the local tiers still serve); lmi_cache serves "
+                        "redis://, rediss://, valkey://, valkeys://, unix:// and s3://")
+    if config.remote_url and scheme not in SERVED_REMOTE_SCHEMES and config.remote_serde != "naive":
+        warnings.append(f"{source}: remote_serde {config.remote_serde} is not used (no remote tier for "
+                        f"{scheme}://); lmi_cache's remote tier stores KV losslessly (remote_serde: naive)")
+    remote_settings(config, source)  # a served URL the store cannot use is an error now, not at the first request
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> tuple[CacheConfig, list[str]]:
@@ -306,6 +328,9 @@ def config_to_dict(config: CacheConfig) -> dict[str, Any]:
         elif field.name == "local_disk":
             if value:
                 data[field.name] = ",".join(f"file://{p.rstrip('/')}/" for p in value)
+        elif field.name in ("remote_serde", "lookup_timeout_ms"):
+            if value != getattr(defaults, field.name):
+                data[field.name] = value
         elif value is not None:
             data[field.name] = value
     if extra:

@@ -133,6 +133,8 @@ IMPLEMENTED_KEYS: frozenset[str] = frozenset(
         "cache_policy",
         "min_retrieve_tokens",
         "remote_url",
+        "remote_serde",
+        "lookup_timeout_ms",
         "extra_config",
     }
 )
@@ -187,7 +189,7 @@ UNSUPPORTED_FEATURES: dict[str, str] = {
 # Every remote_url scheme an LMCache 0.3-0.5 connector adapter accepts (each adapter's
 # ``schema``; redis also takes rediss:// and unix://, couchbase also couchbases://),
 # plus valkeys:// (Valkey over TLS), which lmi_cache's own remote store speaks.
-# lmi_cache has no remote tier yet: any of these is accepted with a warning that the
+# Those lmi_cache does not serve (SERVED_REMOTE_SCHEMES) are accepted with a warning that the
 # remote tier is off; another scheme is an error (most likely a typo).
 REMOTE_URL_SCHEMES: tuple[str, ...] = (
     "lm", "redis", "rediss", "unix", "redis-sentinel", "resp", "valkey", "valkeys", "valkey-sync",
@@ -196,9 +198,8 @@ REMOTE_URL_SCHEMES: tuple[str, ...] = (
     "mock", "external", "benchmark",
 )
 
-# The schemes lmi_cache's own remote tier serves; the others warn that the remote tier is off.
-# Empty until the fleet tier is wired into the engine: whoever wires it adds its schemes here.
-SERVED_REMOTE_SCHEMES: frozenset[str] = frozenset()
+# The schemes lmi_cache's own remote tier serves (lmi_cache.remote); the others warn that the remote tier is off.
+SERVED_REMOTE_SCHEMES: frozenset[str] = frozenset({"redis", "rediss", "valkey", "valkeys", "unix", "s3"})
 
 # LMCACHE_* environment variables LMCache reads that are not configuration keys (names
 # after the prefix). LMCache reads many more ad hoc (timing, telemetry, ...), so only a
@@ -209,5 +210,7 @@ ENV_NON_KEY_PREFIXES: tuple[str, ...] = ("EC_",)
 
 # extra_config keys lmi_cache reads (LMCache's extra_config is an untyped bag).
 EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(
-    {"use_odirect", "disk_feed", "disk_fsync", "disk_write_workers", "disk_read_workers", "disk_queue_depth"}
+    {"use_odirect", "disk_feed", "disk_fsync", "disk_write_workers", "disk_read_workers", "disk_queue_depth",
+     "remote_compression", "remote_io_timeout_ms", "remote_put_queue_bytes", "remote_key_prefix", "remote_ttl_s",
+     "remote_cluster", "s3_endpoint_url", "s3_region", "remote_max_workers"}
 )

@@ -26,6 +26,9 @@ Contract (the vLLM connector builds on exactly this; extend, don't change):
 - ``retrieve_many(keys, outs=None) -> list[Tensor | None]``: ``retrieve`` of
   each key, disk reads in parallel (one file per chunk needs several reads in
   flight to match a sequential stream); results in key order.
+- ``stage_remote(keys) -> int``: fetch the chunks among ``keys`` the local
+  tiers lack from the remote store in one batched round trip, for the
+  ``retrieve`` calls that follow (the connector calls it once per load step).
 - ``drain_events() -> (stored, removed)``: digests newly present in some tier
   and digests no longer in any tier since the last call (for the scheduler's
   index; a hint, since a race can make an entry stale: loads stay verified).
@@ -43,6 +46,12 @@ queues every stored chunk for disk at once, so a restart or crash loses at
 most the queue and the scheduler's index of disk contents stays accurate;
 ``demote`` writes a chunk only when the CPU tier evicts it. See the README's
 benchmark section for the measured trade-off.
+
+Remote tier (``remote_url``, ``lmi_cache.remote``): every newly stored chunk is
+also offered to the remote store's bounded queue (never waited for); a load
+that misses CPU and disk reads the remote store, verifies the value (header,
+checksum, MAC) and promotes it into the CPU tier. A remote miss or fault is a
+miss (the connector's load-error path recomputes it).
 """
 from __future__ import annotations
 
@@ -51,7 +60,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -59,6 +68,7 @@ import torch
 from lmi_cache.chunk_format import HEADER_BYTES, ChunkHeader, unpack_header
 from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
 from lmi_cache.config import CacheConfig
+from lmi_cache.config_remote import remote_settings
 from lmi_cache.eviction.base import make_policy
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers import disk_io
@@ -110,10 +120,12 @@ class CacheEngine:
             )
             assert isinstance(cpu, CpuTier)
             self._cpu = cpu
-        if config.remote_url:
-            # The scheme only: the URL can carry a password (redis://user:secret@host).
-            logger.warning("remote_url %s:// is not used yet: remote tiers come in a later release",
-                           config.remote_url.partition("://")[0])
+        self._remote: Any = None  # lmi_cache.remote.tier.RemoteTier, imported only when configured
+        settings = remote_settings(config)
+        if settings is not None:
+            from lmi_cache.remote.tier import RemoteTier
+
+            self._remote = RemoteTier(settings, metrics=self.metrics, warner=self._warner)
 
     # ------------------------------------------------------------ lookup
     def keys_for(self, tokens: Sequence[int] | np.ndarray, namespace: KeyNamespace) -> list[ChunkKey]:
@@ -171,25 +183,38 @@ class CacheEngine:
     def _store(self, key: ChunkKey, header: ChunkHeader, payload: torch.Tensor | PayloadFill) -> bool:
         was_present = self.contains(key) is not None
         stored = False
+        obj: np.ndarray | None = None  # header + payload, for the remote tier
         if self._cpu is not None:
             entry = self._cpu.put(key, header, payload, pin=self._write_through)
             if entry is not None:
                 stored = True
+                obj = entry.buffer[: entry.header.total_bytes].numpy()
                 if self._write_through and self._disk is not None:
                     self._disk.put(key, entry.header, _payload_array(entry), release=lambda: self._unpin(entry),
                                    object_buffer=entry.buffer.numpy())
         if not stored and self._disk is not None:
             # No CPU tier (or it is full of pinned entries): the disk writer needs its own copy.
-            obj = disk_io.aligned_buffer(header.total_bytes)  # aligned: O_DIRECT writes it as is
-            target = torch.from_numpy(obj[HEADER_BYTES : header.total_bytes])
+            disk_obj = disk_io.aligned_buffer(header.total_bytes)  # aligned: O_DIRECT writes it as is
+            target = torch.from_numpy(disk_obj[HEADER_BYTES : header.total_bytes])
             if isinstance(payload, torch.Tensor):
                 copy_bytes(target, payload)
             else:
                 payload(target.view(torch_dtype(header.dtype)).view(header.shape))
-            stored = self._disk.put(key, header, obj[HEADER_BYTES : header.total_bytes], object_buffer=obj)
+            stored = self._disk.put(key, header, disk_obj[HEADER_BYTES : header.total_bytes], object_buffer=disk_obj)
+            obj = disk_obj[: header.total_bytes]
         if stored and not was_present:
             with self._events_lock:
                 self._stored_events.append(key.digest)
+        if self._remote is not None and not was_present:
+            if obj is None:  # no local tier took it: the remote queue copies it from a scratch object
+                obj = np.empty(header.total_bytes, dtype=np.uint8)
+                obj[:HEADER_BYTES] = np.frombuffer(header.pack(), dtype=np.uint8)
+                target = torch.from_numpy(obj[HEADER_BYTES:])
+                if isinstance(payload, torch.Tensor):
+                    copy_bytes(target, payload)
+                else:
+                    payload(target.view(torch_dtype(header.dtype)).view(header.shape))
+            stored = self._remote.offer(key, obj) or stored
         return stored
 
     def _unpin(self, entry: CpuEntry) -> None:
@@ -213,8 +238,13 @@ class CacheEngine:
                 self.metrics.loaded("cpu", time.perf_counter() - start_s)
                 self.metrics.loaded_tokens("cpu", key.num_tokens)
                 return result
-        if self._disk is None:
-            return None
+        result = self._retrieve_disk(key, out) if self._disk is not None else None
+        if result is None and self._remote is not None:
+            return self._retrieve_remote(key, out)
+        return result
+
+    def _retrieve_disk(self, key: ChunkKey, out: torch.Tensor | None) -> torch.Tensor | None:
+        assert self._disk is not None
         if out is not None and out.device.type == "cpu" and out.is_contiguous():
             return self._retrieve_disk_into(key, out)
         # With ``out`` (on a GPU) the bytes are copied anyway: read into a warm per-thread buffer.
@@ -242,6 +272,31 @@ class CacheEngine:
                 self._read_pool = ThreadPoolExecutor(self.config.disk_read_workers, thread_name_prefix="lmi-disk-reader")
         futures = [self._read_pool.submit(self.retrieve, key, out) for key, out in zip(keys, targets)]
         return [future.result() for future in futures]
+
+    def _retrieve_remote(self, key: ChunkKey, out: torch.Tensor | None) -> torch.Tensor | None:
+        from lmi_cache.remote.tier import fill_from
+
+        chunk = self._remote.take(key)
+        if chunk is None:
+            return None
+        result = fill_from(chunk, out)
+        if self._cpu is not None:  # promotion: later loads of this chunk stay local
+            source = result.detach().reshape(-1).view(torch.uint8)
+            if self._cpu.put(key, chunk.header, source) is not None:
+                with self._events_lock:
+                    self._stored_events.append(key.digest)
+        self.metrics.loaded_tokens(self._remote.name, key.num_tokens)
+        return result
+
+    def stage_remote(self, keys: Sequence[ChunkKey]) -> int:
+        """One batched remote read of the chunks among ``keys`` no local tier holds; how many were found."""
+        if self._remote is None:
+            return 0
+        try:
+            return int(self._remote.stage([k for k in keys if self.contains(k) is None]))
+        except Exception as err:  # the failure policy: the loads that follow fetch one by one or miss
+            self._warner.warn("stage", f"remote prefetch failed ({err!r}); loads fetch chunk by chunk")
+            return 0
 
     def _retrieve_disk_into(self, key: ChunkKey, out: torch.Tensor) -> torch.Tensor | None:
         assert self._disk is not None
@@ -286,6 +341,8 @@ class CacheEngine:
     def flush(self, timeout_s: float = 30.0) -> None:
         if self._disk is not None and not self._disk.flush(timeout_s):
             logger.warning("disk tier: %d writes still queued after %.1f s", self._disk.queued_writes, timeout_s)
+        if self._remote is not None and not self._remote.flush(timeout_s):
+            logger.warning("remote tier: stores still queued after %.1f s", timeout_s)
 
     def clear(self) -> None:
         digests: set[bytes] = set()
@@ -307,6 +364,8 @@ class CacheEngine:
             stats["disk_used_bytes"] = self._disk.used_bytes
             stats["disk_capacity_bytes"] = self._disk.capacity_bytes
             stats["disk_queued_writes"] = self._disk.queued_writes
+        if self._remote is not None:
+            stats.update(self._remote.stats())
         return stats
 
     def close(self) -> None:
@@ -317,6 +376,8 @@ class CacheEngine:
             self._read_pool.shutdown(wait=True)
         if self._disk is not None:
             self._disk.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> CacheEngine:
         return self

@@ -1,0 +1,149 @@
+"""The engine with a remote tier behind CPU (and disk), against a real redis-server and moto S3.
+
+Two engines stand for two servers of a fleet: what one stores, the other
+loads (verified, promoted into its CPU tier, reported to the scheduler's
+index); damaged values, a store that is down and a full queue are misses,
+never errors or wrong bytes.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from remote_fixtures import BUCKET, moto_s3, redis_server  # noqa: E402,F401
+
+from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace  # noqa: E402
+from lmi_cache.config import CacheConfig, config_from_dict  # noqa: E402
+from lmi_cache.engine import CacheEngine  # noqa: E402
+from lmi_cache.remote.redis_server import RedisServer, free_port  # noqa: E402
+
+CHUNK = 16
+SHAPE = (2, CHUNK, 4, 8)  # per chunk: K/V x tokens x heads x head size
+
+
+def fleet_config(url: str, prefix: str, **fields: Any) -> CacheConfig:
+    extra = {"remote_key_prefix": prefix, **fields.pop("extra", {})}
+    config, warnings = config_from_dict({"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "remote_url": url,
+                                         "lookup_timeout_ms": 500, "extra_config": extra, **fields}, "fleet.yaml")
+    assert warnings == []
+    return config
+
+
+def keys_and_data(num: int, seed: int = 0) -> tuple[list[ChunkKey], list[torch.Tensor]]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 30000, size=num * CHUNK)
+    engine_keys = CacheEngine(CacheConfig(chunk_size=CHUNK, local_cpu=False)).keys_for(
+        tokens, KeyNamespace("m", "bfloat16", "test-v1"))
+    data = [torch.from_numpy(rng.normal(size=SHAPE).astype(np.float32)).to(torch.bfloat16) for _ in range(num)]
+    return engine_keys, data
+
+
+def test_a_second_engine_loads_what_the_first_stored(redis_server: RedisServer) -> None:
+    keys, data = keys_and_data(4)
+    with CacheEngine(fleet_config(redis_server.url, "two-engines")) as first:
+        assert all(first.store(k, d) for k, d in zip(keys, data))
+        first.flush(10.0)
+        assert first.stats()["remote_puts_stored"] == 4
+    with CacheEngine(fleet_config(redis_server.url, "two-engines")) as second:
+        assert second.contains(keys[0]) is None  # its own tiers are empty
+        assert second.stage_remote(keys) == 4  # one batched GET
+        out = torch.empty(SHAPE, dtype=torch.bfloat16)
+        for key, expected in zip(keys, data):
+            got = second.retrieve(key, out=out)
+            assert got is not None and torch.equal(got, expected)
+        assert second.contains(keys[0]) == "cpu"  # promoted
+        stored, _ = second.drain_events()
+        assert set(stored) == {k.digest for k in keys}  # the scheduler's index learns the promoted chunks
+        stats = second.stats()
+        assert stats["redis_loaded_tokens"] == 4 * CHUNK and stats["redis_loads"] == 4  # tier label "redis"
+        assert stats["remote_get_hits"] == 4
+        assert "cpu_loaded_tokens" not in stats
+
+
+def test_without_local_tiers_the_remote_store_serves_alone(redis_server: RedisServer) -> None:
+    keys, data = keys_and_data(2, seed=1)
+    config = fleet_config(redis_server.url, "remote-only", local_cpu=False)
+    with CacheEngine(config) as first:
+        assert first.store(keys[0], data[0]) and first.store(keys[1], data[1])
+        assert first.drain_events() == ([], [])  # nothing local: the scheduler's local index is not told
+        first.flush(10.0)
+    with CacheEngine(config) as second:
+        got = second.retrieve(keys[1])  # not staged: fetched alone
+        assert got is not None and torch.equal(got, data[1])
+
+
+def test_damaged_and_foreign_values_are_misses(redis_server: RedisServer) -> None:
+    import redis
+
+    keys, data = keys_and_data(3, seed=2)
+    with CacheEngine(fleet_config(redis_server.url, "damaged")) as first:
+        for key, value in zip(keys, data):
+            first.store(key, value)
+        first.flush(10.0)
+    client = redis.Redis.from_url(redis_server.url)
+    names = sorted(n for n in client.keys("damaged:*"))
+    assert len(names) == 3
+    value = bytearray(client.get(names[0]) or b"")
+    value[-1] ^= 0xFF
+    client.set(names[0], bytes(value))  # one flipped bit
+    client.set(names[1], b"not a chunk at all")  # another program's value
+    client.set(names[2], client.get(names[2])[:100])  # type: ignore[index]  # truncated
+    with CacheEngine(fleet_config(redis_server.url, "damaged")) as second:
+        assert second.stage_remote(keys) == 0
+        out = torch.zeros(SHAPE, dtype=torch.bfloat16)
+        assert all(second.retrieve(k, out=out) is None for k in keys)
+        assert second.contains(keys[0]) is None  # nothing damaged was promoted
+        assert second.stats()["remote_miss_corrupted"] + second.stats().get("remote_miss_truncated", 0) >= 1
+
+
+def test_a_store_that_is_down_costs_misses_not_requests() -> None:
+    keys, data = keys_and_data(2, seed=3)
+    config = fleet_config(f"redis://127.0.0.1:{free_port()}", "down", extra={"remote_io_timeout_ms": 300})
+    with CacheEngine(config) as engine:
+        assert engine.store(keys[0], data[0])  # the CPU tier still takes it
+        started = time.perf_counter()
+        assert engine.retrieve(keys[1]) is None
+        assert engine.stage_remote(keys[1:]) == 0
+        assert time.perf_counter() - started < 2.0
+        got = engine.retrieve(keys[0])
+        assert got is not None and torch.equal(got, data[0])
+
+
+def test_s3_store_round_trip(moto_s3: str) -> None:
+    keys, data = keys_and_data(2, seed=4)
+    config = fleet_config(f"s3://{BUCKET}/engine", "s3-engine", lookup_timeout_ms=3000,
+                          extra={"s3_endpoint_url": moto_s3, "s3_region": "us-east-1",
+                                 "remote_io_timeout_ms": 5000, "remote_compression": "zstd-planes"})
+    with CacheEngine(config) as first:
+        for key, value in zip(keys, data):
+            first.store(key, value)
+        first.flush(10.0)
+    with CacheEngine(config) as second:
+        assert second.stage_remote(keys) == 2
+        for key, expected in zip(keys, data):
+            got = second.retrieve(key)
+            assert got is not None and torch.equal(got, expected)
+
+
+def test_config_refuses_a_lossy_serde_and_a_bad_store_url() -> None:
+    from lmi_cache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="remote_serde.*lossy"):
+        config_from_dict({"remote_url": "redis://cache:6379", "remote_serde": "cachegen"}, "c.yaml")
+    with pytest.raises(ConfigError, match="c.yaml: remote_url 's3://' needs a bucket"):
+        config_from_dict({"remote_url": "s3://"}, "c.yaml")
+    with pytest.raises(ConfigError, match="extra_config.remote_compression"):
+        config_from_dict({"remote_url": "redis://cache:6379", "extra_config": {"remote_compression": "lz9"}}, "c.yaml")
+    config, _ = config_from_dict({"remote_url": "valkeys://cache:6380", "lookup_timeout_ms": 20,
+                                  "extra_config": {"remote_ttl_s": 3600, "remote_cluster": "true"}}, "c.yaml")
+    from lmi_cache.config_remote import remote_settings
+
+    settings = remote_settings(config)
+    assert settings is not None and settings.lookup_timeout_ms == 20 and settings.ttl_s == 3600 and settings.cluster
