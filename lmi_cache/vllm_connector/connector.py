@@ -119,6 +119,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
         self._model_identity = _weights_identity(vllm_config) if role == KVConnectorRole.SCHEDULER else ""
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._remote_lookups: Any = None
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(block_size)
         else:
@@ -172,7 +173,21 @@ class LmiCacheConnector(KVConnectorBase_V1):
         metrics = SchedulerMetrics(engine_label=str(self._dp_index))
         note_where_metrics_go()
         serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
-        self._scheduler = SchedulerSide(geometry, self._keys, seed, metrics)
+        self._scheduler = SchedulerSide(geometry, self._keys, seed, metrics, remote=self._open_remote_lookups())
+
+    def _open_remote_lookups(self) -> Any:
+        """The scheduler's client of the remote store (existence checks only), or None without one."""
+        from lmi_cache.config_remote import remote_settings
+
+        settings = remote_settings(self._config, "lmi-cache config")
+        if settings is None:
+            return None
+        from lmi_cache.remote import open_remote
+
+        self._remote_lookups = open_remote(settings)
+        logger.info("lmi-cache: scheduler looks up chunks in the %s store %s (timeout %d ms)", settings.kind,
+                    settings.display_url, settings.lookup_timeout_ms)
+        return self._remote_lookups
 
     def _init_worker(self, vllm_config: VllmConfig, block_size: int) -> None:
         model_config = vllm_config.model_config
@@ -247,6 +262,9 @@ class LmiCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._remote_lookups is not None:
+            self._remote_lookups.close(flush_timeout_s=0.0)
+            self._remote_lookups = None
 
     @property
     def worker_side(self) -> WorkerSide | None:

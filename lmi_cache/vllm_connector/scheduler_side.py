@@ -13,6 +13,11 @@ events each worker returns through ``build_connector_worker_meta`` ->
   Loads are synchronous (``(n, False)``): the worker loads before the forward.
   Until the first worker reports its layout tag the key namespace is unknown,
   so the answer is ``None`` (vLLM asks again after one empty step).
+  With a remote store, the chunks beyond the local hit (every rank's keys) are
+  asked of it in one batched, asynchronous existence check: while it is in
+  flight the answer is ``None`` (vLLM asks again next step, the scheduler never
+  waits); the check gives up after ``lookup_timeout_ms`` (those chunks are
+  misses). Its answer is kept for the request until its local hit changes.
 * ``update_state_after_alloc``: confirms (or drops) the planned load.
 * ``build_connector_meta``: per scheduled request, the confirmed load (chunk
   keys -> block ids) and the full prompt chunks whose last token is computed
@@ -68,6 +73,9 @@ class _RequestPlan:
     num_done_chunks: int = 0  # chunks below this were loaded, saved or found cached
     load_range: tuple[int, int] | None = None  # tokens [start, end) to load
     load_confirmed: bool = False
+    remote_from: int = -1  # first chunk the remote lookup below covers (-1: none yet)
+    remote_pending: Any = None  # lmi_cache.remote.cache.PendingLookup while in flight
+    remote_chunks: int | None = None  # leading chunks from remote_from present on every rank
 
 
 @dataclass
@@ -78,6 +86,8 @@ class SchedulerStats:
     num_planned_saves: int = 0
     num_load_faults: int = 0
     num_preemptions: int = 0
+    num_remote_lookups: int = 0
+    num_remote_hit_chunks: int = 0
 
 
 class SchedulerSide:
@@ -89,12 +99,14 @@ class SchedulerSide:
         keys_fn: KeysFn,
         seed_digests: Iterable[bytes] = (),
         metrics: SchedulerMetrics | None = None,
+        remote: Any = None,
     ) -> None:
         self.geometry = geometry
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         # req id -> hit tokens of its last answered lookup, until admission counts it.
         self._answered: dict[str, int] = {}
         self._keys_fn = keys_fn
+        self._remote = remote  # a RemoteCache (contains_many_async), or None without a remote tier
         self.index = KeyIndex(seed_digests)
         self.layout_tag: str | None = None
         self._disabled_reason: str | None = None
@@ -132,7 +144,14 @@ class SchedulerSide:
         plan.load_range, plan.load_confirmed = None, False
         self.stats.num_match_queries += 1
         geo = self.geometry
-        hit_tokens = self.index.leading_hits(plan.chunk_keys) * geo.chunk_size_tokens
+        hit_chunks = self.index.leading_hits(plan.chunk_keys)
+        if self._remote is not None:
+            useful_chunks = min(len(plan.chunk_keys), max(request.num_tokens - 1, 0) // geo.chunk_size_tokens)
+            remote_chunks = self._remote_hits(plan, hit_chunks, useful_chunks)
+            if remote_chunks is None:
+                return None, False  # the remote lookup is in flight: vLLM asks again next step
+            hit_chunks += remote_chunks
+        hit_tokens = hit_chunks * geo.chunk_size_tokens
         # vLLM must compute at least one token to produce logits.
         hit_tokens = min(hit_tokens, request.num_tokens - 1)
         hit_tokens -= hit_tokens % geo.block_size_tokens
@@ -144,6 +163,26 @@ class SchedulerSide:
             return 0, False
         plan.load_range = (num_computed_tokens, hit_tokens)
         return num_new, False
+
+    def _remote_hits(self, plan: _RequestPlan, first: int, end: int) -> int | None:
+        """Leading chunks ``first..end`` that the remote store holds for every rank; None while it is asked."""
+        if first >= end:
+            return 0
+        if plan.remote_from != first:
+            flat = [key for keys in plan.chunk_keys[first:end] for key in keys]
+            plan.remote_from, plan.remote_chunks = first, None
+            plan.remote_pending = self._remote.contains_many_async(flat)
+            self.stats.num_remote_lookups += 1
+        if plan.remote_chunks is None:
+            found = plan.remote_pending.poll()
+            if found is None:
+                return None
+            ranks, hits = self.geometry.world_size, 0
+            while hits < end - first and all(found[hits * ranks : (hits + 1) * ranks]):
+                hits += 1
+            plan.remote_chunks, plan.remote_pending = hits, None
+            self.stats.num_remote_hit_chunks += hits
+        return plan.remote_chunks
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
         hit_tokens = self._answered.pop(request.request_id, None)

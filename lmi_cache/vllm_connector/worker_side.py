@@ -102,6 +102,9 @@ class WorkerSide:
         if not meta.loads or self.copier is None:
             return
         started = time.perf_counter()
+        stage = getattr(self.engine, "stage_remote", None)
+        if stage is not None:  # chunks no local tier holds: one batched remote read for the whole step
+            stage([transfer.keys[self.rank_index] for transfer in meta.loads])
         for transfer in meta.loads:
             if transfer.req_id in self._failed_req_ids:
                 # vLLM truncates at the first failed block; later ones are recomputed anyway.
