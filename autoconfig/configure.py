@@ -119,6 +119,9 @@ def configure(
         from lmi_cache.config import env_override_names
 
         messages += [f"warning: environment variable {name} overrides the LMCache YAML" for name in env_override_names(env)]
+        from autoconfig.remote_probe import remote_store_messages
+
+        messages += remote_store_messages(plan.lmcache_config if plan is not None else None, props.config_file, env)
     files["vllm_args.json"] = json.dumps(args) + "\n"
     files["env.json"] = json.dumps(run_env, indent=2, sort_keys=True) + "\n"
     files["env.sh"] = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(run_env.items()))

@@ -141,5 +141,10 @@ def is_secret_env(var: str) -> bool:
 
 
 def masked(name: str, value: Any) -> Any:
-    """``value`` or ``***`` when ``name`` holds a secret."""
-    return "***" if is_secret(name) else value
+    """``value`` or ``***`` when ``name`` holds a secret; a URL's userinfo (user:password@) is masked too."""
+    if is_secret(name):
+        return "***"
+    if isinstance(value, str) and "://" in value and "@" in value.partition("://")[2].partition("/")[0]:
+        scheme, _, rest = value.partition("://")
+        return f"{scheme}://***@{rest.partition('@')[2]}"
+    return value

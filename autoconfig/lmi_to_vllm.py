@@ -33,7 +33,7 @@ MODEL_OPTION = "model_id"
 LMCACHE_OPTIONS = frozenset({
     "lmcache_auto_config", "lmcache_config_file", "lmcache_max_local_cpu_size",
     "lmcache_max_local_disk_size", "lmcache_local_disk", "lmcache_chunk_size", "lmcache_use_odirect",
-    "lmcache_engine",
+    "lmcache_engine", "lmcache_remote_url",
 })
 
 # vLLM arguments that serve controls itself: a user value would break the

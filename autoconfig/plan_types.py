@@ -173,9 +173,19 @@ class TierPlan:
     env: dict[str, str] = field(default_factory=dict)  # env vars the server must run with
     warnings: list[str] = field(default_factory=list)
     explanation: list[str] = field(default_factory=list)
+    remote_url: str | None = None  # the fleet's shared store behind the local tiers (None: no remote tier)
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``plan --json`` contract (issue 2); byte counts are ints."""
+        """The ``plan --json`` contract (issue 2); byte counts are ints; ``remote`` only with a remote tier."""
+        data = self._to_dict()
+        if self.remote_url:
+            from lmi_cache.remote.settings import redact_url
+
+            data["tiers"]["remote"] = {"url": redact_url(self.remote_url),
+                                       "chunk_bytes_per_rank": self.kv_bytes_per_token_per_rank * self.chunk_size}
+        return data
+
+    def _to_dict(self) -> dict[str, Any]:
         return {
             "model": {
                 "name": self.model_name,

@@ -80,7 +80,11 @@ def plan_tiers(
         f"{ref.cpu_gib_per_rank} GiB CPU per rank; (/tmp total - max(2 x weights, 20%)) / tp = "
         f"{_opt(ref.disk_gib_per_rank)} GiB disk per rank (ignores cgroup, GPU, DP, free space, disk type)"
     )
+    remote_url = settings.overrides.remote_url
+    if remote_url:
+        why.append(_remote_text(remote_url, bpt_rank * chunk, settings.engine))
     plan = TierPlan(
+        remote_url=remote_url,
         model_name=m.name, kv_dtype=m.layout.kv_dtype, kv_bytes_per_token=bpt,
         kv_bytes_per_token_per_rank=bpt_rank, weights_bytes=m.weights_bytes,
         max_model_len=max_model_len, tp=tp, pp=pp, dp=settings.dp, ranks_per_host=ranks,
@@ -89,6 +93,19 @@ def plan_tiers(
         warnings=warn, explanation=why,
     )
     return replace(plan, lmcache_config=lmcache_dict(plan), vllm_args=vllm_args(plan, settings))
+
+
+def _remote_text(url: str, chunk_bytes: int, engine: str) -> str:
+    from lmi_cache.remote.settings import redact_url, store_kind
+
+    kind = store_kind(url)
+    return (f"remote tier = {kind} store {redact_url(url)} (option.lmcache_remote_url), shared by every server and "
+            f"rank of the fleet: each chunk is {chunk_bytes / 2**20:,.1f} MiB per rank (kv_bytes_per_token_per_rank "
+            f"x chunk_size; {chunk_bytes * 8 / 10e9 * 1e3:,.0f} ms to move at 10 Gb/s, {chunk_bytes * 8 / 100e9 * 1e3:,.1f} ms "
+            f"at 100 Gb/s); every stored chunk is also queued for it (never waited for), and a chunk no local tier "
+            f"holds is looked up there (lookup_timeout_ms, default 50) and loaded into the CPU tier. Its size is the "
+            f"store's own (Redis maxmemory with allkeys-lru, or an S3 lifecycle rule), not planned here"
+            + ("" if engine == "lmi_cache" else "; upstream LMCache reads remote_url with its own remote backends"))
 
 
 def _server_env(gpu: GpuPlan, s: ServingSettings, why: list[str]) -> dict[str, str]:

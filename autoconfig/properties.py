@@ -11,6 +11,8 @@ came from. Tier overrides the planner honours (per rank, LMCache semantics):
 - ``option.lmcache_local_disk``          disk tier directory (path or file:// URL)
 - ``option.lmcache_chunk_size``          tokens per chunk (multiple of vLLM's block size)
 - ``option.lmcache_use_odirect``         true/false: O_DIRECT for the disk tier
+- ``option.lmcache_remote_url``          the fleet's shared store: redis://, rediss://, valkey://,
+  valkeys://, unix:// or s3://bucket/prefix (the remote tier behind CPU and disk)
 - ``option.lmcache_engine``              ``lmi_cache`` (default) or ``lmcache`` (upstream
   LMCache's connector, when that package is installed)
 
@@ -159,6 +161,7 @@ def resolve_properties(
             disk_path=get.value("lmcache_local_disk", _abs_path, None),
             chunk_size=get.value("lmcache_chunk_size", _positive_int, None),
             use_odirect=get.value("lmcache_use_odirect", parse_bool, None),
+            remote_url=_remote_url(options),
         ),
     )
     auto = get.value("lmcache_auto_config", parse_bool, False)
@@ -250,6 +253,21 @@ def _fraction(value: str) -> float:
     if not 0 < number <= 1:
         raise ValueError("must be a number in (0, 1]")
     return number
+
+
+def _remote_url(options: Mapping[str, RawOption]) -> str | None:
+    """option.lmcache_remote_url, checked; errors never echo the URL (it can hold a password)."""
+    opt = options.get("lmcache_remote_url")
+    if opt is None or not opt.value.strip():
+        return None
+    from lmi_cache.errors import ConfigError
+    from lmi_cache.remote.settings import store_kind
+
+    try:
+        store_kind(opt.value.strip())
+    except ConfigError as err:
+        raise PropertiesError(f"{opt.where}: {err}") from None
+    return opt.value.strip()
 
 
 def _gib(value: str) -> float:

@@ -22,6 +22,7 @@ class TierOverrides:
     disk_path: str | None = None  # directory for the disk tier
     chunk_size: int | None = None  # tokens per chunk
     use_odirect: bool | None = None
+    remote_url: str | None = None  # the fleet's shared store (LMCache remote_url): redis/valkey/unix/s3
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ def lmcache_dict(plan: "TierPlan") -> dict[str, Any]:
         data["max_local_disk_size"] = gib_2dp_floor(plan.disk.bytes_per_rank)
     else:
         data["max_local_disk_size"] = 0.0
+    if plan.remote_url:
+        data["remote_url"] = plan.remote_url
     data["extra_config"] = {"use_odirect": bool(plan.disk.enabled and plan.disk.use_odirect)}
     return data
 

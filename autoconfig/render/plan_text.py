@@ -35,6 +35,7 @@ def format_plan(plan: "TierPlan", host_label: str) -> str:
         ("Disk tier / rank", _tier(plan.disk.enabled, plan.disk.bytes_per_rank, plan.disk.capacity_tokens,
                                    plan.disk.path),
          "n/a (no /tmp)" if ref.disk_gib_per_rank is None else f"{ref.disk_gib_per_rank} GiB at {ref.disk_path}"),
+        ("Remote tier", _remote(plan), "none"),
         ("O_DIRECT", "yes" if plan.disk.enabled and plan.disk.use_odirect else "no", "always yes"),
         ("Chunk size", f"{plan.chunk_size} tokens (block {gpu.block_size})", "LMCache default (256)"),
         ("Ranks on this host", f"{plan.ranks_per_host} (tp {plan.tp} x pp {plan.pp} x dp {plan.dp})",
@@ -56,6 +57,14 @@ def format_plan(plan: "TierPlan", host_label: str) -> str:
         lines += ["", "Warnings:"]
         lines += [f"  ! {w}" for w in plan.warnings]
     return "\n".join(lines) + "\n"
+
+
+def _remote(plan: "TierPlan") -> str:
+    if not plan.remote_url:
+        return "off (option.lmcache_remote_url)"
+    from lmi_cache.remote.settings import redact_url
+
+    return f"{redact_url(plan.remote_url)}, shared by the fleet"
 
 
 def _tier(enabled: bool, num_bytes: int, tokens: int, path: str | None) -> str:
