@@ -12,6 +12,9 @@ prints a markdown table. Configurations:
 4. ours-disk:    warm-up in one server, query in a fresh one (CPU tier empty)
 5. lmcache:      LMCache 0.5.6's connector from a separate venv (degraded on CPU)
 6. no-reuse throughput: unique documents with and without our connector
+7. ours-redis:   warm-up in one server, query in a fresh one with an empty CPU tier
+                 and no disk tier: every hit comes from a shared redis-server (loopback)
+8. no-reuse-redis: unique documents, our connector with the Redis tier on vs off
 """
 from __future__ import annotations
 
@@ -33,14 +36,16 @@ from lmi_cache.bench.workloads import LongDocQaSpec
 from lmi_cache.bench.tokens import ServerTokenCounter
 from lmi_cache.bench.vllm_server import LMCACHE_CONNECTOR, OUR_CONNECTOR, ServerSpec, VllmServer
 
-CONFIGS = ("no-cache", "vllm-prefix", "ours-cpu", "ours-disk", "lmcache", "no-reuse")
+CONFIGS = ("no-cache", "vllm-prefix", "ours-cpu", "ours-disk", "lmcache", "no-reuse", "ours-redis", "no-reuse-redis")
 UNIQUE_SEED_OFFSET = 1000  # documents of the no-reuse rounds share nothing with the QA ones
 
 
-def connector_yaml(path: Path, disk_dir: Path | None) -> Path:
+def connector_yaml(path: Path, disk_dir: Path | None, remote_url: str | None = None) -> Path:
     lines = ["chunk_size: 256", "local_cpu: true", "max_local_cpu_size: 2"]
     if disk_dir is not None:
         lines += [f"local_disk: file://{disk_dir}", "max_local_disk_size: 4"]
+    if remote_url is not None:
+        lines += [f"remote_url: {remote_url}", "extra_config: {remote_key_prefix: %s}" % path.stem]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -98,6 +103,14 @@ def run_config(name: str, model_dir: Path, work: Path, args: argparse.Namespace)
         second = run_rounds(spec, run_dir / "query-process", args, ("query",))
         note = "query in a fresh server process"
         return {"warmup": first["warmup"], "query": second["query"], "start_s": second["start_s"], "note": note}
+    if name == "ours-redis":
+        yaml = connector_yaml(work / "ours-redis.yaml", None, args.redis_url)
+        spec = ServerSpec(**base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml)
+        first = run_rounds(spec, run_dir / "warmup-process", args, ("warmup",))
+        # A fresh process without a disk tier: its CPU tier starts empty, so query hits come from Redis.
+        second = run_rounds(spec, run_dir / "query-process", args, ("query",))
+        return {"warmup": first["warmup"], "query": second["query"], "start_s": second["start_s"],
+                "note": "query in a fresh server process, hits from Redis"}
     if name == "lmcache":
         python = Path(args.lmcache_venv) / "bin" / "python"
         if not python.exists():
@@ -110,10 +123,14 @@ def run_config(name: str, model_dir: Path, work: Path, args: argparse.Namespace)
         if "degraded mode" in log:
             outcome["note"] = "LMCache logged 'degraded mode' (no CPU connector)"
         return outcome
-    if name == "no-reuse":
+    if name in ("no-reuse", "no-reuse-redis"):
         # Both servers up at once, requests alternating: see lmi_cache.bench.paired.
         yaml = connector_yaml(work / "no-reuse.yaml", None)
         ours = ServerSpec(**base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml)
+        if name == "no-reuse-redis":  # a: our connector without the remote tier, b: with it
+            base = dict(base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml)
+            ours = ServerSpec(**dict(base, lmcache_config_file=connector_yaml(
+                work / "no-reuse-redis.yaml", None, args.redis_url)))
         # Twice the documents: more pairs, as the ratio is a small difference between noisy numbers.
         qa_spec = LongDocQaSpec(2 * args.num_documents, args.document_tokens, args.query_tokens,
                                 args.output_tokens, args.seed + UNIQUE_SEED_OFFSET)
@@ -176,11 +193,17 @@ def model_table(size: str, results: dict[str, dict]) -> tuple[str, list[str]]:
         checks.append(f"{size}: ours-cpu query TTFT {no_cache / ours:.1f}x lower than no cache (target >= 10x on 32m)")
     if ours and prefix:
         checks.append(f"{size}: ours-cpu / vLLM prefix hit TTFT {ours / prefix:.2f}x (target <= 1.5x)")
+    redis = query_ttft("ours-redis")
+    if redis and ours:
+        checks.append(f"{size}: ours-redis / ours-cpu query TTFT {redis / ours:.2f}x (target <= 2x on 32m)")
     return markdown_table(header, rows), checks
 
 
 def throughput_line(size: str, results: dict[str, dict]) -> list[str] | None:
-    paired: PairedThroughput | None = results.get("no-reuse", {}).get("paired")
+    return throughput_row(size, results.get("no-reuse", {}).get("paired"))
+
+
+def throughput_row(size: str, paired: PairedThroughput | None) -> list[str] | None:
     if paired is None:
         return None
     return [size, str(paired.num_requests), f"{paired.a_prompt_tokens_per_s:.0f}",
@@ -228,6 +251,12 @@ def main() -> int:
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="lmi-bench-connector-"))
     tables, checks, throughput, summary = [], [], [], {}
+    redis = None
+    if any(c in ("ours-redis", "no-reuse-redis") for c in configs):
+        from lmi_cache.remote.redis_server import RedisServer
+
+        redis = RedisServer().start()  # its own loopback port, stopped at the end
+    args.redis_url = redis.url if redis is not None else None
     try:
         for size in sizes:
             model_dir = make_tiny_model(Path(args.models_dir) / size, size=size, seed=0)
@@ -245,8 +274,13 @@ def main() -> int:
             line = throughput_line(size, results)
             if line:
                 throughput.append(line)
+            line = throughput_row(f"{size}, Redis tier on vs off", results.get("no-reuse-redis", {}).get("paired"))
+            if line:
+                throughput.append(line)
             summary[size] = {name: summary_of(r) for name, r in results.items()}
     finally:
+        if redis is not None:
+            redis.stop()
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
     print("\n\n".join(tables))
