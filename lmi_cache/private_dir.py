@@ -41,6 +41,9 @@ def _owner_problem(path: Path, st: os.stat_result) -> str | None:
         return f"{path} is a symlink: point the setting at a real directory owned by the serving user"
     if not stat.S_ISDIR(st.st_mode):
         return f"{path} exists and is not a directory: choose another path"
+    if st.st_mode & stat.S_ISVTX:
+        # /tmp and the like: shared by design, and tightening it would break every other user of the host.
+        return f"{path} is a shared directory (sticky bit): use a subdirectory of it, e.g. {path / 'lmi-cache'}"
     if st.st_uid != os.geteuid():
         return (
             f"{path} is owned by uid {st.st_uid}, not by the serving user (uid {os.geteuid()}): "
@@ -57,7 +60,8 @@ def _ancestor_problem(target: Path) -> str | None:
             st = os.stat(parent)
         except OSError:
             continue  # not there yet: we create it ourselves
-        if st.st_uid not in (0, os.geteuid()) and st.st_mode & _LOOSE_BITS and not st.st_mode & stat.S_ISVTX:
+        # The sticky bit protects our entry from other writers, but not from the parent's owner.
+        if st.st_uid not in (0, os.geteuid()) and st.st_mode & (_LOOSE_BITS | stat.S_ISVTX):
             return (
                 f"{target}: its parent {parent} is writable by uid {st.st_uid} and others, who could replace it; "
                 "choose a directory under a parent only you (or root) can write to"

@@ -100,6 +100,19 @@ def test_refuses_directory_under_a_parent_another_user_can_write(tmp_path: Path)
     with pytest.raises(UnsafeDirectoryError, match="replace it"):
         ensure_private_dir(parent / "ours")
     assert not (parent / "ours").exists()
-    # The same parent with the sticky bit (how /tmp is set up) is fine.
+    # Even with the sticky bit its owner could still rename our directory away.
     os.chmod(parent, 0o1777)
+    assert "replace it" in (private_dir_problem(parent / "ours") or "")
+    # A sticky parent owned by root (how /tmp is set up) is fine.
+    os.chown(parent, 0, 0)
     assert ensure_private_dir(parent / "ours") == parent / "ours"
+
+
+def test_never_adopts_or_tightens_a_shared_sticky_directory(tmp_path: Path) -> None:
+    shared = tmp_path / "like-tmp"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    assert "sticky" in (private_dir_problem(shared) or "")
+    with pytest.raises(UnsafeDirectoryError, match="subdirectory"):
+        ensure_private_dir(shared)
+    assert _mode(shared) == 0o1777
