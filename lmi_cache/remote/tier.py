@@ -34,7 +34,7 @@ class RemoteTier:
     def __init__(self, settings: RemoteSettings, *, metrics: CacheMetrics, warner: RateLimitedWarner) -> None:
         self.cache: RemoteCache = open_remote(settings, metrics=metrics, warner=warner)
         self.name = self.cache.name  # "redis" or "s3": the metrics' tier label
-        self._staged: dict[bytes, DecodedChunk] = {}
+        self._staged: dict[bytes, DecodedChunk | None] = {}  # None: fetched this step and missing
         self._lock = threading.Lock()
         logger.info("lmi-cache: remote tier on: %s store %s (compression %s, MAC %s)", self.name,
                     settings.display_url, settings.compression, "on" if self.cache.codec.has_mac else "off")
@@ -44,23 +44,23 @@ class RemoteTier:
         return self.cache.put(key, obj)
 
     def stage(self, keys: Sequence[ChunkKey]) -> int:
-        """Fetch ``keys`` in one batched round trip and keep the verified ones for ``take``; how many."""
+        """Fetch ``keys`` in one batched round trip and keep the outcomes for ``take``; how many were found."""
         if not keys:
             return 0
         results = self.cache.get_many(keys)
-        found = {k.digest: r for k, r in zip(keys, results) if isinstance(r, DecodedChunk)}
+        # A miss is kept too: the load that follows must not ask the store a second time.
+        outcomes = {k.digest: r if isinstance(r, DecodedChunk) else None for k, r in zip(keys, results)}
         with self._lock:
-            if len(self._staged) + len(found) > MAX_STAGED:
+            if len(self._staged) + len(outcomes) > MAX_STAGED:
                 self._staged.clear()  # leftovers of loads that never happened
-            self._staged.update(found)
-        return len(found)
+            self._staged.update(outcomes)
+        return sum(r is not None for r in outcomes.values())
 
     def take(self, key: ChunkKey) -> DecodedChunk | None:
         """The verified chunk for ``key``: staged by ``stage``, else fetched now; None on a miss."""
         with self._lock:
-            staged = self._staged.pop(key.digest, None)
-        if staged is not None:
-            return staged
+            if key.digest in self._staged:
+                return self._staged.pop(key.digest)
         result = self.cache.get_many([key])[0]
         return result if isinstance(result, DecodedChunk) else None
 

@@ -14,7 +14,8 @@ Job (JSON file, argv[1])::
 
 Actions in ``before``: ``clear_engine`` (drop the worker engine's contents
 behind the scheduler's back: a stale index), ``corrupt_disk`` (flip a byte in
-every file of the disk tier), ``flush`` (wait for disk writes). ``patch``:
+every file of the disk tier), ``flush`` (wait for disk and remote writes),
+``corrupt_remote`` (flip a byte in every value of the Redis at ``LMCACHE_REMOTE_URL``). ``patch``:
 ``unknown_layout`` makes the worker's layout recogniser know no layout.
 Output: one line ``RESULT_JSON:{...}`` on stdout.
 """
@@ -70,6 +71,14 @@ def _action(name: str, job: dict[str, Any]) -> None:
                 data = bytearray(path.read_bytes())
                 data[len(data) // 2] ^= 0xFF
                 path.write_bytes(bytes(data))
+    elif name == "corrupt_remote":
+        import redis
+
+        client = redis.Redis.from_url(os.environ["LMCACHE_REMOTE_URL"])
+        for key in client.scan_iter():
+            data = bytearray(client.get(key) or b"")
+            data[len(data) // 2] ^= 0xFF
+            client.set(key, bytes(data))
     else:
         raise ValueError(f"unknown action {name!r}")
 

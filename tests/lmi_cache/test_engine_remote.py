@@ -99,6 +99,8 @@ def test_damaged_and_foreign_values_are_misses(redis_server: RedisServer) -> Non
         assert second.stage_remote(keys) == 0
         out = torch.zeros(SHAPE, dtype=torch.bfloat16)
         assert all(second.retrieve(k, out=out) is None for k in keys)
+        refused = sum(v for k, v in second.stats().items() if k.startswith("remote_miss_"))
+        assert refused == 3  # each value was fetched once: the staged misses were not asked again
         assert second.contains(keys[0]) is None  # nothing damaged was promoted
         assert second.stats()["remote_miss_corrupted"] + second.stats().get("remote_miss_truncated", 0) >= 1
 
