@@ -7,7 +7,9 @@ imported. LMI settings (djl-serving ``serving/docs/stateful_sessions.md``):
 each as ``option.<name>`` or ``OPTION_<NAME>``. They become the
 ``SAGEMAKER_*`` variables of AWS's session library that vLLM's server uses.
 With ``option.enable_lora=true`` the model directory's ``adapters/`` folder is
-checked and handed to the front (``lmi_cache.front.adapters``).
+checked and handed to the front (``lmi_cache.front.adapters``);
+``option.enable_adapter_formatters=true`` (default false) also runs each
+adapter's ``model.py`` formatters (``lmi_cache.front.formatters``).
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ from lmi_cache.front.adapters import (
     model_hidden_size,
     scan_adapters,
 )
+from lmi_cache.front.formatters import ENABLE_OPTION, FORMATTERS_ENV, FORMATTERS_FILE, scan_formatter_file
 
 MIDDLEWARE = "lmi_cache.front.middleware.LmiFrontMiddleware"
-FRONT_OPTIONS = frozenset({"enable_stateful_sessions", "sessions_path", "sessions_expiration"})
+FRONT_OPTIONS = frozenset({"enable_stateful_sessions", "sessions_path", "sessions_expiration", ENABLE_OPTION})
 DEFAULT_SESSIONS_PATH = "/dev/shm/djl_sessions"
 DEFAULT_SESSIONS_EXPIRATION_S = 1200
 
@@ -78,12 +81,13 @@ def front_launch(options: Mapping[str, str], model_dir: Path | None,
         summary.append(f"stateful sessions: on (expire after {raw} s; stored in {path})")
     else:
         summary.append("stateful sessions: off")
-    summary += _adapters(options, model_dir, env, model_path or model_dir)
+    formatters = _bool(ENABLE_OPTION, options.get(ENABLE_OPTION, "false"), where(ENABLE_OPTION))
+    summary += _adapters(options, model_dir, env, model_path or model_dir, formatters)
     return FrontLaunch(["--middleware", MIDDLEWARE], env, summary)
 
 
 def _adapters(options: Mapping[str, str], model_dir: Path | None, env: dict[str, str],
-              model_path: Path | None) -> list[str]:
+              model_path: Path | None, formatters: bool = False) -> list[str]:
     folder = model_dir / "adapters" if model_dir is not None else None
     has_folder = folder is not None and folder.is_dir()
     lora = options.get("enable_lora", "false").strip().lower() == "true"
@@ -101,10 +105,25 @@ def _adapters(options: Mapping[str, str], model_dir: Path | None, env: dict[str,
         env[HIDDEN_SIZE_ENV] = str(hidden)
     # vLLM asks LoRA resolvers (ours) for an unknown model name only with this on.
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
+    if formatters:
+        env[FORMATTERS_ENV] = "true"
     lines = []
     for adapter in found.values():
-        if adapter.ok:
-            lines.append(f"adapter {adapter.name}: registered (rank {adapter.rank}; loaded on first use)")
+        error, extra = adapter.error, ""
+        code = adapter.path / FORMATTERS_FILE
+        if error is None and code.is_file():
+            if not formatters:
+                extra = f"; its {FORMATTERS_FILE} is not run: set option.{ENABLE_OPTION}=true to apply its formatters"
+            else:
+                try:
+                    kinds = scan_formatter_file(code)  # read, not run: the API server imports it
+                except ValueError as err:
+                    error = str(err)
+                else:
+                    extra = (f"; {', '.join(kinds)} formatter{'s' if len(kinds) > 1 else ''} from {FORMATTERS_FILE}"
+                             if kinds else f"; {FORMATTERS_FILE} declares no @input_formatter/@output_formatter")
+        if error is None:
+            lines.append(f"adapter {adapter.name}: registered (rank {adapter.rank}; loaded on first use{extra})")
         else:
-            lines.append(f"adapter {adapter.name}: REFUSED ({adapter.error}); requests naming it get 424")
+            lines.append(f"adapter {adapter.name}: REFUSED ({error}); requests naming it get 424")
     return lines or [f"adapters: {folder} holds no adapter folders"]

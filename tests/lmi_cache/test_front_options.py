@@ -95,3 +95,25 @@ def test_the_adapters_folder_is_registered_when_lora_is_on(tmp_path: Path) -> No
     registry = registry_from_env(on.env)
     assert registry["good"].ok and not registry["bad"].ok
     assert sorted(scan_adapters(tmp_path / "adapters")) == ["bad", "good"]
+
+
+def test_adapter_formatters_run_only_when_the_option_turns_them_on(tmp_path: Path) -> None:
+    for name in ("plain", "fmt", "typo"):
+        _adapter(tmp_path / "adapters" / name)
+    (tmp_path / "adapters" / "fmt" / "model.py").write_text(
+        "from djl_python.output_formatter import output_formatter\n"
+        "@output_formatter\ndef out(response_data):\n    return response_data\n")
+    (tmp_path / "adapters" / "typo" / "model.py").write_text("def f(:\n")
+    off = front_launch({"enable_lora": "true"}, tmp_path)
+    assert "LMI_CACHE_ADAPTER_FORMATTERS" not in off.env
+    fmt_line = next(s for s in off.summary if s.startswith("adapter fmt:"))
+    assert "registered" in fmt_line and "not run: set option.enable_adapter_formatters=true" in fmt_line
+    on = front_launch({"enable_lora": "true", "enable_adapter_formatters": "true"}, tmp_path)
+    assert on.env["LMI_CACHE_ADAPTER_FORMATTERS"] == "true"
+    said = {s.split(":", 1)[0]: s for s in on.summary if s.startswith("adapter ")}
+    assert said["adapter fmt"] == "adapter fmt: registered (rank 8; loaded on first use; output formatter from model.py)"
+    assert said["adapter plain"] == "adapter plain: registered (rank 8; loaded on first use)"
+    assert said["adapter typo"].startswith("adapter typo: REFUSED (model.py line 1: ")
+    with pytest.raises(FrontOptionError, match="OPTION_ENABLE_ADAPTER_FORMATTERS='yes': expected true or false"):
+        front_launch({"enable_lora": "true", "enable_adapter_formatters": "yes"}, tmp_path,
+                     {"enable_adapter_formatters": "env OPTION_ENABLE_ADAPTER_FORMATTERS"})

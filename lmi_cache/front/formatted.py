@@ -1,0 +1,117 @@
+"""An adapter's output formatter applied to vLLM's answer on its way out (ASGI send wrapper).
+
+Runs in vLLM's API server process, used by the front middleware for requests
+that name an adapter with an ``@output_formatter`` (``lmi_cache.front.formatters``).
+The formatter replaces LMI's response shape, as in LMI
+(djl-serving ``djl_python/lmi_vllm/vllm_async_service.py``: with a custom
+formatter the raw vLLM answer goes to it, each chunk when streaming).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable, MutableMapping
+
+from lmi_cache.front.formatters import FormatterError, Formatters, apply_output
+from lmi_cache.front.responses import JSONLINES, error_line, error_to_lmi
+from lmi_cache.front.schema import LmiRequestPlan
+
+Message = MutableMapping[str, Any]
+Send = Callable[[Message], Awaitable[None]]
+
+
+async def send_json(send: Send, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    data = json.dumps(payload).encode()
+    kept = [(k, v) for k, v in headers or [] if k not in (b"content-type", b"content-length")]
+    await send({"type": "http.response.start", "status": status, "headers": [
+        *kept, (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class FormattedResponse:
+    """vLLM's answer through the adapter's output formatter (instead of LMI's shape), JSON or streamed.
+
+    Streamed: each SSE event's JSON goes through the formatter, one jsonlines
+    line out per event; a formatter that raises ends the stream with LMI's
+    error line. Errors from vLLM keep their status (LMI's error shape for an
+    LMI payload, vLLM's own otherwise).
+    """
+
+    def __init__(self, formatters: Formatters, plan: LmiRequestPlan | None, send: Send) -> None:
+        self.formatters = formatters
+        self.plan = plan
+        self.downstream = send
+        self.start: Message | None = None
+        self.parts: list[bytes] = []
+        self.streaming = False
+        self.buffer = b""
+        self.failed = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.start = message
+            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+            self.streaming = message["status"] == 200 and content_type.startswith(b"text/event-stream")
+            if self.streaming:
+                headers = [(k, v) for k, v in message.get("headers", [])
+                           if k not in (b"content-type", b"content-length")]
+                await self.downstream(dict(message, headers=[*headers, (b"content-type", JSONLINES.encode())]))
+            return
+        if message["type"] != "http.response.body":
+            await self.downstream(message)
+            return
+        more = bool(message.get("more_body", False))
+        if self.streaming:
+            out = self._events(message.get("body", b"") + (b"" if more else b"\n\n"))
+            if out or not more:
+                await self.downstream({"type": "http.response.body", "body": out, "more_body": more})
+            return
+        self.parts.append(message.get("body", b""))
+        if not more:
+            await self._finish()
+
+    def _events(self, chunk: bytes) -> bytes:
+        self.buffer += chunk
+        out: list[bytes] = []
+        while (cut := self.buffer.find(b"\n\n")) >= 0:
+            event, self.buffer = self.buffer[:cut], self.buffer[cut + 2:]
+            for line in event.split(b"\n"):
+                data = line[5:].strip() if line.startswith(b"data:") else b""
+                if not data or data == b"[DONE]" or self.failed:
+                    continue
+                try:
+                    text = apply_output(self.formatters, json.loads(data))
+                except ValueError:
+                    continue  # not JSON: nothing a formatter could read
+                except FormatterError as err:
+                    self.failed = True
+                    text = json.dumps({**error_line(), "error": str(err)}).encode()
+                out.append(text if text.endswith(b"\n") else text + b"\n")
+        return b"".join(out)
+
+    async def _finish(self) -> None:
+        assert self.start is not None
+        status = int(self.start["status"])
+        raw = b"".join(self.parts)
+        headers = list(self.start.get("headers", []))
+        if status != 200:
+            if self.plan is not None:
+                await send_json(self.downstream, status, error_to_lmi(status, raw), headers)
+                return
+            await self.downstream(self.start)
+            await self.downstream({"type": "http.response.body", "body": raw, "more_body": False})
+            return
+        try:
+            out = apply_output(self.formatters, json.loads(raw))
+        except ValueError as err:
+            status, out = 500, json.dumps({"error": f"could not read vLLM's answer: {err}", "code": 500}).encode()
+        except FormatterError as err:
+            status, out = err.status, json.dumps({"error": str(err), "code": err.status}).encode()
+        try:
+            json.loads(out)
+            content_type = b"application/json"
+        except ValueError:
+            content_type = b"text/plain; charset=utf-8"
+        kept = [(k, v) for k, v in headers if k not in (b"content-type", b"content-length")]
+        await self.downstream({"type": "http.response.start", "status": status, "headers": [
+            *kept, (b"content-type", content_type), (b"content-length", str(len(out)).encode())]})
+        await self.downstream({"type": "http.response.body", "body": out, "more_body": False})
