@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama,qwen2", help="random-weight model types (comma-separated)")
     parser.add_argument("--recall-model", type=Path, help="also measure this trained recall model folder")
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--doc-tokens", type=int, default=256)
     parser.add_argument("--prefix-tokens", type=int, default=32)
@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = curve(model, model.config.vocab_size, args, first_id=QUERY + 1)
         results["recall model (random ids)"] = [asdict(r) for r in rows]
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"results": str(args.results),
-                                                             "recall_model": str(args.recall_model)},
-                                                             "results": results}, indent=1) + "\n")
+    settings = {k: v for k, v in vars(args).items() if k not in ("results", "recall_model")}
+    settings["recall_model"] = args.recall_model.name if args.recall_model else None
+    args.results.with_suffix(".json").write_text(json.dumps({"args": settings, "results": results}, indent=1) + "\n")
     markdown = to_markdown(results, args)
     args.results.with_suffix(".md").write_text(markdown)
     print(markdown)

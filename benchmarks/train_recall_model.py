@@ -1,10 +1,11 @@
 """Train a tiny Llama on cross-document associative recall, then measure blending on it (CPU, seeded).
 
-Usage (a few minutes on 2 CPU cores; deterministic for a given --seed and --threads):
+Usage (one CPU thread, about 5 CPU-minutes; 15 minutes wall on a busy shared 2-core machine;
+deterministic for a given --seed and --threads):
 
     .venv/bin/python benchmarks/train_recall_model.py
 
-Writes the model (config.json + model.safetensors, under 1 MB) to
+Writes the model (config.json + model.safetensors + task.json, under 1 MB) to
 tests/fixtures/blend/recall_model/ and the accuracy table to
 benchmarks/results/blend_recall.json and .md: answer accuracy with full
 prefill, prefix-only caching, naive concatenation of cached document KV,
