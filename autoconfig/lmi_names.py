@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmi_cache.front.options import FRONT_OPTIONS
+
 # LMI names that vLLM spells differently.
 LMI_RENAMES: dict[str, str] = {
     "tensor_parallel_degree": "tensor_parallel_size",
@@ -53,15 +55,19 @@ LMI_IGNORED: dict[str, str] = {
     "max_batch_delay": "vLLM batches continuously",
     "model_loading_timeout": "no model-server timeout here; the SageMaker health check bounds start-up",
     "predict_timeout": "no model-server timeout here",
-    "output_formatter": "the OpenAI server formats outputs",
-    "input_formatter": "the OpenAI server parses inputs",
+    "output_formatter": "/invocations answers in LMI's default formats (JSON; jsonlines when streaming); "
+                        "a custom formatter is an @output_formatter in adapters/<name>/model.py "
+                        "(with option.enable_adapter_formatters=true)",
+    "input_formatter": "/invocations reads LMI's schema and OpenAI's; a custom formatter is an "
+                       "@input_formatter in adapters/<name>/model.py (with option.enable_adapter_formatters=true)",
     "device_map": "vLLM places the model itself",
     "device": "vLLM uses the platform it was built for",
     "load_on_devices": "vLLM uses all visible devices",
     "parallel_loading": "vLLM loads ranks in parallel",
     "task": "vLLM infers the task from the model",
-    "enable_streaming": "the OpenAI server streams when the request asks",
-    "tgi_compat": "the OpenAI server has its own schema",
+    "enable_streaming": "a request streams when it sends \"stream\": true (LMI's jsonlines on /invocations)",
+    "tgi_compat": "/invocations answers in LMI's shapes (an object per input, jsonlines streams), "
+                  "not TGI's (a list, server-sent events)",
     "bedrock_compat": "the OpenAI server has its own schema",
     "s3url": "mount or download the model into the model directory",
     "max_new_tokens": "a request sets max_tokens; LMI uses this only as its own default",
@@ -71,6 +77,11 @@ LMI_IGNORED: dict[str, str] = {
     "draft_model_id": "use option.speculative_config",
     "spec_length": "use option.speculative_config",
 }
+
+# LMI options the front door reads itself (sessions: djl-serving
+# serving/docs/stateful_sessions.md; adapter formatters): valid names that are
+# never handed to vLLM, listed here so that a misspelling gets a did-you-mean.
+FRONT_OPTION_NAMES: frozenset[str] = FRONT_OPTIONS
 
 # vLLM arguments LMI passed to the vLLM versions it shipped but that vLLM 0.32
 # no longer has; LMI's passthrough drops a name EngineArgs lacks, so do we.

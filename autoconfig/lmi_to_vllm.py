@@ -17,7 +17,14 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping
 
-from autoconfig.lmi_names import LMI_IGNORED, LMI_RENAMES, LMI_VALUES, REMOVED_VLLM_ARGS, SECRET_OPTIONS
+from autoconfig.lmi_names import (
+    FRONT_OPTION_NAMES,
+    LMI_IGNORED,
+    LMI_RENAMES,
+    LMI_VALUES,
+    REMOVED_VLLM_ARGS,
+    SECRET_OPTIONS,
+)
 from lmi_cache.errors import UserError
 
 __all__ = ["LMI_IGNORED", "LMI_RENAMES", "LmiOptionError", "MappedArgs", "map_lmi_options", "vllm_arg_table"]
@@ -106,7 +113,7 @@ def known_option_names() -> list[str]:
     """Every option name serve accepts (for did-you-mean hints)."""
     return sorted(
         set(vllm_arg_table()) | set(LMI_RENAMES) | set(LMI_IGNORED) | set(REMOVED_VLLM_ARGS) | LMCACHE_OPTIONS
-        | {MODEL_OPTION}
+        | FRONT_OPTION_NAMES | {MODEL_OPTION}
     )
 
 
@@ -129,8 +136,8 @@ def map_lmi_options(
     for name in sorted(options):
         raw = options[name]
         label = origins.get(name) or f"option.{name}"
-        if name == MODEL_OPTION or name in LMCACHE_OPTIONS:
-            continue
+        if name == MODEL_OPTION or name in LMCACHE_OPTIONS or name in FRONT_OPTION_NAMES:
+            continue  # read by autoconfig.properties / the front door (lmi_cache.front.options), not vLLM
         if name in LMI_IGNORED:
             notes.append(f"option.{name}={raw} ignored: {LMI_IGNORED[name]}")
             continue

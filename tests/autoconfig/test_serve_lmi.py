@@ -216,3 +216,37 @@ def test_largest_fitting_tp(gpus: int, heads: tuple[int, int], expected: int) ->
     from autoconfig.serve_checks import largest_fitting_tp
 
     assert largest_fitting_tp(gpus, heads) == expected
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ("option.sessions_expiraton=60", "did you mean option.sessions_expiration?"),
+    ("option.enable_stateful_session=false", "did you mean option.enable_stateful_sessions?"),
+    ("option.session_path=/tmp/s", "did you mean option.sessions_path?"),
+    ("option.enable_adapter_formatter=true", "did you mean option.enable_adapter_formatters?"),
+])
+def test_a_misspelt_front_option_gets_a_did_you_mean(tmp_path: Path, line: str, expected: str) -> None:
+    with pytest.raises(UserError, match=expected):
+        launch(tmp_path, line + "\n")
+
+
+def test_front_options_are_served_not_passed_to_vllm(tmp_path: Path) -> None:
+    from autoconfig.lmi_to_vllm import map_lmi_options
+
+    result = launch(tmp_path, "option.sessions_expiration=60\noption.enable_stateful_sessions=true\n")
+    assert result.env_set["SAGEMAKER_SESSIONS_EXPIRATION"] == "60"
+    assert not any("session" in arg for arg in result.argv)
+    # The same check runs before a SageMaker deploy: the front's options are valid names there too.
+    assert map_lmi_options({"sessions_expiration": "60", "enable_adapter_formatters": "true"}).values == {}
+    note = launch(tmp_path, "sessions_expiration=60\n")
+    assert any("write option.sessions_expiration" in line for line in note.summary)
+
+
+def test_ignored_lmi_format_options_say_what_the_front_does_instead(tmp_path: Path) -> None:
+    text = "option.tgi_compat=true\noption.output_formatter=jsonlines\noption.enable_streaming=true\n"
+    notes = "\n".join(launch(tmp_path, text).summary)
+    assert "option.tgi_compat=true ignored: /invocations answers in LMI's shapes" in notes
+    assert "not TGI's (a list, server-sent events)" in notes
+    assert "option.output_formatter=jsonlines ignored: /invocations answers in LMI's default formats" in notes
+    assert "@output_formatter in adapters/<name>/model.py" in notes
+    assert 'option.enable_streaming=true ignored: a request streams when it sends "stream": true' in notes
+    assert "the OpenAI server formats" not in notes and "has its own schema" not in notes

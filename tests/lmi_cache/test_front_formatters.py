@@ -175,7 +175,8 @@ def test_an_adapter_whose_model_py_fails_to_import_is_refused_with_424(tmp_path:
     status, _, body = run(LmiFrontMiddleware(stub, adapters=registry, formatters=formatters),
                           {"inputs": "Q", "adapters": "bad"})
     assert status == 424 and stub.calls == 0
-    assert "adapter 'bad' failed registration: model.py failed to import: ModuleNotFoundError" in json.loads(body)["error"]
+    error = json.loads(body)["error"]
+    assert "adapter 'bad' failed registration: model.py failed to import: ModuleNotFoundError" in error
     # Without the option nothing is imported: no formatters, nobody refused for its model.py.
     registry, formatters = build_registry({ADAPTERS_DIR_ENV: str(adapters)})
     assert formatters == {} and registry["bad"].ok

@@ -111,7 +111,8 @@ def test_adapter_formatters_run_only_when_the_option_turns_them_on(tmp_path: Pat
     on = front_launch({"enable_lora": "true", "enable_adapter_formatters": "true"}, tmp_path)
     assert on.env["LMI_CACHE_ADAPTER_FORMATTERS"] == "true"
     said = {s.split(":", 1)[0]: s for s in on.summary if s.startswith("adapter ")}
-    assert said["adapter fmt"] == "adapter fmt: registered (rank 8; loaded on first use; output formatter from model.py)"
+    assert said["adapter fmt"] == ("adapter fmt: registered (rank 8; loaded on first use; "
+                                   "output formatter from model.py)")
     assert said["adapter plain"] == "adapter plain: registered (rank 8; loaded on first use)"
     assert said["adapter typo"].startswith("adapter typo: REFUSED (model.py line 1: ")
     with pytest.raises(FrontOptionError, match="OPTION_ENABLE_ADAPTER_FORMATTERS='yes': expected true or false"):
