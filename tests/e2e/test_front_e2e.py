@@ -6,8 +6,10 @@ vLLM's prefix cache off) plus LoRA on, a short session expiry, and an
 Checks: each LMI request shape, streamed and not, gives the OpenAI path's
 greedy tokens; bad parameters are a 400; sessions are created, used, closed
 and expire; adapters load on first use, change the output, never share KV;
-the broken adapter is refused with 424; /ping fails once the engine died
-(last: it kills the engine).
+the broken adapter is refused with 424; an adapter's own formatters
+(``model.py``, option.enable_adapter_formatters=true) rewrite its requests and
+answers, a formatter that raises is a 424, a model.py that fails to import
+refuses its adapter; /ping fails once the engine died (last: it kills the engine).
 """
 from __future__ import annotations
 
@@ -33,6 +35,26 @@ REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 300
 SESSION_TTL_S = 15
 PROMPTS = ["def main():\n    return", "import os\nimport sys\n", "class Tree:\n    def __init__(self"]
+# tenant-f: tenant-a's weights plus this model.py (LMI's adapter-level formatters).
+FORMATTERS = """
+from djl_python.input_parser import input_formatter
+from djl_python.output_formatter import output_formatter
+
+@input_formatter
+def to_lmi(decoded_payload, tokenizer=None, **kwargs):
+    if decoded_payload.pop("explode", False):
+        raise RuntimeError("explode asked")
+    if "question" in decoded_payload:
+        decoded_payload["inputs"] = decoded_payload.pop("question")
+        decoded_payload["parameters"] = {"max_new_tokens": 8, "do_sample": False}
+    if tokenizer is None or not tokenizer.encode("hello"):
+        raise RuntimeError("the server's tokenizer was not passed (LMI passes it)")
+    return decoded_payload
+
+@output_formatter
+def mine(response_data):
+    return {"answer": response_data["choices"][0]["text"], "formatted": True}
+"""
 
 
 @dataclass
@@ -85,7 +107,14 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
     from lmi_cache.devtools.front_demo import make_front_model_dir
 
     root = e2e_dir / "front"
-    model_dir = make_front_model_dir(root / "model", tiny_model, root / "sessions", SESSION_TTL_S)
+    model_dir = make_front_model_dir(root / "model", tiny_model, root / "sessions", SESSION_TTL_S,
+                                     extra=["option.enable_adapter_formatters=true"])
+    from lmi_cache.devtools.tiny_lora import make_tiny_lora
+
+    make_tiny_lora(tiny_model, model_dir / "adapters" / "tenant-f", seed=1)  # tenant-a's weights
+    (model_dir / "adapters" / "tenant-f" / "model.py").write_text(FORMATTERS)
+    make_tiny_lora(tiny_model, model_dir / "adapters" / "bad-code", seed=3)
+    (model_dir / "adapters" / "bad-code" / "model.py").write_text("import no_such_module_for_lmi_cache\n")
     for sub in ("rpc", "vllm-cache", "runtime"):
         (root / sub).mkdir()
     with socket.socket() as sock:
@@ -145,6 +174,7 @@ def test_startup_summary_names_the_front_settings(server: Server) -> None:
     assert f"stateful sessions: on (expire after {SESSION_TTL_S} s" in log
     assert "adapter tenant-a: registered (rank 8; loaded on first use)" in log
     assert "adapter broken: REFUSED (adapter_model.safetensors:" in log
+    assert "adapter tenant-f: registered (rank 8; loaded on first use; input, output formatters from model.py)" in log
 
 
 def test_lmi_request_gives_the_openai_paths_tokens(server: Server) -> None:
@@ -281,6 +311,36 @@ def test_kv_is_cached_per_adapter_and_never_shared_across(server: Server) -> Non
     assert hit > 1000, "the same adapter repeated must hit the cache"
     assert _cached_tokens(server, prompt, "tenant-b") == 0
     assert _cached_tokens(server, prompt, None) == 0
+
+
+def test_an_adapters_formatters_rewrite_its_requests_and_answers(server: Server) -> None:
+    payload = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 8, "do_sample": False}}
+    expected = ok(call(f"{server.url}/invocations", {**payload, "adapters": "tenant-a"}))["generated_text"]
+    mine = ok(call(f"{server.url}/invocations", {"question": PROMPTS[0]},
+                   {"X-Amzn-SageMaker-Adapter-Identifier": "tenant-f"}))
+    assert mine == {"answer": expected, "formatted": True}
+    reply = call(f"{server.url}/invocations", {**payload, "stream": True, "adapters": "tenant-f"})
+    lines = [json.loads(line) for line in reply.body.decode().splitlines() if line.strip()]
+    assert reply.status == 200 and reply.headers["content-type"].startswith("application/jsonlines")
+    assert all(line["formatted"] for line in lines) and "".join(line["answer"] for line in lines) == expected
+    # Other adapters and the base model keep LMI's shape.
+    assert "generated_text" in ok(call(f"{server.url}/invocations", payload))
+
+
+def test_a_formatter_that_raises_is_a_424_and_the_server_keeps_serving(server: Server) -> None:
+    reply = call(f"{server.url}/invocations", {"inputs": "x", "explode": True, "adapters": "tenant-f"})
+    assert reply.status == 424
+    assert reply.json()["error"] == "adapter 'tenant-f' input formatter failed: RuntimeError: explode asked"
+    assert get_status(f"{server.url}/ping") == 200
+    assert ok(call(f"{server.url}/invocations", {"question": "x"}, {"X-Amzn-SageMaker-Adapter-Identifier": "tenant-f"}))
+
+
+def test_an_adapter_whose_model_py_fails_to_import_is_refused_with_424(server: Server) -> None:
+    reply = call(f"{server.url}/invocations", {"inputs": "x", "adapters": "bad-code"})
+    assert reply.status == 424
+    error = reply.json()["error"]
+    assert "adapter 'bad-code' failed registration: model.py failed to import: ModuleNotFoundError" in error
+    assert "adapter bad-code refused: model.py failed to import" in server.log()
 
 
 def test_ping_fails_once_the_engine_died(server: Server) -> None:
