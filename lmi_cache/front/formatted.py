@@ -31,9 +31,10 @@ class FormattedResponse:
     """vLLM's answer through the adapter's output formatter (instead of LMI's shape), JSON or streamed.
 
     Streamed: each SSE event's JSON goes through the formatter, one jsonlines
-    line out per event; a formatter that raises ends the stream with LMI's
-    error line. Errors from vLLM keep their status (LMI's error shape for an
-    LMI payload, vLLM's own otherwise).
+    line out per event; a formatter that raises, or an error event from vLLM,
+    ends the stream with LMI's error line (its ``error`` says why). Errors
+    before the stream keep their status (LMI's error shape for an LMI
+    payload, vLLM's own otherwise).
     """
 
     def __init__(self, formatters: Formatters, plan: LmiRequestPlan | None, send: Send) -> None:
@@ -79,7 +80,10 @@ class FormattedResponse:
                 if not data or data == b"[DONE]" or self.failed:
                     continue
                 try:
-                    text = apply_output(self.formatters, json.loads(data))
+                    chunk = json.loads(data)
+                    if isinstance(chunk, dict) and "error" in chunk:  # vLLM failed mid-stream: not formatted
+                        raise FormatterError(error_to_lmi(500, data)["error"])
+                    text = apply_output(self.formatters, chunk)
                 except ValueError:
                     continue  # not JSON: nothing a formatter could read
                 except FormatterError as err:

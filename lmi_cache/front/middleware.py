@@ -94,7 +94,7 @@ class LmiFrontMiddleware:
         headers.append((b"content-length", str(len(body)).encode()))
         inner_scope = dict(scope, headers=headers)
         replay = _replay(body, receive)
-        if custom is not None and custom.output is not None:
+        if custom is not None and custom.output is not None and not session_request:
             await self.app(inner_scope, replay, FormattedResponse(custom, plan, send).send)
         elif plan is not None:
             await self.app(inner_scope, replay, _LmiResponse(plan, send).send)

@@ -190,3 +190,25 @@ def test_a_broken_adapter_entry_is_not_loaded(tmp_path: Path) -> None:
     (folder / "model.py").write_text("raise RuntimeError('must not run')\n")
     loaded, failed = load_all({"x": Adapter("x", folder, error="no adapter_config.json")}, enabled=True)
     assert loaded == {} and failed == {}
+
+
+def test_a_vllm_error_mid_stream_is_lmis_error_line_not_formatted(tmp_path: Path) -> None:
+    good = {"choices": [{"index": 0, "text": " a"}]}
+    failed = {"error": {"message": "engine dead", "code": 500}}
+    raw = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in (good, failed, good))
+    stub = StubApp(sse=[raw])
+    front = LmiFrontMiddleware(stub, adapters={}, formatters={"fmt": _formatters(tmp_path)})
+    _, _, body = run(front, {"inputs": "Q", "stream": True, "adapters": "fmt"})
+    lines = [json.loads(line) for line in body.decode().splitlines()]
+    assert lines[0] == {"custom": True, "text": " a"}
+    assert lines[1]["details"]["finish_reason"] == "error" and lines[1]["error"] == "engine dead"
+    assert len(lines) == 2
+
+
+def test_session_requests_naming_a_formatted_adapter_keep_the_session_answer(tmp_path: Path) -> None:
+    value = b"abc; Expires=2030-01-01T00:00:00Z"
+    stub = StubApp(body="Session abc created", headers=[(b"x-amzn-sagemaker-new-session-id", value)])
+    front = LmiFrontMiddleware(stub, adapters={}, formatters={"fmt": _formatters(tmp_path)})
+    status, headers, body = run(front, {"requestType": "NEW_SESSION"}, {"X-Amzn-SageMaker-Adapter-Identifier": "fmt"})
+    assert status == 200 and json.loads(body) == "Session abc created"
+    assert headers[b"x-amzn-sagemaker-session-id"] == value
