@@ -22,7 +22,8 @@ Contract (the vLLM connector builds on exactly this; extend, don't change):
   shape/dtype (copied into ``out`` when given: same dtype and byte size), or
   None on a miss. After a None, ``out`` may hold garbage (disk reads land in
   it directly): use it only when the result is not None. A disk hit is
-  promoted into the CPU tier.
+  promoted into the CPU tier (a remote hit too, by a background thread;
+  ``flush`` waits for it).
 - ``retrieve_many(keys, outs=None) -> list[Tensor | None]``: ``retrieve`` of
   each key, disk reads in parallel (one file per chunk needs several reads in
   flight to match a sequential stream); results in key order.
@@ -98,6 +99,7 @@ class CacheEngine:
         self._removed_events: list[bytes] = []
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None
+        self._promote_pool: ThreadPoolExecutor | None = None
         has_disk = config.disk_capacity_bytes > 0
         self._cpu: CpuTier | None = None  # set before the disk tier: its start-up may call back
         self._disk: DiskTier | None = None
@@ -280,13 +282,26 @@ class CacheEngine:
         if chunk is None:
             return None
         result = fill_from(chunk, out)
-        if self._cpu is not None:  # promotion: later loads of this chunk stay local
-            source = result.detach().reshape(-1).view(torch.uint8)
-            if self._cpu.put(key, chunk.header, source) is not None:
-                with self._events_lock:
-                    self._stored_events.append(key.digest)
+        if self._cpu is not None:
+            # Promotion (later loads of this chunk stay local) off the load's critical path: it copies
+            # from the fetched value, which nothing else holds, into fresh CPU-tier memory.
+            with self._events_lock:
+                if self._promote_pool is None:
+                    self._promote_pool = ThreadPoolExecutor(1, thread_name_prefix="lmi-remote-promote")
+            self._promote_pool.submit(self._promote, key, chunk)
         self.metrics.loaded_tokens(self._remote.name, key.num_tokens)
         return result
+
+    def _promote(self, key: ChunkKey, chunk: Any) -> None:
+        try:
+            assert self._cpu is not None
+            source = np.frombuffer(chunk.payload, dtype=np.uint8)
+            fill = lambda out: np.copyto(out.reshape(-1).view(torch.uint8).numpy(), source)  # noqa: E731
+            if self._cpu.put(key, chunk.header, fill) is not None:
+                with self._events_lock:
+                    self._stored_events.append(key.digest)
+        except Exception as err:  # a failed promotion is only a later remote load
+            self._warner.warn("promote", f"remote chunk not promoted into the CPU tier ({err!r})")
 
     def stage_remote(self, keys: Sequence[ChunkKey]) -> int:
         """One batched remote read of the chunks among ``keys`` no local tier holds; how many were found."""
@@ -343,6 +358,8 @@ class CacheEngine:
             logger.warning("disk tier: %d writes still queued after %.1f s", self._disk.queued_writes, timeout_s)
         if self._remote is not None and not self._remote.flush(timeout_s):
             logger.warning("remote tier: stores still queued after %.1f s", timeout_s)
+        if self._promote_pool is not None:  # promotions run in order: wait for the last one queued
+            self._promote_pool.submit(lambda: None).result(timeout_s)
 
     def clear(self) -> None:
         digests: set[bytes] = set()
@@ -374,6 +391,8 @@ class CacheEngine:
         self._closed = True
         if self._read_pool is not None:
             self._read_pool.shutdown(wait=True)
+        if self._promote_pool is not None:
+            self._promote_pool.shutdown(wait=True)
         if self._disk is not None:
             self._disk.close()
         if self._remote is not None:

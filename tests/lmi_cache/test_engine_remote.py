@@ -58,6 +58,7 @@ def test_a_second_engine_loads_what_the_first_stored(redis_server: RedisServer) 
         for key, expected in zip(keys, data):
             got = second.retrieve(key, out=out)
             assert got is not None and torch.equal(got, expected)
+        second.flush(10.0)  # promotion runs in the background
         assert second.contains(keys[0]) == "cpu"  # promoted
         stored, _ = second.drain_events()
         assert set(stored) == {k.digest for k in keys}  # the scheduler's index learns the promoted chunks
