@@ -1,6 +1,8 @@
 """Tests for lmi_cache.model_identity: the weights' identity that every cache key carries."""
 from __future__ import annotations
 
+import logging
+
 import os
 import random
 import shutil
@@ -60,7 +62,12 @@ def test_hub_id_resolves_through_the_cache_refs(tmp_path: Path) -> None:
     assert mi.model_identity("org/tiny", revision=COMMIT_B, env={}) == f"hf:{COMMIT_B}"
 
 
-def test_unresolvable_hub_id_falls_back_to_name_and_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_unresolvable_hub_id_falls_back_to_name_and_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A library imported earlier in the session may configure logging with disable_existing_loggers.
+    monkeypatch.setattr(mi.logger, "disabled", False)
+    caplog.set_level(logging.WARNING, logger=mi.logger.name)
     got = mi.model_identity("org/never-downloaded", cache_dirs=[str(tmp_path)], env={"HF_HUB_OFFLINE": "1"})
     assert got.startswith("name:org/never-downloaded@")
     assert "LMI_CACHE_MODEL_VERSION" in caplog.text
