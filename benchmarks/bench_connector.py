@@ -235,7 +235,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kvcache-gib", type=int, default=2)
     parser.add_argument("--settle-s", type=float, default=2.0, help="wait before stopping a server")
-    parser.add_argument("--lmcache-venv", default="/work/lmcache-venv")
+    parser.add_argument("--lmcache-venv", default=str(Path(__file__).resolve().parents[2] / "lmcache-venv"))
     parser.add_argument("--models-dir", default=str(Path(tempfile.gettempdir()) / "lmi-cache-tiny-models"))
     parser.add_argument("--work-dir", default=None, help="run folders (default: a fresh temp folder, removed after)")
     parser.add_argument("--json", default=None, help="write the headline numbers as JSON here")
