@@ -19,6 +19,18 @@ Message = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
 
 
+def is_event_stream(start: Message) -> bool:
+    """A successful server-sent-events answer (vLLM streaming), which the front turns into jsonlines."""
+    content_type = dict(start.get("headers", [])).get(b"content-type", b"")
+    return bool(start["status"] == 200 and content_type.startswith(b"text/event-stream"))
+
+
+def as_jsonlines_start(start: Message) -> Message:
+    """The response start re-labelled as LMI's jsonlines (the length changes, so it is dropped)."""
+    headers = [(k, v) for k, v in start.get("headers", []) if k not in (b"content-type", b"content-length")]
+    return dict(start, headers=[*headers, (b"content-type", JSONLINES.encode())])
+
+
 async def send_json(send: Send, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     data = json.dumps(payload).encode()
     kept = [(k, v) for k, v in headers or [] if k not in (b"content-type", b"content-length")]
@@ -50,12 +62,9 @@ class FormattedResponse:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.start = message
-            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
-            self.streaming = message["status"] == 200 and content_type.startswith(b"text/event-stream")
+            self.streaming = is_event_stream(message)
             if self.streaming:
-                headers = [(k, v) for k, v in message.get("headers", [])
-                           if k not in (b"content-type", b"content-length")]
-                await self.downstream(dict(message, headers=[*headers, (b"content-type", JSONLINES.encode())]))
+                await self.downstream(as_jsonlines_start(message))
             return
         if message["type"] != "http.response.body":
             await self.downstream(message)

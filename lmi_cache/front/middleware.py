@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, MutableMapping
 
 from lmi_cache.front.adapters import Adapter, register_with_vllm, registry_from_env
 from lmi_cache.front.formatted import FormattedResponse
-from lmi_cache.front.formatted import Message, Send
+from lmi_cache.front.formatted import Message, Send, as_jsonlines_start, is_event_stream
 from lmi_cache.front.formatted import send_json as _send_json
 from lmi_cache.front.formatters import (
     FORMATTERS_ENV,
@@ -30,7 +30,7 @@ from lmi_cache.front.formatters import (
     apply_input,
     load_all,
 )
-from lmi_cache.front.responses import JSONLINES, StreamTranslator, completion_to_lmi, error_to_lmi
+from lmi_cache.front.responses import StreamTranslator, completion_to_lmi, error_to_lmi
 from lmi_cache.front.schema import LmiRequestPlan, LmiSchemaError, adapter_of, is_lmi_payload, to_completion_request
 from lmi_cache.front.sessions import add_lmi_session_header, expired_session_error, normalize_request_headers
 
@@ -202,12 +202,9 @@ class _LmiResponse:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.start = message
-            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
-            if message["status"] == 200 and content_type.startswith(b"text/event-stream"):
+            if is_event_stream(message):
                 self.translator = StreamTranslator(self.plan)
-                headers = [(k, v) for k, v in message.get("headers", [])
-                           if k not in (b"content-type", b"content-length")]
-                await self.downstream(dict(message, headers=[*headers, (b"content-type", JSONLINES.encode())]))
+                await self.downstream(as_jsonlines_start(message))
             return
         if message["type"] != "http.response.body":
             await self.downstream(message)
