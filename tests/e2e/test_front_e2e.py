@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,11 +27,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from server_process import running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-READY_TIMEOUT_S = 300
 SESSION_TTL_S = 15
 PROMPTS = ["def main():\n    return", "import os\nimport sys\n", "class Tree:\n    def __init__(self"]
 # tenant-f: tenant-a's weights plus this model.py (LMI's adapter-level formatters).
@@ -132,27 +131,11 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
     script = Path(sys.executable).with_name("lmi-cache")
     command = [str(script), "serve"] if script.exists() else [sys.executable, "-m", "autoconfig.cli", "serve"]
     log_path = root / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*command, "--model-dir", str(model_dir)], stdout=log, stderr=subprocess.STDOUT,
-                                env=env, cwd=root, start_new_session=True)
-    srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
     try:
-        started = time.monotonic()
-        while get_status(f"{srv.url}/ping") != 200:
-            if proc.poll() is not None:
-                pytest.fail(f"serve exited with {proc.returncode} before /ping was ready:\n{srv.log()[-4000:]}")
-            if time.monotonic() - started > READY_TIMEOUT_S:
-                pytest.fail(f"/ping not 200 after {READY_TIMEOUT_S} s:\n{srv.log()[-4000:]}")
-            time.sleep(1)
-        yield srv
+        with running_server([*command, "--model-dir", str(model_dir)], env=env, cwd=root,
+                            log_path=log_path, ready_url=f"http://127.0.0.1:{port}/ping") as proc:
+            yield Server(proc, f"http://127.0.0.1:{port}", log_path)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
         shutil.rmtree(root / "rpc", ignore_errors=True)
 
 

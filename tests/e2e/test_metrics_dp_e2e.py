@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from server_process import running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -93,32 +92,11 @@ def dp_server(tiny_model: Path, e2e_dir: Path) -> Iterator[DpServer]:
            "--enforce-eager", "--no-enable-prefix-caching", "--data-parallel-size", "2",
            "--kv-transfer-config", json.dumps(CONNECTOR)]
     log_path = root / "vllm.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = DpServer(f"http://127.0.0.1:{port}", str(tiny_model), exporter_base, log_path)
     try:
-        started = time.monotonic()
-        while True:
-            try:
-                if urllib.request.urlopen(f"{server.url}/health", timeout=3).status == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {proc.returncode} before it was ready:\n{server.log_tail()}")
-            if time.monotonic() - started > READY_TIMEOUT_S:
-                pytest.fail(f"not ready after {READY_TIMEOUT_S} s:\n{server.log_tail()}")
-            time.sleep(1)
-        print(f"two replicas ready in {time.monotonic() - started:.1f} s")
-        yield server
+        with running_server(cmd, env=env, log_path=log_path, ready_url=f"http://127.0.0.1:{port}/health",
+                            sigterm_whole_group=True, ready_timeout_s=READY_TIMEOUT_S):
+            yield DpServer(f"http://127.0.0.1:{port}", str(tiny_model), exporter_base, log_path)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
         shutil.rmtree(root / "rpc", ignore_errors=True)
 
 

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from server_process import get_status, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "serving.properties.d" / "cpu-tiny-demo" / "serving.properties"
-READY_TIMEOUT_S = 300  # ~20 s on an idle 2-core machine; the shared CI machine can be much slower
 # About 2,500 tokens (the example's max_model_len is 4096): many 256-token chunks.
 LONG_PROMPT = " ".join(f"item{i} alpha beta gamma" for i in range(250))
 
@@ -72,14 +72,6 @@ def post(url: str, payload: dict[str, Any], timeout_s: float = 120) -> dict[str,
         pytest.fail(f"POST {url} -> {err.code}: {err.read().decode(errors='replace')[:500]}")
 
 
-def get_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return int(response.status)
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return 0
-
-
 def external_hit_tokens(base_url: str) -> float:
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
         text = response.read().decode()
@@ -110,28 +102,11 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     })
     log_path = root / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*serve_command(), "--model-dir", str(model_dir)], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
-    srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
     try:
-        started = time.monotonic()
-        while get_status(f"{srv.url}/ping") != 200:
-            if proc.poll() is not None:
-                pytest.fail(f"serve exited with {proc.returncode} before /ping was ready:\n{srv.log_tail()}")
-            if time.monotonic() - started > READY_TIMEOUT_S:
-                pytest.fail(f"/ping not 200 after {READY_TIMEOUT_S} s:\n{srv.log_tail()}")
-            time.sleep(1)
-        print(f"serve ready in {time.monotonic() - started:.1f} s")
-        yield srv
+        with running_server([*serve_command(), "--model-dir", str(model_dir)], env=env, cwd=root,
+                            log_path=log_path, ready_url=f"http://127.0.0.1:{port}/ping") as proc:
+            yield Server(proc, f"http://127.0.0.1:{port}", log_path)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # our own session: vLLM's engine and workers
-                proc.wait(timeout=30)
         shutil.rmtree(root / "rpc", ignore_errors=True)
 
 

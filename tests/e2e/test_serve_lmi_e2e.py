@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +19,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.e2e.test_serve_e2e import LONG_PROMPT, READY_TIMEOUT_S, REPO, Server, free_port, get_status, serve_command
+from server_process import running_server
+
+from tests.e2e.test_serve_e2e import LONG_PROMPT, REPO, Server, free_port, serve_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -87,27 +87,9 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     })
     log_path = root / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*serve_command(), "--model-dir", str(model_dir)], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
-    srv = Server(proc, f"http://127.0.0.1:{port}", log_path)
-    try:
-        started = time.monotonic()
-        while get_status(f"{srv.url}/ping") != 200:
-            if proc.poll() is not None:
-                pytest.fail(f"serve exited with {proc.returncode} before /ping was ready:\n{srv.log_tail()}")
-            if time.monotonic() - started > READY_TIMEOUT_S:
-                pytest.fail(f"/ping not 200 after {READY_TIMEOUT_S} s:\n{srv.log_tail()}")
-            time.sleep(1)
-        yield srv
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # our own session: vLLM's engine and workers
-                proc.wait(timeout=30)
+    with running_server([*serve_command(), "--model-dir", str(model_dir)], env=env, cwd=root,
+                        log_path=log_path, ready_url=f"http://127.0.0.1:{port}/ping") as proc:
+        yield Server(proc, f"http://127.0.0.1:{port}", log_path)
 
 
 def test_lmi_recipe_runs_lmi_caches_connector_with_the_users_yaml(server: Server) -> None:
