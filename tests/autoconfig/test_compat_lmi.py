@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from tests.moto_server import moto_endpoint
+
 from autoconfig.catalog import host_snapshot_for
 from autoconfig.host import HostSnapshot
 from autoconfig.serve import ServeLaunch, prepare_launch
@@ -37,22 +39,16 @@ S3_CONFIGS = {("djl-llm", "llama-3-8b-instruct-hf/"): "llama-3.1-8b-instruct"}
 
 @pytest.fixture(scope="module")
 def s3_server() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
     import boto3
 
-    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
-                          aws_secret_access_key="testing")
-    for (bucket, prefix), fixture in S3_CONFIGS.items():
-        client.create_bucket(Bucket=bucket)
-        client.put_object(Bucket=bucket, Key=prefix + "config.json",
-                          Body=(ROOT / "hf_configs" / fixture / "config.json").read_bytes())
-    yield url
-    server.stop()
+    with moto_endpoint() as url:
+        client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                              aws_secret_access_key="testing")
+        for (bucket, prefix), fixture in S3_CONFIGS.items():
+            client.create_bucket(Bucket=bucket)
+            client.put_object(Bucket=bucket, Key=prefix + "config.json",
+                              Body=(ROOT / "hf_configs" / fixture / "config.json").read_bytes())
+        yield url
 
 
 @pytest.fixture(scope="module")

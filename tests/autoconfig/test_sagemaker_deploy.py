@@ -5,6 +5,8 @@ import json
 from typing import Any, Iterator
 
 import pytest
+
+from tests.moto_server import moto_endpoint
 from click.testing import CliRunner
 
 from autoconfig.cli_serve import deploy as deploy_command
@@ -24,13 +26,8 @@ IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/lmi-cache:gpu"
 
 @pytest.fixture(scope="module")
 def moto_url() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_endpoint() as url:
+        yield url
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from tests.moto_server import moto_endpoint
+
 from autoconfig.s3_model import local_dir
 from lmi_cache.errors import UserError
 from tests.autoconfig.test_serve import FIXTURES, flag_value, make_host, model_dir
@@ -22,13 +24,8 @@ PREFIX = "llama-3-8b-instruct-hf/"
 
 @pytest.fixture(scope="module")
 def moto_url() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_endpoint() as url:
+        yield url
 
 
 @pytest.fixture()

@@ -12,6 +12,8 @@ from typing import Iterator
 import numpy as np
 import pytest
 
+from tests.moto_server import moto_endpoint
+
 from lmi_cache.chunk_format import ChunkHeader
 from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
 from lmi_cache.remote.redis_server import RedisServer
@@ -59,19 +61,13 @@ def own_redis() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def moto_s3() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 with bucket BUCKET; yields its endpoint URL."""
-    from moto.server import ThreadedMotoServer
-
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
     import boto3
 
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
-    yield endpoint
-    server.stop()
+    with moto_endpoint() as endpoint:
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        yield endpoint
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)
