@@ -12,9 +12,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +75,17 @@ def running_server(
         yield proc
     finally:
         _stop(proc, sigterm_whole_group)
+
+
+def resend_until_cached(send: Callable[[], dict[str, Any]], attempts: int = 5) -> tuple[dict[str, Any], int]:
+    """Send the same completion again until part of its prompt comes from a cache: (reply, cached tokens).
+
+    The store of the first request may land just after its answer, so the first repeat can still miss.
+    """
+    for attempt in range(attempts):
+        reply = send()
+        cached = int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+        if cached or attempt == attempts - 1:
+            return reply, cached
+        time.sleep(0.5)
+    raise ValueError("attempts must be positive")

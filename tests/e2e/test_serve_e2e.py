@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from server_process import get_status, running_server
+from server_process import get_status, resend_until_cached, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -138,13 +137,7 @@ def test_repeated_long_prompt_is_loaded_from_the_cache(server: Server) -> None:
     first = post(f"{server.url}/invocations", payload)
     assert first["usage"]["prompt_tokens"] > 1024
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    cached = 0
-    for _ in range(5):  # the store of the first request may finish just after its response
-        again = post(f"{server.url}/invocations", payload)
-        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-        if cached:
-            break
-        time.sleep(0.5)
+    again, cached = resend_until_cached(lambda: post(f"{server.url}/invocations", payload))
     prompt_tokens = first["usage"]["prompt_tokens"]
     assert cached >= prompt_tokens // 2, f"only {cached} of {prompt_tokens} tokens reused:\n{server.log_tail()}"
     assert again["choices"][0]["text"] == first["choices"][0]["text"], "a cache hit must not change the output"
@@ -170,13 +163,7 @@ def test_lmi_cache_series_are_on_the_serving_ports_metrics(server: Server) -> No
     before = metric_values(server.url, "lmi_cache_")
     external_before = external_hit_tokens(server.url)
     first = post(f"{server.url}/invocations", payload)
-    cached = 0
-    for _ in range(5):  # the store of the first request may finish just after its response
-        again = post(f"{server.url}/invocations", payload)
-        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-        if cached:
-            break
-        time.sleep(0.5)
+    again, cached = resend_until_cached(lambda: post(f"{server.url}/invocations", payload))
     assert cached > 0, server.log_tail()
     after = metric_values(server.url, "lmi_cache_")
 

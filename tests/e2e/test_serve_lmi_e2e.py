@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from server_process import running_server
+from server_process import resend_until_cached, running_server
 
 from tests.e2e.test_serve_e2e import LONG_PROMPT, REPO, Server, free_port, serve_command
 
@@ -120,12 +119,6 @@ def test_repeated_prompt_is_reused_through_the_lmi_recipe(server: Server) -> Non
     payload = {"prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0}
     status, first = post(f"{server.url}/v1/completions", payload, KEYS[0])
     assert status == 200 and first["usage"]["prompt_tokens"] > 1024
-    cached = 0
-    for _ in range(5):  # the store of the first request may finish just after its response
-        status, again = post(f"{server.url}/v1/completions", payload, KEYS[0])
-        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-        if cached:
-            break
-        time.sleep(0.5)
+    again, cached = resend_until_cached(lambda: post(f"{server.url}/v1/completions", payload, KEYS[0])[1])
     assert cached >= first["usage"]["prompt_tokens"] // 2, server.log_tail()
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
