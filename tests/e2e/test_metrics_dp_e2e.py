@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.local_ports import free_port_block
 from server_process import running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -46,21 +47,6 @@ class DpServer:
         return self.log_path.read_text(errors="replace")[-4000:]
 
 
-def _free_port_block(size: int) -> int:
-    for _ in range(50):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = int(sock.getsockname()[1])
-        try:
-            for port in range(base, base + size):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no block of free local ports")
-
-
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as response:
         return str(response.read().decode())
@@ -76,7 +62,7 @@ def dp_server(tiny_model: Path, e2e_dir: Path) -> Iterator[DpServer]:
     root = Path(tempfile.mkdtemp(prefix="metrics-dp-", dir=e2e_dir))
     for sub in ("prometheus", "rpc", "vllm-cache"):
         (root / sub).mkdir()
-    port, exporter_base = _free_port_block(1), _free_port_block(4)
+    port, exporter_base = free_port_block(1), free_port_block(4)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "PROMETHEUS_", "LMI_CACHE_"))}
     env.update({
         "PROMETHEUS_MULTIPROC_DIR": str(root / "prometheus"),

@@ -8,26 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.local_ports import free_port_block
+
 from lmi_cache.metrics import CacheMetrics, SchedulerMetrics
 from lmi_cache.metrics_server import note_where_metrics_go, serve_metrics
-
-
-def _free_port_block(size: int) -> int:
-    """A base port whose next ``size`` ports are free right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + size > 65535:
-            continue
-        try:
-            for port in range(base, base + size):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    pytest.skip("no block of free local ports")
 
 
 def _scrape(port: int) -> str:
@@ -40,7 +24,7 @@ def test_off_by_default() -> None:
 
 def test_scheduler_and_ranks_of_two_replicas_never_collide() -> None:
     """Two data-parallel replicas of a TP=2 deployment: 6 exporters, 6 distinct ports, each its own series."""
-    base = _free_port_block(6)
+    base = free_port_block(6)
     env = {"LMI_CACHE_METRICS_PORT": str(base)}
     ports: dict[tuple[int, int | None], int | None] = {}
     for dp in (0, 1):
@@ -69,7 +53,7 @@ def _listening_addresses(port: int) -> set[str]:
 
 
 def test_binds_loopback_unless_told_otherwise() -> None:
-    base = _free_port_block(2)
+    base = free_port_block(2)
     assert serve_metrics(CacheMetrics().registry, dp_rank=0, world_size=1, rank=None,
                          env={"LMI_CACHE_METRICS_PORT": str(base)}) == base
     assert _listening_addresses(base) == {"127.0.0.1"}
@@ -93,7 +77,7 @@ def test_bad_settings_cost_a_warning_not_the_worker(
 
 
 def test_a_busy_port_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    base = _free_port_block(1)
+    base = free_port_block(1)
     env = {"LMI_CACHE_METRICS_PORT": str(base)}
     assert serve_metrics(CacheMetrics().registry, dp_rank=0, world_size=1, rank=None, env=env) == base
     with caplog.at_level(logging.WARNING):
