@@ -1,15 +1,22 @@
 """Token ids -> prefix-chained 128-bit chunk keys (torch-free; scheduler and worker processes).
 
-A chunk's digest is XXH3-128 over (previous chunk's digest, this chunk's token
-ids as uint32 little-endian); the first chunk chains from the namespace seed,
-so keys of different models (and of different weights at the same path: see
-``model_identity``), KV dtypes, layouts, ranks, LoRA adapters or
-``cache_salt`` values never meet. Nothing depends on PYTHONHASHSEED: the same
-tokens give the same keys in every process on every machine.
+A chunk's chain digest is XXH3-128 over (previous chunk's digest, this chunk's
+token ids as uint32 little-endian); the first chunk chains from a namespace
+seed, so keys of different models (and of different weights at the same path:
+see ``model_identity``), KV dtypes, layouts, LoRA adapters or ``cache_salt``
+values never meet. Nothing depends on PYTHONHASHSEED: the same tokens give the
+same keys in every process on every machine.
 
 Each key also carries a fingerprint: a second, independent chain (XXH64) over
 the same input. Stored chunks record it and loads compare it, so a digest
 collision turns into a counted miss instead of someone else's KV.
+
+:class:`KeySpace` is what serving uses: the scheduler needs every rank's key
+of every chunk, and the ranks differ only in which slice of the KV they hold,
+so a prompt is chained once per request and each rank's key is derived from
+the chain by one short hash of (rank seed, chain digest). The older
+:class:`KeyNamespace` / :func:`chunk_keys` pair chains once per rank (the rank
+is in the seed); it stays for callers that hold one rank's namespace.
 """
 from __future__ import annotations
 
@@ -17,13 +24,15 @@ import array
 import json
 import sys
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
 import xxhash
 
 # Bump when the key derivation changes: old persisted chunks then stop matching.
-KEY_SCHEME_VERSION = "lmi-cache-keys-v2"  # v2: the namespace holds the weights' identity
+# v2: the namespace holds the weights' identity. v3: one chain per request, per-rank keys derived from it.
+KEY_SCHEME_VERSION = "lmi-cache-keys-v3"
 _FINGERPRINT_SEED = 0x6C6D692D66707631  # "lmi-fpv1": any fixed constant, never changed
 
 
@@ -33,7 +42,7 @@ class KeyNamespace:
 
     model: str  # the model as vLLM names it (path or hub id)
     kv_dtype: str  # KV-cache dtype, e.g. "bfloat16"
-    layout: str  # version tag of the chunk byte layout, e.g. "cpu-lbhnc-v1"
+    layout: str  # KV layout tag from transfer.layouts (kind.stride-order.dtype), e.g. "cpu.s0123.bfloat16"
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
@@ -86,33 +95,120 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
     return memoryview(packed).cast("B")
 
 
+def _chain(data: memoryview, seed: bytes, chunk_size: int, include_partial: bool) -> list[tuple[int, int, bytes, int]]:
+    """(start, end, chain digest, chain fingerprint) of consecutive chunks of ``data`` (uint32 token bytes)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    num_tokens = len(data) // 4
+    stop = num_tokens if include_partial else num_tokens - num_tokens % chunk_size
+    links: list[tuple[int, int, bytes, int]] = []
+    prev = prev_fp = seed
+    digest_of, fingerprint_of = xxhash.xxh3_128_digest, xxhash.xxh64_intdigest
+    for start in range(0, stop, chunk_size):
+        end = min(start + chunk_size, stop)
+        body = data[start * 4 : end * 4]
+        # One-shot hashes of (previous link || body): the same values as streaming, without a state object per chunk.
+        prev = digest_of(prev + body)
+        fingerprint = fingerprint_of(prev_fp + body, _FINGERPRINT_SEED)
+        prev_fp = fingerprint.to_bytes(8, "little")
+        links.append((start, end, prev, fingerprint))
+    return links
+
+
 def chunk_keys(
     tokens: Sequence[int] | np.ndarray,
     namespace: KeyNamespace,
     chunk_size: int,
     include_partial: bool = False,
 ) -> list[ChunkKey]:
-    """Keys of consecutive chunks of ``tokens``; a trailing partial chunk only if asked."""
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    data = _token_bytes(tokens)
-    num_tokens = len(data) // 4
-    end_full = num_tokens - num_tokens % chunk_size
-    stop = num_tokens if include_partial else end_full
-    keys: list[ChunkKey] = []
-    prev = namespace.seed()
-    prev_fp = prev
-    xxh3_128 = xxhash.xxh3_128
-    xxh64 = xxhash.xxh64
-    for start in range(0, stop, chunk_size):
-        end = min(start + chunk_size, stop)
-        body = data[start * 4 : end * 4]
-        digest_state = xxh3_128(prev)
-        digest_state.update(body)
-        fp_state = xxh64(prev_fp, seed=_FINGERPRINT_SEED)
-        fp_state.update(body)
-        prev = digest_state.digest()
-        fingerprint = fp_state.intdigest()
-        prev_fp = fingerprint.to_bytes(8, "little")
-        keys.append(ChunkKey(prev, start, end, fingerprint))
-    return keys
+    """Keys of consecutive chunks of ``tokens`` in one rank's namespace; a trailing partial chunk only if asked."""
+    links = _chain(_token_bytes(tokens), namespace.seed(), chunk_size, include_partial)
+    return [ChunkKey(digest, start, end, fingerprint) for start, end, digest, fingerprint in links]
+
+
+def _canonical_digest(*parts: object) -> bytes:
+    return xxhash.xxh3_128_digest(json.dumps([KEY_SCHEME_VERSION, *parts], sort_keys=True, separators=(",", ":")).encode())
+
+
+@dataclass(frozen=True)
+class RequestKeys:
+    """Every rank's key of every chunk of one prompt: ``per_chunk[c][r]`` (rank = pp_rank * tp_size + tp_rank)."""
+
+    per_chunk: tuple[tuple[ChunkKey, ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.per_chunk)
+
+    def rank(self, rank: int) -> list[ChunkKey]:
+        """One rank's keys, in chunk order."""
+        return [keys[rank] for keys in self.per_chunk]
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """The rank-independent part of a deployment's key namespace; derives every rank's chunk keys.
+
+    Built once per served model and KV layout (the scheduler builds it when the
+    workers report their layout tag). A request adds its LoRA adapter and
+    ``cache_salt``; ranks are told apart in the last step only, so a prompt is
+    hashed once however many ranks there are.
+    """
+
+    model: str  # the model as vLLM names it (path or hub id)
+    kv_dtype: str  # KV-cache dtype, e.g. "bfloat16"
+    layout: str  # KV layout tag from transfer.layouts, e.g. "cpu.s0123.bfloat16"
+    chunk_size: int  # tokens per chunk
+    tp_size: int = 1
+    pp_size: int = 1
+    model_identity: str = ""  # what the weights are (model_identity.model_identity): changes with them
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "tp_size", "pp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KeySpace.{name} must be a positive integer, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @cached_property
+    def _rank_seeds(self) -> tuple[bytes, ...]:
+        # The rank seed holds only the rank: the chain it is combined with already holds the namespace.
+        return tuple(_canonical_digest("rank", rank % self.tp_size, rank // self.tp_size)
+                     for rank in range(self.world_size))
+
+    def request_seed(self, lora: str | None = None, cache_salt: str | None = None) -> bytes:
+        """16 bytes derived from every field plus the request's adapter and salt (canonical JSON)."""
+        return _canonical_digest("request", asdict(self), lora, cache_salt)
+
+    def _links(self, tokens: Sequence[int] | np.ndarray, lora: str | None, cache_salt: str | None,
+               include_partial: bool) -> list[tuple[int, int, bytes, int]]:
+        return _chain(_token_bytes(tokens), self.request_seed(lora, cache_salt), self.chunk_size, include_partial)
+
+    def for_request(self, tokens: Sequence[int] | np.ndarray, lora: str | None = None, cache_salt: str | None = None,
+                    include_partial: bool = False) -> RequestKeys:
+        """Every rank's key of every full chunk (and the trailing partial one if asked), hashing ``tokens`` once."""
+        seeds = self._rank_seeds
+        digest_of, fingerprint_of = xxhash.xxh3_128_digest, xxhash.xxh64_intdigest
+        per_chunk = []
+        for start, end, digest, fingerprint in self._links(tokens, lora, cache_salt, include_partial):
+            fp_bytes = fingerprint.to_bytes(8, "little")
+            per_chunk.append(tuple(
+                ChunkKey(digest_of(seed + digest), start, end, fingerprint_of(seed + fp_bytes, _FINGERPRINT_SEED))
+                for seed in seeds
+            ))
+        return RequestKeys(tuple(per_chunk))
+
+    def keys(self, tokens: Sequence[int] | np.ndarray, rank: int, lora: str | None = None,
+             cache_salt: str | None = None, include_partial: bool = False) -> list[ChunkKey]:
+        """One rank's keys: equal to ``for_request(...).rank(rank)``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside this key space's {self.world_size} ranks")
+        seed = self._rank_seeds[rank]
+        digest_of, fingerprint_of = xxhash.xxh3_128_digest, xxhash.xxh64_intdigest
+        return [
+            ChunkKey(digest_of(seed + digest), start, end,
+                     fingerprint_of(seed + fingerprint.to_bytes(8, "little"), _FINGERPRINT_SEED))
+            for start, end, digest, fingerprint in self._links(tokens, lora, cache_salt, include_partial)
+        ]

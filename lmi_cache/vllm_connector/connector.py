@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
+from lmi_cache.chunk_hashing import KeySpace
 from lmi_cache.errors import ConfigError
 from lmi_cache.transfer.layouts import ExpectedGeometry
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata
@@ -127,22 +128,16 @@ class LmiCacheConnector(KVConnectorBase_V1):
 
     # -- construction --------------------------------------------------------------------
 
-    def _keys(self, tokens: Any, rank: int, layout_tag: str, lora: str | None, salt: str | None) -> list[Any]:
-        from lmi_cache.chunk_hashing import KeyNamespace, chunk_keys
-
-        namespace = KeyNamespace(
+    def _key_space(self, layout_tag: str) -> KeySpace:
+        return KeySpace(
             model=self._model_id,
             kv_dtype=self._kv_dtype,
             layout=layout_tag,
-            tp_rank=rank % self._tp_size,
+            chunk_size=self._config.chunk_size,
             tp_size=self._tp_size,
-            pp_rank=rank // self._tp_size,
             pp_size=self._pp_size,
-            lora=lora,
-            cache_salt=salt,
             model_identity=self._model_identity,
         )
-        return chunk_keys(tokens, namespace, self._config.chunk_size)
 
     def _init_scheduler(self, block_size: int) -> None:
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
@@ -173,7 +168,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
         metrics = SchedulerMetrics(engine_label=str(self._dp_index))
         note_where_metrics_go()
         serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
-        self._scheduler = SchedulerSide(geometry, self._keys, seed, metrics, remote=self._open_remote_lookups())
+        self._scheduler = SchedulerSide(geometry, self._key_space, seed, metrics, remote=self._open_remote_lookups())
 
     def _open_remote_lookups(self) -> Any:
         """The scheduler's client of the remote store (existence checks only), or None without one."""

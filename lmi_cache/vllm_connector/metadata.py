@@ -11,9 +11,9 @@ plain data so it pickles across vLLM's process boundaries; no tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from lmi_cache.chunk_hashing import ChunkKey
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class ChunkTransfer:
     """
 
     req_id: str
-    keys: tuple[Any, ...]  # lmi_cache.chunk_hashing.ChunkKey per rank
+    keys: tuple[ChunkKey, ...]  # one per rank
     block_ids: tuple[int, ...]
     block_offset: int = 0
 

@@ -5,9 +5,10 @@ workers' engines hold (seeded from the disk tier at start-up, then fed by the
 events each worker returns through ``build_connector_worker_meta`` ->
 ``update_connector_output``) and, per request, a plan:
 
-* ``get_num_new_matched_tokens``: chunk keys of the prompt in every rank's
-  namespace (model, KV dtype, layout tag, TP/PP rank and size, LoRA name,
-  ``cache_salt``); leading chunks held by all ranks, capped so at least one
+* ``get_num_new_matched_tokens``: chunk keys of the prompt for every rank,
+  from the :class:`KeySpace` built once the layout tag is known (model, KV
+  dtype, layout tag, TP/PP size; the request adds its LoRA name and
+  ``cache_salt``; the prompt is hashed once, not once per rank); leading chunks held by all ranks, capped so at least one
   token is left to compute, aligned down to vLLM's block size, minus what
   vLLM's prefix cache already covers; below ``min_retrieve_tokens`` it is 0.
   Loads are synchronous (``(n, False)``): the worker loads before the forward.
@@ -40,14 +41,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmi_cache.chunk_hashing import ChunkKey, KeySpace
 from lmi_cache.metrics import SchedulerMetrics
 from lmi_cache.vllm_connector.key_index import KeyIndex
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
 
 logger = logging.getLogger(__name__)
 
-# A key function: (token ids, rank index, layout tag, lora name, cache salt) -> chunk keys of full chunks.
-KeysFn = Callable[[Sequence[int], int, str, "str | None", "str | None"], list[Any]]
+# Builds the deployment's key space once the workers have reported their KV layout tag.
+KeySpaceFactory = Callable[[str], KeySpace]
 
 # How many times a request may be deferred while no worker has reported its layout.
 MAX_ASKS_WITHOUT_LAYOUT = 200
@@ -67,7 +69,7 @@ class SchedulerGeometry:
 
 @dataclass
 class _RequestPlan:
-    chunk_keys: list[tuple[Any, ...]]  # per full prompt chunk, per rank
+    chunk_keys: Sequence[tuple[ChunkKey, ...]]  # per full prompt chunk, per rank
     num_prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     num_done_chunks: int = 0  # chunks below this were loaded, saved or found cached
@@ -96,7 +98,7 @@ class SchedulerSide:
     def __init__(
         self,
         geometry: SchedulerGeometry,
-        keys_fn: KeysFn,
+        key_space: KeySpaceFactory,
         seed_digests: Iterable[bytes] = (),
         metrics: SchedulerMetrics | None = None,
         remote: Any = None,
@@ -105,7 +107,8 @@ class SchedulerSide:
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         # req id -> hit tokens of its last answered lookup, until admission counts it.
         self._answered: dict[str, int] = {}
-        self._keys_fn = keys_fn
+        self._key_space_factory = key_space
+        self._key_space: KeySpace | None = None  # set with layout_tag
         self._remote = remote  # a RemoteCache (contains_many_async), or None without a remote tier
         self.index = KeyIndex(seed_digests)
         self.layout_tag: str | None = None
@@ -116,21 +119,19 @@ class SchedulerSide:
 
     # -- lookups -------------------------------------------------------------------------
 
-    def _chunk_keys(self, request: Any) -> list[tuple[Any, ...]]:
-        assert self.layout_tag is not None
-        tokens = list(request.prompt_token_ids or [])
+    def _chunk_keys(self, request: Any) -> Sequence[tuple[ChunkKey, ...]]:
+        assert self._key_space is not None
         lora = getattr(request, "lora_request", None)
         lora_name = getattr(lora, "lora_name", None) if lora is not None else None
         salt = getattr(request, "cache_salt", None)
-        per_rank = [self._keys_fn(tokens, rank, self.layout_tag, lora_name, salt) for rank in range(self.geometry.world_size)]
-        return [tuple(keys) for keys in zip(*per_rank)]
+        return self._key_space.for_request(request.prompt_token_ids or [], lora_name, salt).per_chunk
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         if self._disabled_reason is not None:
             self._answered[req_id] = 0
             return 0, False
-        if self.layout_tag is None:
+        if self._key_space is None:
             self._asks_without_layout += 1
             if self._asks_without_layout <= MAX_ASKS_WITHOUT_LAYOUT:
                 return None, False
@@ -276,6 +277,7 @@ class SchedulerSide:
             logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
         elif tags and self.layout_tag is None:
             self.layout_tag = tags.pop()
+            self._set_key_space(self.layout_tag)
         elif tags and self.layout_tag not in tags and self._disabled_reason is None:
             self._disabled_reason = f"KV layout changed from {self.layout_tag} to {sorted(tags)}"
             logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
@@ -284,6 +286,17 @@ class SchedulerSide:
         for digests in worker_meta.removed_digests.values():
             self.index.discard(digests)
         self.stats.num_load_faults += worker_meta.num_load_faults
+
+    def _set_key_space(self, layout_tag: str) -> None:
+        space = self._key_space_factory(layout_tag)
+        geo = self.geometry
+        if space.chunk_size != geo.chunk_size_tokens or space.world_size != geo.world_size:
+            self._disabled_reason = (f"the key space ({space.chunk_size}-token chunks, {space.world_size} ranks) does "
+                                     f"not match the scheduler ({geo.chunk_size_tokens}-token chunks, "
+                                     f"{geo.world_size} ranks)")
+            logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
+            return
+        self._key_space = space
 
     def request_finished(self, req_id: str) -> None:
         self._plans.pop(req_id, None)

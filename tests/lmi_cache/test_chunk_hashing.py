@@ -1,6 +1,7 @@
 """Tests for lmi_cache.chunk_hashing: namespace-seeded, prefix-chained chunk keys."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -8,12 +9,14 @@ import time
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
+from lmi_cache import chunk_hashing
+from lmi_cache.chunk_hashing import KEY_SCHEME_VERSION, ChunkKey, KeyNamespace, KeySpace, chunk_keys
 
-BASE = KeyNamespace("llama-7b", "bfloat16", "cpu-lbhnc-v1")
+BASE = KeyNamespace("llama-7b", "bfloat16", "cpu.s0123.bfloat16")
 token_lists = st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=1, max_size=200)
 namespaces = st.builds(
     KeyNamespace,
@@ -127,3 +130,137 @@ def test_other_weights_at_the_same_path_get_other_keys() -> None:
     new = KeyNamespace("/opt/ml/model", "bfloat16", "cpu-lbhnc-v1", model_identity="content:bbbb")
     tokens = list(range(64))
     assert not {k.digest for k in chunk_keys(tokens, old, 16)} & {k.digest for k in chunk_keys(tokens, new, 16)}
+
+
+# -- KeySpace: one chain per request, every rank's key derived from it -----------------------------
+
+SPACE = KeySpace("llama-7b", "bfloat16", "cpu.s0123.bfloat16", chunk_size=16, tp_size=4, pp_size=2)
+spaces = st.builds(
+    KeySpace,
+    model=st.sampled_from(["m1", "m2"]),
+    kv_dtype=st.sampled_from(["bfloat16", "fp8"]),
+    layout=st.sampled_from(["cpu.s0123.bfloat16", "flash_nhd.s01234.bfloat16"]),
+    chunk_size=st.sampled_from([4, 5]),
+    tp_size=st.sampled_from([1, 2]),
+    pp_size=st.sampled_from([1, 2]),
+    model_identity=st.sampled_from(["", "content:1f2e", "content:1f2f"]),
+)
+requests = st.tuples(spaces, st.sampled_from([None, "adapter-a", "adapter-b"]),
+                     st.sampled_from([None, "", "tenant-1"]), st.integers(0, 3))
+
+
+def reference_keys(space: KeySpace, tokens: list[int], rank: int, lora: str | None, salt: str | None) -> list[ChunkKey]:
+    """The v3 scheme spelled out with streaming hashes: chain once, then (rank seed || link) per rank."""
+    seed = space.request_seed(lora, salt)
+    rank_seed = xxhash.xxh3_128_digest(json.dumps([KEY_SCHEME_VERSION, "rank", rank % space.tp_size,
+                                                   rank // space.tp_size], separators=(",", ":")).encode())
+    keys, prev, prev_fp = [], seed, seed
+    full = len(tokens) - len(tokens) % space.chunk_size
+    for start in range(0, full, space.chunk_size):
+        body = b"".join(t.to_bytes(4, "little") for t in tokens[start : start + space.chunk_size])
+        digest = xxhash.xxh3_128(prev)
+        digest.update(body)
+        prev = digest.digest()
+        fingerprint = xxhash.xxh64(prev_fp, seed=0x6C6D692D66707631)
+        fingerprint.update(body)
+        prev_fp = fingerprint.digest()[::-1]  # xxh64.digest() is big-endian; the chain links little-endian bytes
+        keys.append(ChunkKey(xxhash.xxh3_128_digest(rank_seed + prev), start, start + space.chunk_size,
+                             xxhash.xxh64_intdigest(rank_seed + prev_fp, 0x6C6D692D66707631)))
+    return keys
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=token_lists, request=requests)
+def test_hashing_once_equals_each_ranks_own_derivation(tokens: list[int], request: tuple) -> None:
+    space, lora, salt, _ = request
+    per_request = space.for_request(tokens, lora, salt)
+    assert len(per_request) == len(tokens) // space.chunk_size
+    for rank in range(space.world_size):
+        expected = reference_keys(space, tokens, rank, lora, salt)
+        assert per_request.rank(rank) == expected == space.keys(tokens, rank, lora, salt)
+        assert [keys[rank] for keys in per_request.per_chunk] == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), min_size=8, max_size=60), a=requests, b=requests)
+def test_any_namespace_field_rank_adapter_or_salt_changes_every_key(tokens: list[int], a: tuple, b: tuple) -> None:
+    (space_a, lora_a, salt_a, rank_a), (space_b, lora_b, salt_b, rank_b) = a, b
+    rank_a, rank_b = rank_a % space_a.world_size, rank_b % space_b.world_size
+    keys_a = space_a.keys(tokens, rank_a, lora_a, salt_a, include_partial=True)
+    keys_b = space_b.keys(tokens, rank_b, lora_b, salt_b, include_partial=True)
+    if (space_a, lora_a, salt_a, rank_a) == (space_b, lora_b, salt_b, rank_b):
+        assert keys_a == keys_b
+    else:
+        assert not {k.digest for k in keys_a} & {k.digest for k in keys_b}
+        assert not {k.fingerprint for k in keys_a} & {k.fingerprint for k in keys_b}
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), min_size=16, max_size=120), position=st.integers(0, 119))
+def test_changing_any_earlier_token_changes_every_later_key_on_every_rank(tokens: list[int], position: int) -> None:
+    position %= len(tokens)
+    changed = list(tokens)
+    changed[position] = (changed[position] + 1) % 2**32
+    a, b = SPACE.for_request(tokens).per_chunk, SPACE.for_request(changed).per_chunk
+    first = position // SPACE.chunk_size
+    assert a[:first] == b[:first]
+    for keys_a, keys_b in zip(a[first:], b[first:]):
+        for key_a, key_b in zip(keys_a, keys_b):
+            assert key_a.digest != key_b.digest and key_a.fingerprint != key_b.fingerprint
+
+
+def test_ranks_never_share_a_key_and_chunks_keep_their_ranges() -> None:
+    keys = SPACE.for_request(list(range(70)), include_partial=True).per_chunk
+    assert [(row[0].start, row[0].end) for row in keys] == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 70)]
+    assert all(len(row) == 8 and {(k.start, k.end) for k in row} == {(row[0].start, row[0].end)} for row in keys)
+    flat = [k for row in keys for k in row]
+    assert len({k.digest for k in flat}) == len({k.fingerprint for k in flat}) == len(flat) == 40
+    assert SPACE.for_request([]).per_chunk == ()
+
+
+def test_the_scheme_version_was_bumped_so_v2_chunks_stop_matching(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks persisted by the per-rank (v2) scheme must never be found by v3 keys."""
+    assert KEY_SCHEME_VERSION == "lmi-cache-keys-v3"
+    tokens = list(range(64))
+    # Pinned: a change of the derivation that forgets to bump the version fails here.
+    assert SPACE.keys(tokens, 5, lora="a", cache_salt="s")[-1].hex == GOLDEN_V3
+    v3 = {k.digest for r in range(SPACE.world_size) for k in SPACE.keys(tokens, r)}
+    monkeypatch.setattr(chunk_hashing, "KEY_SCHEME_VERSION", "lmi-cache-keys-v2")
+    v2 = {k.digest
+          for r in range(SPACE.world_size)
+          for k in chunk_keys(tokens, KeyNamespace("llama-7b", "bfloat16", "cpu.s0123.bfloat16", tp_rank=r % 4,
+                                                   tp_size=4, pp_rank=r // 4, pp_size=2), 16)}
+    assert len(v2) == len(v3) == 32 and not v2 & v3
+
+
+GOLDEN_V3 = "2a2a9a0f3402eb962b5ed7e545583cdc"  # SPACE, tokens 0..63, rank 5, lora "a", salt "s": last chunk
+
+
+def test_key_space_is_deterministic_across_processes() -> None:
+    code = ("from lmi_cache.chunk_hashing import KeySpace;"
+            "s = KeySpace('m', 'bfloat16', 'cpu.s0123.bfloat16', 16, tp_size=2);"
+            "print(s.for_request(list(range(64)), 'a', 's').per_chunk[-1][1].hex)")
+    outputs = {subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONHASHSEED=seed),
+                              capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
+    here = KeySpace("m", "bfloat16", "cpu.s0123.bfloat16", 16, tp_size=2)
+    assert outputs == {here.keys(list(range(64)), 1, "a", "s")[-1].hex + "\n"}
+
+
+@pytest.mark.parametrize("field,value", [("chunk_size", 0), ("tp_size", 0), ("pp_size", -1), ("tp_size", 1.5)])
+def test_bad_key_space_sizes_are_one_clear_error(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"KeySpace.{field} must be a positive integer"):
+        KeySpace("m", "bfloat16", "t", **{"chunk_size": 16, field: value})  # type: ignore[arg-type]
+
+
+def test_a_rank_outside_the_key_space_is_refused() -> None:
+    with pytest.raises(ValueError, match="rank 8 is outside"):
+        SPACE.keys([1, 2, 3], 8)
+    with pytest.raises(ValueError):
+        SPACE.for_request([-1])
+
+
+def test_hashing_128k_tokens_once_for_every_rank_is_fast() -> None:
+    tokens = np.random.default_rng(0).integers(0, 150_000, 131_072).tolist()
+    space = KeySpace("m", "bfloat16", "cpu.s0123.bfloat16", 256)
+    best_s = min(_time(lambda: space.for_request(tokens)) for _ in range(10))
+    assert best_s < 0.010, best_s

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmi_cache.chunk_hashing import KeyNamespace, chunk_keys
+from lmi_cache.chunk_hashing import ChunkKey, KeySpace
 from lmi_cache.config import CacheConfig
 from lmi_cache.engine import CacheEngine
 from lmi_cache.tiers.disk_ranks import rank_label
@@ -27,6 +27,7 @@ from lmi_cache.vllm_connector.connector import LmiCacheConnector  # noqa: E402
 
 CHUNK = 16
 TOKENS = list(range(4 * CHUNK))
+SPACE = KeySpace("x", "float32", "t", CHUNK, tp_size=4)  # four ranks' distinct keys to fill directories with
 
 
 def fake_vllm_config(model_dir: Path, dp_index: int, tp_size: int = 2) -> Any:
@@ -44,9 +45,8 @@ def fake_vllm_config(model_dir: Path, dp_index: int, tp_size: int = 2) -> Any:
     )
 
 
-def fill(disk: Path, label: str, namespace: KeyNamespace) -> set[bytes]:
+def fill(disk: Path, label: str, keys: list[ChunkKey]) -> set[bytes]:
     config = CacheConfig(chunk_size=CHUNK, local_cpu=False, local_disk=(str(disk),), max_local_disk_size=0.01)
-    keys = chunk_keys(TOKENS, namespace, CHUNK)
     with CacheEngine(config, rank_label=label) as engine:
         for key in keys:
             assert engine.store(key, torch.zeros(4, 16))
@@ -72,10 +72,9 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
 
 def test_scheduler_of_a_replica_seeds_from_its_own_live_ranks(setup: tuple[Path, Path]) -> None:
     model, disk = setup
-    ns = KeyNamespace("x", "float32", "t")
-    own = fill(disk, rank_label(0, 1), ns) | fill(disk, rank_label(1, 1), KeyNamespace("x", "float32", "t", tp_rank=1))
-    other_replica = fill(disk, rank_label(0, 0), KeyNamespace("x", "float32", "t", tp_rank=2))
-    orphan = fill(disk, rank_label(2, 1), KeyNamespace("x", "float32", "t", tp_rank=3))  # from a TP=4 past
+    own = fill(disk, rank_label(0, 1), SPACE.keys(TOKENS, 0)) | fill(disk, rank_label(1, 1), SPACE.keys(TOKENS, 1))
+    other_replica = fill(disk, rank_label(0, 0), SPACE.keys(TOKENS, 2))
+    orphan = fill(disk, rank_label(2, 1), SPACE.keys(TOKENS, 3))  # from a TP=4 past
     connector = LmiCacheConnector(fake_vllm_config(model, dp_index=1), KVConnectorRole.SCHEDULER, None)
     index = connector.scheduler_side.index  # type: ignore[union-attr]
     assert all(d in index for d in own)
@@ -89,9 +88,10 @@ def test_identity_changes_the_scheduler_keys(setup: tuple[Path, Path]) -> None:
     before = LmiCacheConnector(fake_vllm_config(model, 0), KVConnectorRole.SCHEDULER, None)
     (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 8}')
     after = LmiCacheConnector(fake_vllm_config(model, 0), KVConnectorRole.SCHEDULER, None)
-    key_before = before._keys(TOKENS, 0, "t", None, None)[0]
-    key_after = after._keys(TOKENS, 0, "t", None, None)[0]
+    key_before = before._key_space("t").keys(TOKENS, 0)[0]
+    key_after = after._key_space("t").keys(TOKENS, 0)[0]
     assert key_before.digest != key_after.digest
+    assert before._key_space("t").keys(TOKENS, 0)[0] == key_before  # and nothing else changes them
 
 
 def test_workers_of_a_replica_write_their_own_directory(setup: tuple[Path, Path]) -> None:
@@ -101,7 +101,7 @@ def test_workers_of_a_replica_write_their_own_directory(setup: tuple[Path, Path]
     assert side is not None
     engine = side._engine_factory()  # what register_kv_caches calls (rank 0 without distributed state)
     try:
-        assert engine.store(chunk_keys(TOKENS, KeyNamespace("x", "float32", "t"), CHUNK)[0], torch.zeros(4, 16))
+        assert engine.store(SPACE.keys(TOKENS, 0)[0], torch.zeros(4, 16))
         engine.flush()
     finally:
         engine.close()

@@ -14,7 +14,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from remote_fixtures import redis_server, redis_settings  # noqa: E402,F401
-from test_scheduler_side import BLOCK, CHUNK, TAG, keys_fn, new_req, output, request  # noqa: E402
+from test_scheduler_side import BLOCK, CHUNK, TAG, key_space, new_req, output, rank_keys, request  # noqa: E402
 
 from lmi_cache.remote import open_remote  # noqa: E402
 from lmi_cache.remote.cache import RemoteCache  # noqa: E402
@@ -26,7 +26,7 @@ PROMPT = list(range(1, 107))  # 106 tokens: 3 full chunks of 32
 
 
 def side_with(remote: RemoteCache, world_size: int = 2) -> SchedulerSide:
-    side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, world_size), keys_fn, remote=remote)
+    side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, world_size), key_space(world_size), remote=remote)
     side.update_from_workers(LmiWorkerMeta(layout_tags={r: TAG for r in range(world_size)}))
     return side
 
@@ -35,7 +35,7 @@ def put_chunks(cache: RemoteCache, chunks: int, ranks: range) -> None:
     from remote_fixtures import make_object
 
     for rank in ranks:
-        for key in keys_fn(PROMPT, rank, TAG, None, None)[:chunks]:
+        for key in rank_keys(PROMPT, rank, world_size=2)[:chunks]:
             assert cache.put(key, make_object(key))
     assert cache.flush(10.0)
 
@@ -82,7 +82,7 @@ def test_the_remote_lookup_starts_after_the_local_hit(redis_server: RedisServer)
     try:
         put_chunks(cache, 3, range(2))
         side = side_with(cache)
-        first_chunk = [k.digest for r in range(2) for k in keys_fn(PROMPT, r, TAG, None, None)[:1]]
+        first_chunk = [k.digest for r in range(2) for k in rank_keys(PROMPT, r, world_size=2)[:1]]
         side.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG, 1: TAG}, stored_digests={0: first_chunk}))
         # 3 chunks, but at least one token is computed: 96 of 106 tokens are loadable.
         assert ask_until_answered(side, request("r", PROMPT)) == (3 * CHUNK, False)

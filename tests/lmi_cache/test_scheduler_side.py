@@ -1,14 +1,15 @@
 """Scheduler-side bookkeeping of LmiCacheConnector, driven with small fake vLLM objects."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmi_cache.chunk_hashing import KeyNamespace, chunk_keys
+from lmi_cache import chunk_hashing
+from lmi_cache.chunk_hashing import ChunkKey, KeySpace
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 from lmi_cache.vllm_connector.scheduler_side import MAX_ASKS_WITHOUT_LAYOUT, SchedulerGeometry, SchedulerSide
 
@@ -16,13 +17,18 @@ BLOCK, CHUNK = 16, 32
 TAG = "cpu.s0123.float32"
 
 
-def keys_fn(tokens: Any, rank: int, layout: str, lora: str | None, salt: str | None) -> list[Any]:
-    ns = KeyNamespace(model="m", kv_dtype="float32", layout=layout, tp_rank=rank, tp_size=2, lora=lora, cache_salt=salt)
-    return chunk_keys(tokens, ns, CHUNK)
+def key_space(world_size: int) -> Callable[[str], KeySpace]:
+    """The factory the connector hands the scheduler: layout tag -> KeySpace (TP = world_size)."""
+    return lambda tag: KeySpace(model="m", kv_dtype="float32", layout=tag, chunk_size=CHUNK, tp_size=world_size)
+
+
+def rank_keys(tokens: list[int], rank: int, world_size: int) -> list[ChunkKey]:
+    """What a scheduler of ``world_size`` ranks keys rank ``rank``'s chunks with (no LoRA, no salt)."""
+    return key_space(world_size)(TAG).keys(tokens, rank)
 
 
 def make_side(world_size: int = 1, min_retrieve: int = 0, layout_known: bool = True) -> SchedulerSide:
-    side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, world_size, min_retrieve), keys_fn)
+    side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, world_size, min_retrieve), key_space(world_size))
     if layout_known:
         side.update_from_workers(LmiWorkerMeta(layout_tags={r: TAG for r in range(world_size)}))
     return side
@@ -182,6 +188,29 @@ def test_all_ranks_must_hold_a_chunk() -> None:
     assert side.get_num_new_matched_tokens(request("r", PROMPT), 0) == (32, False)
 
 
+def test_a_prompt_is_hashed_once_for_all_ranks(monkeypatch: Any) -> None:
+    side = make_side(world_size=4)
+    chains: list[int] = []
+    real_chain = chunk_hashing._chain
+    monkeypatch.setattr(chunk_hashing, "_chain", lambda *args: chains.append(1) or real_chain(*args))
+    req = request("w", PROMPT)
+    for _ in range(3):  # re-asks while waiting for memory reuse the plan's keys
+        side.get_num_new_matched_tokens(req, 0)
+    assert len(chains) == 1
+    side.update_state_after_alloc(req, 0)
+    meta = side.build_connector_meta(output([new_req("w", [1, 2, 3, 4, 5], 0)], {"w": 75}))
+    assert [t.keys for t in meta.saves] == [
+        tuple(rank_keys(PROMPT, r, world_size=4)[c] for r in range(4)) for c in range(2)
+    ]
+
+
+def test_a_key_space_that_does_not_fit_the_scheduler_disables_lookups() -> None:
+    wrong = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, 2), key_space(4))
+    wrong.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG, 1: TAG}))
+    assert not warm(wrong, PROMPT).saves
+    assert wrong.get_num_new_matched_tokens(request("r", PROMPT), 0) == (0, False)
+
+
 def test_concurrent_identical_prompts_save_once() -> None:
     side = make_side()
     reqs = [request(f"r{i}", PROMPT) for i in range(3)]
@@ -231,7 +260,7 @@ def test_finished_requests_drop_their_plan() -> None:
 def test_match_invariants(prompt_len: int, num_outputs: int, stored_chunks: int, local_blocks: int, min_retrieve: int) -> None:
     side = make_side(min_retrieve=min_retrieve)
     tokens = [(i * 7919) % 1000 for i in range(prompt_len)]
-    all_keys = keys_fn(tokens, 0, TAG, None, None)
+    all_keys = rank_keys(tokens, 0, world_size=1)
     side.index.add(k.digest for k in all_keys[:stored_chunks])
     req = request("r", tokens, num_output=num_outputs)
     num_computed = min(local_blocks * BLOCK, ((req.num_tokens - 1) // BLOCK) * BLOCK)
