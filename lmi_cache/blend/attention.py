@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+QUERY_SLICE_TOKENS = 512
+
 
 def causal_mask(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
     """Boolean [Tq, Tk]: True where the query may attend to the key."""
@@ -33,8 +35,14 @@ def attend(
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    mask = causal_mask(q_positions, kv_positions)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask[None], scale=scale
-    )
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
+    k_t, v_t = k.transpose(0, 1), v.transpose(0, 1)
+    outs: list[torch.Tensor] = []
+    # Queries in slices: the [heads, Tq, Tk] scores of an 8k-token prompt at once would take gigabytes.
+    for start in range(0, q.shape[0], QUERY_SLICE_TOKENS):
+        end = min(start + QUERY_SLICE_TOKENS, q.shape[0])
+        mask = causal_mask(q_positions[start:end], kv_positions)
+        out = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k_t, v_t, attn_mask=mask[None], scale=scale)
+        outs.append(out.transpose(0, 1).reshape(end - start, -1))
+    if not outs:
+        return q.new_zeros((0, q.shape[1] * q.shape[2]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

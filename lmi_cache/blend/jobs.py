@@ -1,0 +1,62 @@
+"""What the blending connector's scheduler side asks its workers to do, as plain picklable data.
+
+Built in the vLLM scheduler process (``scheduler_plan``), bound on every
+worker (``worker_jobs``). ``BlendConnectorMetadata`` extends the base
+connector's metadata, so the prefix-cache loads and saves of other requests
+travel beside the blend work of this step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata
+
+
+@dataclass(frozen=True)
+class BlendPiece:
+    """Prompt tokens [start, end) after the prefix: from a cached segment (``keys`` per rank) or computed (None)."""
+
+    start: int
+    end: int
+    keys: tuple[Any, ...] | None  # lmi_cache.chunk_hashing.ChunkKey per rank (segment keys, start 0)
+
+
+@dataclass(frozen=True)
+class BlendJob:
+    """Blend one request's segments into its paged blocks before its first forward pass.
+
+    ``prefix_tokens`` leading tokens are already exact in the paged cache (vLLM's
+    own prefix cache hit); ``token_ids`` are the prompt tokens [prefix_tokens, end)
+    that the pieces cover; ``block_ids`` hold tokens [0, end) and more.
+    """
+
+    req_id: str
+    prefix_tokens: int
+    token_ids: tuple[int, ...]
+    pieces: tuple[BlendPiece, ...]
+    block_ids: tuple[int, ...]
+    recompute_ratios: tuple[float, ...] | None = None  # the request's own ratios; None: the configured ones
+
+    @property
+    def end(self) -> int:
+        return self.prefix_tokens + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SegmentStore:
+    """Compute one segment's KV alone at positions 0..n-1 and store it under its segment key."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    keys: tuple[Any, ...]  # ChunkKey per rank
+
+
+@dataclass
+class BlendConnectorMetadata(LmiConnectorMetadata):
+    blends: list[BlendJob] = field(default_factory=list)
+    segment_stores: list[SegmentStore] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return super().is_empty and not self.blends and not self.segment_stores

@@ -1,0 +1,54 @@
+"""vLLM general plugin: remembers the model vLLM loads, so the blending connector can run its layers.
+
+Runs in every vLLM process that loads plugins (API server, engine core,
+workers); only a worker loads a model. vLLM calls ``register`` through the
+entry point group ``vllm.general_plugins`` (name ``lmi_cache_blend``), before
+the model is built. It wraps ``BaseModelLoader.load_model`` (the one call every
+model loader goes through) to keep a weak reference to the result: no fork of
+vLLM, no change to the model, and nothing kept alive after vLLM drops it.
+Calling ``register`` twice wraps once.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_model_ref: "weakref.ReferenceType[Any] | None" = None
+_WRAPPED_FLAG = "_lmi_cache_blend_wrapped"
+
+
+def loaded_model() -> Any | None:
+    """The last model vLLM loaded in this process, or None."""
+    return _model_ref() if _model_ref is not None else None
+
+
+def remember_model(model: Any) -> None:
+    global _model_ref
+    try:
+        _model_ref = weakref.ref(model)
+    except TypeError:  # not weak-referenceable (never for nn.Module): keep nothing rather than leak
+        _model_ref = None
+
+
+def register() -> None:
+    """The plugin entry point (``vllm.general_plugins``)."""
+    try:
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    except ImportError as err:  # a vLLM without this loader: blending will find the model another way
+        logger.warning("lmi-cache: blend plugin not installed (%s)", err)
+        return
+    original = BaseModelLoader.load_model
+    if getattr(original, _WRAPPED_FLAG, False):
+        return
+
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        model = original(self, *args, **kwargs)
+        remember_model(model)
+        return model
+
+    setattr(load_model, _WRAPPED_FLAG, True)
+    load_model.__doc__ = original.__doc__
+    BaseModelLoader.load_model = load_model  # type: ignore[method-assign]

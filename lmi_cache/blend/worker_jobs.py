@@ -1,0 +1,136 @@
+"""Worker half of blending: run blends into vLLM's paged cache and store segments' own KV (vLLM worker process).
+
+* ``run_blends`` (from ``start_load_kv``, before the forward pass): for each
+  ``BlendJob``, read the exact prefix KV from the paged blocks, load each cached
+  segment's KV from the engine (one tensor ``[layers, 2, T, kv_heads, head_dim]``
+  per segment, K after RoPE at positions 0..T-1), run ``blender.blend`` with the
+  model's own layers, and write every layer's K/V of the blended tokens into the
+  request's blocks. A segment the engine no longer has (or a damaged one) is
+  computed in full instead (a counted fault, same output as a cold prefill of
+  that segment in context). Any other failure reports the job's blocks as load
+  errors: vLLM recomputes them, so a fault never fails a request.
+* ``run_stores`` (from ``wait_for_save``): each ``SegmentStore`` is one small
+  forward of the segment alone at positions 0..T-1 (``blender.segment_kv``)
+  stored with ``engine.store_from``; the engine reports the digest so the
+  scheduler learns the segment is cached.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from lmi_cache.blend.blender import KVStack, LayerwiseModel, blend, prefill, segment_kv
+from lmi_cache.blend.engine_io import load_segments, save_segment
+from lmi_cache.blend.jobs import BlendJob, SegmentStore
+from lmi_cache.blend.paged_kv import PagedKV
+from lmi_cache.blend.settings import BlendSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BlendWorkerStats:
+    num_blends: int = 0
+    num_blend_faults: int = 0  # whole jobs given back to vLLM to recompute
+    num_segments_loaded: int = 0
+    num_segment_misses: int = 0  # planned as cached, missing or damaged: computed in full
+    num_blended_tokens: int = 0  # tokens whose KV came from cached segments
+    num_recomputed_tokens: int = 0  # of those, carried past the check layers
+    num_segments_stored: int = 0
+    num_segment_store_faults: int = 0
+    blend_seconds: float = 0.0
+    store_seconds: float = 0.0
+
+
+class BlendWorker:
+    """One rank's blending; ``model`` and ``paged`` are attached once the KV caches are registered."""
+
+    def __init__(self, settings: BlendSettings, model: LayerwiseModel, paged: PagedKV, rank_index: int) -> None:
+        self.settings = settings
+        self.model = model
+        self.paged = paged
+        self.rank_index = rank_index
+        self.stats = BlendWorkerStats()
+
+    # -- blends --------------------------------------------------------------------------
+
+    def run_blends(self, jobs: Sequence[BlendJob], engine: Any) -> set[int]:
+        """Blend each job into its blocks; the block ids of jobs that failed (vLLM recomputes them)."""
+        failed: set[int] = set()
+        for job in jobs:
+            started = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    self._blend_one(job, engine)
+                self.stats.num_blends += 1
+            except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
+                self.stats.num_blend_faults += 1
+                block = self.paged.block_size
+                failed.update(job.block_ids[job.prefix_tokens // block : -(-job.end // block)])
+                logger.warning("lmi-cache: blend of request %s failed (%r); vLLM recomputes it", job.req_id, err)
+            self.stats.blend_seconds += time.perf_counter() - started
+        return failed
+
+    def _check_segment(self, data: torch.Tensor | None, num_tokens: int) -> KVStack | None:
+        num_layers = self.paged.num_layers
+        if data is None or data.dim() != 5 or tuple(data.shape[:3]) != (num_layers, 2, num_tokens):
+            self.stats.num_segment_misses += 1
+            return None
+        self.stats.num_segments_loaded += 1
+        return KVStack(data[:, 0], data[:, 1])
+
+    def _blend_one(self, job: BlendJob, engine: Any) -> None:
+        prefix_k, prefix_v = self.paged.read(job.block_ids, 0, job.prefix_tokens)
+        prefix = KVStack(prefix_k, prefix_v)
+        tokens = torch.tensor(job.token_ids, dtype=torch.long)
+        seg_tokens: list[torch.Tensor] = []
+        cached: list[KVStack | None] = []
+        wanted = [i for i, piece in enumerate(job.pieces) if piece.keys is not None]
+        loaded = dict(zip(wanted, load_segments(engine, [job.pieces[i].keys[self.rank_index] for i in wanted])))
+        for i, piece in enumerate(job.pieces):
+            seg_tokens.append(tokens[piece.start - job.prefix_tokens : piece.end - job.prefix_tokens])
+            kv = self._check_segment(loaded[i], piece.end - piece.start) if i in loaded else None
+            cached.append(None if kv is None else KVStack(kv.k.to(prefix.k.dtype), kv.v.to(prefix.v.dtype)))
+        num_cached = sum(int(t.numel()) for t, c in zip(seg_tokens, cached) if c is not None)
+        if num_cached == 0:
+            new_kv, _ = prefill(self.model, tokens, prefix)  # every cached segment went missing: a plain prefill
+            recomputed = tokens.numel()
+        else:
+            settings = self.settings
+            if job.recompute_ratios is not None:
+                settings = replace(settings, recompute_ratios=job.recompute_ratios)
+            counts = settings.recompute_counts(num_cached)
+            outcome = blend(self.model, prefix, seg_tokens, cached, settings.check_layers, counts)
+            new_kv = KVStack(outcome.kv.k[:, job.prefix_tokens :], outcome.kv.v[:, job.prefix_tokens :])
+            recomputed = int(outcome.recomputed.numel())
+        self.paged.write(job.block_ids, job.prefix_tokens, new_kv.k, new_kv.v)
+        self.stats.num_blended_tokens += num_cached
+        self.stats.num_recomputed_tokens += recomputed
+
+    # -- segment stores ------------------------------------------------------------------
+
+    def run_stores(self, stores: Sequence[SegmentStore], engine: Any) -> None:
+        for store in stores:
+            started = time.perf_counter()
+            key = store.keys[self.rank_index]
+            try:
+                with torch.inference_mode():
+                    kv = segment_kv(self.model, torch.tensor(store.token_ids, dtype=torch.long))
+                dtype = self.paged.layout.dtype
+                shape = (kv.k.shape[0], 2, *kv.k.shape[1:])
+
+                def fill(out: torch.Tensor, kv: KVStack = kv) -> None:
+                    out[:, 0].copy_(kv.k.to(out.dtype))
+                    out[:, 1].copy_(kv.v.to(out.dtype))
+
+                if save_segment(engine, key, tuple(int(s) for s in shape), dtype, fill):
+                    self.stats.num_segments_stored += 1
+            except Exception as err:  # noqa: BLE001 - a missed store is only a later miss
+                self.stats.num_segment_store_faults += 1
+                logger.warning("lmi-cache: segment KV of request %s not stored (%r)", store.req_id, err)
+            self.stats.store_seconds += time.perf_counter() - started

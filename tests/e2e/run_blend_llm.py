@@ -1,0 +1,110 @@
+"""Run one vLLM (CPU) instance with LmiBlendConnector over a JSON job; print JSON results (e2e subprocess).
+
+Like ``run_llm.py`` (one start, many phases, engine core in this process so the
+connector's counters can be read), plus per-prompt ``kv_transfer_params`` and the
+blending counters of both connector halves.
+
+Job (JSON file, argv[1])::
+
+    {"model": "/path", "env": {"LMCACHE_ENABLE_BLENDING": "true"}, "llm_kwargs": {...},
+     "phases": [{"name": "seed", "max_tokens": 8, "logprobs": 2,
+                 "prompts": [{"tokens": [1, 2, 3], "salt": null, "params": {"blend_recompute_ratios": [1.0]}}]}]}
+
+Output: one line ``RESULT_JSON:{...}`` on stdout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _connectors(llm: Any) -> tuple[Any, Any]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    scheduler = getattr(getattr(core, "scheduler", None), "connector", None)
+    return worker, scheduler
+
+
+def _counters(llm: Any) -> dict[str, Any]:
+    worker, scheduler = _connectors(llm)
+    counters: dict[str, Any] = {}
+    side = getattr(worker, "worker_side", None)
+    if side is not None:
+        counters.update({f"worker.{k}": v for k, v in vars(side.stats).items()})
+    blend_worker = getattr(worker, "blend_worker", None)
+    if blend_worker is not None:
+        counters.update({f"blend_worker.{k}": v for k, v in vars(blend_worker.stats).items()})
+        counters["blend_worker.model_source"] = worker.blend_model_source
+    blend_sched = getattr(scheduler, "blend_scheduler", None)
+    if blend_sched is not None:
+        counters.update({f"blend_scheduler.{k}": v for k, v in vars(blend_sched.stats).items() if not isinstance(v, list)})
+    sched = getattr(scheduler, "scheduler_side", None)
+    if sched is not None:
+        counters.update({f"scheduler.{k}": v for k, v in vars(sched.stats).items()})
+    return counters
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    os.environ.update({k: str(v) for k, v in job.get("env", {}).items()})
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {
+        "model": job["model"],
+        "dtype": "float32",
+        "enforce_eager": True,
+        "seed": 0,
+        "max_model_len": 4096,
+        "enable_prefix_caching": True,
+        "kv_transfer_config": KVTransferConfig(
+            kv_connector="LmiBlendConnector", kv_connector_module_path="lmi_cache.blend.connector", kv_role="kv_both"
+        ),
+    }
+    kwargs.update(job.get("llm_kwargs", {}))
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "phases": []}
+    for phase in job["phases"]:
+        prompts, params = [], []
+        for prompt in phase["prompts"]:
+            item = TokensPrompt(prompt_token_ids=prompt["tokens"])
+            if prompt.get("salt"):
+                item["cache_salt"] = prompt["salt"]
+            prompts.append(item)
+            extra = {"kv_transfer_params": prompt["params"]} if prompt.get("params") else None
+            params.append(SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 8),
+                                         logprobs=phase.get("logprobs", 2), extra_args=extra))
+        before = _counters(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        after = _counters(llm)
+        delta = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
+        records = []
+        for out in outs:
+            completion = out.outputs[0]
+            logprobs = [sorted([tid, lp.logprob] for tid, lp in step.items()) for step in (completion.logprobs or [])]
+            records.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
+                            "num_cached_tokens": out.num_cached_tokens})
+        result["phases"].append({"name": phase["name"], "elapsed_s": elapsed, "outputs": records, "delta": delta,
+                                 "counters": after})
+    return result
+
+
+def main() -> int:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    result = run(job)
+    sys.stdout.write("RESULT_JSON:" + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's shutdown can hang on CPU; the result is already out.
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
