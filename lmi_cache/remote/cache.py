@@ -91,7 +91,6 @@ class RemoteCache:
         """Verified chunks in key order, or the reason each one is a miss."""
         if not keys:
             return []
-        started = time.perf_counter()
         names = [self.store.key_for(k.digest) for k in keys]
         values = self._call("get", self.store.get_many, names, self.settings.io_timeout_ms)
         if isinstance(values, MissReason) or len(values) != len(keys):
@@ -99,13 +98,10 @@ class RemoteCache:
             self._count(f"miss_{reason.value}", len(keys))
             return [reason] * len(keys)
         results = self._decode_all(values, keys)
-        seconds = time.perf_counter() - started
-        for result in results:
+        for result in results:  # load latency and tokens are the engine's metrics (per tier, all alike)
             if isinstance(result, DecodedChunk):
                 self._count("get_hits")
                 self._count("get_bytes", len(result.payload))
-                if self._metrics is not None:
-                    self._metrics.loaded(self.name, seconds / len(keys))
             else:
                 self._count(f"miss_{result.value}")
                 self._record_bad_value(result)

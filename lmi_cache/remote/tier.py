@@ -1,95 +1,115 @@
-"""RemoteTier: the remote store as the engine's tier behind CPU and disk (vLLM worker process).
+"""RemoteTier: the remote store as the last tier of the engine (vLLM worker process).
 
-The engine hands it every newly stored chunk object (``offer``: queued, never
-waited for) and asks it for chunks its local tiers miss: ``stage`` fetches the
-chunks of one load step in one batched GET (the worker calls it before
-copying), ``take`` returns one verified chunk (staged, or fetched alone) and
-``fill`` copies it into a tensor. A miss or fault of any kind is None, counted
-by ``RemoteCache``; nothing here raises after construction.
+``put`` queues a copy of the chunk object for the store's writer (never
+waited for); ``get_many`` fetches all keys asked of it in one batched round
+trip (the engine asks it only for what the local tiers missed), verifies each
+value (header, checksum, MAC) and decodes it into host memory from the
+allocator, so the engine's promotion into the CPU tier is a reference, not a
+copy. A miss or fault of any kind is a miss, counted by ``RemoteCache``;
+nothing here raises after construction. A shared store is never cleared or
+enumerated by one of its clients: ``clear`` and ``digests`` are no-ops.
 """
 from __future__ import annotations
 
 import logging
-import threading
-from typing import Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
-import torch
 
+from lmi_cache.chunk_format import HEADER_BYTES
 from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.remote.cache import RemoteCache
 from lmi_cache.remote.factory import open_remote
 from lmi_cache.remote.settings import RemoteSettings
 from lmi_cache.remote.value_codec import DecodedChunk
-from lmi_cache.tiers.buffers import torch_dtype
+from lmi_cache.tiers.base import HitBatch, Tier
+from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
+
+if TYPE_CHECKING:
+    from lmi_cache.config import CacheConfig
+    from lmi_cache.tiers.factory import TierContext
 
 logger = logging.getLogger(__name__)
-MAX_STAGED = 4096  # chunks fetched ahead and not yet taken (one step's loads are far fewer)
 
 
-class RemoteTier:
+class RemoteTier(Tier):
     """Batched, verified reads and queued writes of chunk objects against one remote store."""
 
-    def __init__(self, settings: RemoteSettings, *, metrics: CacheMetrics, warner: RateLimitedWarner) -> None:
+    local = False  # whether it holds a chunk takes a round trip: the scheduler asks the store itself
+
+    def __init__(
+        self,
+        settings: RemoteSettings,
+        *,
+        metrics: CacheMetrics,
+        warner: RateLimitedWarner,
+        allocator: HostAllocator | None = None,
+    ) -> None:
         self.cache: RemoteCache = open_remote(settings, metrics=metrics, warner=warner)
         self.name = self.cache.name  # "redis" or "s3": the metrics' tier label
-        self._staged: dict[bytes, DecodedChunk | None] = {}  # None: fetched this step and missing
-        self._lock = threading.Lock()
+        self._allocator = allocator if allocator is not None else HostAllocator(page_locked=False)
         logger.info("lmi-cache: remote tier on: %s store %s (compression %s, MAC %s)", self.name,
                     settings.display_url, settings.compression, "on" if self.cache.codec.has_mac else "off")
 
-    def offer(self, key: ChunkKey, obj: np.ndarray) -> bool:
-        """Queue a chunk object (header + payload bytes) for the store; False when dropped (counted)."""
-        return self.cache.put(key, obj)
+    def contains(self, digest: bytes) -> bool:
+        return False
 
-    def stage(self, keys: Sequence[ChunkKey]) -> int:
-        """Fetch ``keys`` in one batched round trip and keep the outcomes for ``take``; how many were found."""
+    def get_many(self, keys: Sequence[ChunkKey]) -> Iterator[HitBatch]:
         if not keys:
-            return 0
-        results = self.cache.get_many(keys)
-        # A miss is kept too: the load that follows must not ask the store a second time.
-        outcomes = {k.digest: r if isinstance(r, DecodedChunk) else None for k, r in zip(keys, results)}
-        with self._lock:
-            if len(self._staged) + len(outcomes) > MAX_STAGED:
-                self._staged.clear()  # leftovers of loads that never happened
-            self._staged.update(outcomes)
-        return sum(r is not None for r in outcomes.values())
+            return
+        batch: HitBatch = []
+        for position, (key, result) in enumerate(zip(keys, self.cache.get_many(keys))):
+            if isinstance(result, DecodedChunk):
+                obj = self._to_object(key, result)
+                if obj is not None:
+                    batch.append((position, obj))
+        if batch:
+            yield batch
 
-    def take(self, key: ChunkKey) -> DecodedChunk | None:
-        """The verified chunk for ``key``: staged by ``stage``, else fetched now; None on a miss."""
-        with self._lock:
-            if key.digest in self._staged:
-                return self._staged.pop(key.digest)
-        result = self.cache.get_many([key])[0]
-        return result if isinstance(result, DecodedChunk) else None
+    def _to_object(self, key: ChunkKey, chunk: DecodedChunk) -> ChunkObject | None:
+        obj = self._allocator.new_object(key, chunk.header)
+        if obj is None:
+            return None
+        np.copyto(obj.buffer[HEADER_BYTES : chunk.header.total_bytes].numpy(), np.frombuffer(chunk.payload, dtype=np.uint8))
+        return obj
 
-    def flush(self, timeout_s: float) -> bool:
+    def put(self, obj: ChunkObject) -> bool:
+        """Queue a copy of the object for the store; False when dropped (counted)."""
+        return self.cache.put(obj.key, obj.object_array())
+
+    def remove(self, digest: bytes) -> bool:
+        return False
+
+    def clear(self) -> None:
+        return None
+
+    def digests(self) -> list[bytes]:
+        return []
+
+    @property
+    def used_bytes(self) -> int:
+        return 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return 0
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
         return self.cache.flush(timeout_s)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         return {f"remote_{name}": value for name, value in self.cache.stats().items()}
 
     def close(self) -> None:
-        with self._lock:
-            self._staged.clear()
         self.cache.close()
 
 
-def fill_from(chunk: DecodedChunk, out: torch.Tensor | None) -> torch.Tensor:
-    """The chunk's payload in ``out`` (same dtype and byte size) or in a new tensor of the stored shape."""
-    header = chunk.header
-    dtype = torch_dtype(header.dtype)
-    source = np.frombuffer(chunk.payload, dtype=np.uint8)
-    if out is not None and (out.dtype != dtype or out.numel() * out.element_size() != header.payload_bytes
-                            or not out.is_contiguous()):
-        raise ValueError("out tensor does not match the stored chunk's dtype and size")
-    if out is not None and out.device.type == "cpu":
-        np.copyto(out.detach().reshape(-1).view(torch.uint8).numpy(), source)
-        return out
-    result = torch.empty(header.shape, dtype=dtype)
-    np.copyto(result.reshape(-1).view(torch.uint8).numpy(), source)
-    if out is not None:
-        out.copy_(result)
-        return out
-    return result
+def build(config: CacheConfig, context: TierContext) -> RemoteTier | None:
+    """The remote tier of ``remote_url``, or None without one."""
+    from lmi_cache.config_remote import remote_settings
+
+    settings = remote_settings(config)
+    if settings is None:
+        return None
+    return RemoteTier(settings, metrics=context.metrics, warner=context.warner, allocator=context.allocator)

@@ -1,28 +1,70 @@
-"""The Tier interface every storage tier implements (torch-free, worker process).
+"""The Tier protocol: what the engine asks of every storage tier (worker process).
 
-A tier stores chunk objects (``chunk_format``: header + payload) under their
-16-byte digest, within a byte budget. Tier methods never raise for faults of
-their medium: a fault is a miss (or a refused store), a rate-limited warning
-and a metric. Callbacks (``on_remove``) are always made without the tier's
-lock held, so the engine may query other tiers from them.
+The engine walks an ordered list of tiers (fastest first: CPU RAM, disk,
+remote) through these verbs only, so a new tier is a new module plus a line
+in ``tiers.factory``, never a branch in the engine:
+
+- ``contains(digest)``: can a load of it be attempted, answered from memory
+  (no I/O). A tier that cannot answer without I/O (``local = False``: the
+  remote store) says False; the scheduler asks such stores itself.
+- ``get_many(keys)``: the chunks it holds among ``keys``, verified, as
+  batches of ``(position in keys, ChunkObject)`` yielded as they become ready
+  (a memory tier yields one batch at once; the disk tier one per finished
+  read; the remote tier one per batched round trip). Each yielded object
+  carries a reference the caller must ``release``. Keys not yielded are misses.
+- ``put(obj)``: keep the chunk object. The tier takes its own reference
+  (``obj.acquire``) when it keeps or reads the buffer later, and never blocks
+  on I/O: queued work that cannot be queued is dropped and counted. True if
+  the tier holds or will hold it.
+- ``remove``, ``clear``, ``digests``, ``used_bytes``, ``capacity_bytes``,
+  ``flush``, ``stats``, ``close``: housekeeping.
+
+Flags the engine reads: ``local`` (above), ``promote_hits`` (hits in tiers
+behind this one are put here: the CPU tier), ``write_through`` (every stored
+chunk is put here at once; otherwise the tier is fed by evictions from the
+tier in front of it, ``disk_feed: demote``).
+
+Tier methods never raise for faults of their medium: a fault is a miss (or a
+refused put), a rate-limited warning and a metric. Callbacks (``on_remove``)
+are made without the tier's locks held, so the engine may query other tiers
+from them.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, Iterator, Sequence
+
+from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.tiers.host_memory import ChunkObject
 
 # Called with a digest that left the tier (evicted, damaged, failed write).
 RemoveCallback = Callable[[bytes], None]
+# A batch of hits: (position in the keys asked for, the chunk with a reference for the caller).
+HitBatch = list[tuple[int, ChunkObject]]
 
 
 class Tier(ABC):
     """A byte-bounded store of chunk objects keyed by digest."""
 
     name: str = "tier"
+    local: bool = True
+    promote_hits: bool = False
+    write_through: bool = True
 
     @abstractmethod
     def contains(self, digest: bytes) -> bool:
         """Whether a load of ``digest`` can be attempted (cheap, no I/O)."""
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [self.contains(key.digest) for key in keys]
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[ChunkKey]) -> Iterator[HitBatch]:
+        """Verified hits among ``keys`` as batches, each object with a reference for the caller."""
+
+    @abstractmethod
+    def put(self, obj: ChunkObject) -> bool:
+        """Keep ``obj`` (taking a reference if the buffer is used later); never blocks on I/O."""
 
     @abstractmethod
     def remove(self, digest: bytes) -> bool:
@@ -43,6 +85,18 @@ class Tier(ABC):
     @property
     @abstractmethod
     def capacity_bytes(self) -> int: ...
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait for queued work; False on timeout."""
+        return True
+
+    def stats(self) -> dict[str, int | float]:
+        """Numbers for ``CacheEngine.stats`` (names prefixed by the tier's name)."""
+        return {
+            f"{self.name}_entries": len(self.digests()),
+            f"{self.name}_used_bytes": self.used_bytes,
+            f"{self.name}_capacity_bytes": self.capacity_bytes,
+        }
 
     def close(self) -> None:
         """Release threads and handles; the tier is unusable afterwards."""

@@ -141,12 +141,10 @@ def write_object_file(
     return size
 
 
-def read_object_file(path: str, *, odirect: bool, scratch: bool = False) -> np.ndarray:
-    """The whole file as a uint8 array (may include O_DIRECT padding).
-
-    Fresh unless ``scratch``: then it is this thread's reusable read buffer,
-    valid until the thread's next scratch read.
-    """
+def read_file_into(path: str, buffer: np.ndarray, *, odirect: bool) -> int:
+    """Read the chunk file at ``path`` into ``buffer`` (uint8, page-aligned, a multiple of 4 KiB
+    long when ``odirect``); returns the bytes read. A file longer than the buffer is cut short
+    (the checksum then rejects it)."""
     flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if odirect else 0)
     try:
         fd = open_chunk(path, flags)
@@ -155,14 +153,9 @@ def read_object_file(path: str, *, odirect: bool, scratch: bool = False) -> np.n
             raise OdirectUnsupported(err.errno, "O_DIRECT refused", path) from None
         raise
     try:
-        size = os.fstat(fd).st_size
-        if scratch:
-            buffer = scratch_buffer(size, "read")
-        else:
-            buffer = aligned_buffer(size) if odirect else np.empty(size, dtype=np.uint8)
         view = byte_view(buffer)
         offset = 0
-        while offset < size:
+        while offset < len(view):
             try:
                 count = os.preadv(fd, [view[offset:]], offset)
             except OSError as err:
@@ -170,36 +163,9 @@ def read_object_file(path: str, *, odirect: bool, scratch: bool = False) -> np.n
                     raise OdirectUnsupported(err.errno, "O_DIRECT read refused", path) from None
                 raise
             if count == 0:
-                break  # the file shrank under us: the checksum will reject it
-            offset += count
-        return buffer[:offset]
-    finally:
-        os.close(fd)
-
-
-def read_object_into(path: str, payload_out: np.ndarray) -> tuple[np.ndarray, int]:
-    """Buffered read of a chunk file with the payload landing directly in ``payload_out``.
-
-    Returns (header bytes, payload bytes read). One ``preadv`` fills both, so
-    the caller's buffer is written once (no bounce copy). A short file
-    leaves the tail of ``payload_out`` unspecified (the checksum rejects it).
-    """
-    fd = open_chunk(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        header = np.empty(HEADER_BYTES, dtype=np.uint8)
-        header_view, payload_view = byte_view(header), byte_view(payload_out)
-        total = HEADER_BYTES + len(payload_view)
-        offset = 0
-        while offset < total:
-            if offset < HEADER_BYTES:
-                parts = [header_view[offset:], payload_view]
-            else:
-                parts = [payload_view[offset - HEADER_BYTES :]]
-            count = os.preadv(fd, parts, offset)
-            if count == 0:
                 break
             offset += count
-        return header, max(0, offset - HEADER_BYTES)
+        return offset
     finally:
         os.close(fd)
 

@@ -35,6 +35,15 @@ def rank_label(rank: int, replica: int = 0) -> str:
     return str(rank) if replica == 0 else f"{rank}-dp{replica}"
 
 
+def rank_disk_dirs(local_disk: Sequence[str], label: str) -> list[str]:
+    """One rank's disk-tier directories: ``<dir>/rank<label>`` under each configured path.
+
+    Ranks on one host share the configured paths, but each rank has its own
+    budget (GiB per rank) and index, so each gets its own subdirectory.
+    """
+    return [os.path.join(root, f"rank{label}") for root in local_disk]
+
+
 @dataclass(frozen=True)
 class RankDir:
     path: str

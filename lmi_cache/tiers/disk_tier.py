@@ -6,9 +6,10 @@ start-up the directories are scanned (names and stat only) to rebuild the
 index in mtime order, so a restarted process serves what the last one wrote
 and evicts oldest-first; loads refresh the mtime to keep that order.
 
-Writes go through a bounded queue to a few worker threads: when the queue is
-full the store is dropped and counted, the caller never waits. The read
-path (``disk_reads``) serves queued chunks from memory and verifies files.
+Writes go through a bounded queue to a few worker threads, each holding a
+reference to the chunk object it writes (no copy): when the queue is full the
+put is dropped and counted, the caller never waits. The read path
+(``disk_reads.DiskReader``) serves queued chunks from memory and verifies files.
 
 A directory is used only when it is ours, private and not held by another
 live engine (``disk_trust``); otherwise it is off (one warning, a metric) and
@@ -19,28 +20,29 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import queue
 import threading
 import time
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
-import numpy as np
-
-from lmi_cache.chunk_format import BytesLike, ChunkHeader
 from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.private_dir import UnsafeDirectoryError
 from lmi_cache.tiers import disk_io, disk_trust
-from lmi_cache.tiers.base import RemoveCallback, Tier
+from lmi_cache.tiers.base import HitBatch, RemoveCallback, Tier
 from lmi_cache.tiers.disk_index import DiskIndex
-from lmi_cache.tiers.disk_reads import DiskReads, PendingWrite
+from lmi_cache.tiers.disk_reads import DiskReader
 from lmi_cache.tiers.disk_space import FreeSpaceLimit
+from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
+
+if TYPE_CHECKING:
+    from lmi_cache.config import CacheConfig
+    from lmi_cache.tiers.factory import TierContext
 
 logger = logging.getLogger(__name__)
 
 
-class DiskTier(DiskReads, Tier):
+class DiskTier(Tier):
     name = "disk"
 
     def __init__(
@@ -50,23 +52,32 @@ class DiskTier(DiskReads, Tier):
         *,
         metrics: CacheMetrics,
         warner: RateLimitedWarner,
+        allocator: HostAllocator | None = None,
         policy_name: str = "LRU",
         use_odirect: bool = False,
         fsync: bool = False,
         num_workers: int = 2,
+        num_readers: int = 4,
         queue_depth: int = 64,
+        write_through: bool = True,
         on_remove: RemoveCallback | None = None,
     ) -> None:
         self._metrics = metrics
         self._warner = warner
         self._fsync = fsync
         self._on_remove = on_remove
+        self.write_through = write_through
         self._index = DiskIndex(dirs, capacity_bytes, policy_name, use_odirect)
         self._lock = threading.Lock()  # guards the write queue state; the index has its own
-        self._pending: dict[bytes, PendingWrite] = {}
+        self._pending: dict[bytes, ChunkObject] = {}  # queued or being written, each with our reference
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
-        self._queue: queue.Queue[PendingWrite | None] = queue.Queue(maxsize=queue_depth)
+        self._queue: queue.Queue[ChunkObject | None] = queue.Queue(maxsize=queue_depth)
+        self.reader = DiskReader(
+            self.name, self._index, allocator if allocator is not None else HostAllocator(page_locked=False),
+            claim_pending=self._claim_pending, forget=self._forget, fault=self._fault, untrusted=self._untrusted,
+            metrics=metrics, warner=warner, num_workers=num_readers,
+        )
         self._dir_locks: list[disk_trust.DirLock] = []
         self._space = [FreeSpaceLimit(shard.root) for shard in self._index.shards]
         for number in range(len(self._index.shards)):
@@ -140,6 +151,7 @@ class DiskTier(DiskReads, Tier):
 
     def close(self) -> None:
         self.flush()
+        self.reader.close()
         for _ in self._workers:
             self._queue.put(None)
         for worker in self._workers:
@@ -159,21 +171,18 @@ class DiskTier(DiskReads, Tier):
                 self._idle.wait(remaining)
         return True
 
-    # ------------------------------------------------------------ store
-    def put(
-        self,
-        key: ChunkKey,
-        header: ChunkHeader,
-        payload: BytesLike,
-        release: Callable[[], None] | None = None,
-        object_buffer: np.ndarray | None = None,
-    ) -> bool:
-        """Queue a write of one chunk object; never blocks (False: dropped).
+    # ------------------------------------------------------------ data path
+    def get_many(self, keys: Sequence[ChunkKey]) -> Iterator[HitBatch]:
+        return self.reader.get_many(keys)
 
-        ``release`` runs once the payload is no longer needed. ``object_buffer``
-        (see ``disk_io.write_object_file``) lets O_DIRECT skip a copy.
-        """
-        digest = key.digest
+    def _claim_pending(self, digest: bytes) -> ChunkObject | None:
+        with self._lock:
+            obj = self._pending.get(digest)
+            return obj.acquire() if obj is not None else None
+
+    def put(self, obj: ChunkObject) -> bool:
+        """Queue a write of one chunk object (holding a reference until written); never blocks (False: dropped)."""
+        digest = obj.key.digest
         shard = self._index.shards[self._index.shard_for(digest)]
         reason = None
         with self._lock:
@@ -181,20 +190,19 @@ class DiskTier(DiskReads, Tier):
                 reason = "present"
             elif not shard.enabled:
                 reason = "tier_off"
-            elif disk_io.round_up(header.total_bytes) > shard.capacity_bytes:
+            elif disk_io.round_up(obj.header.total_bytes) > shard.capacity_bytes:
                 reason = "too_large"
             else:
-                job = PendingWrite(key, header, payload, release, object_buffer)
+                obj.acquire()
                 try:
-                    self._queue.put_nowait(job)
+                    self._queue.put_nowait(obj)
                 except queue.Full:
+                    obj.release()
                     reason = "queue_full"
                 else:
-                    self._pending[digest] = job
+                    self._pending[digest] = obj
                     self._inflight += 1
         if reason is not None:
-            if release is not None:
-                release()
             if reason != "present":
                 self._metrics.dropped(self.name, reason)
             return reason == "present"
@@ -214,17 +222,15 @@ class DiskTier(DiskReads, Tier):
                     self._pending.pop(job.key.digest, None)
                     self._inflight -= 1
                     self._idle.notify_all()
-                    job.done = True
-                    release_now = job.readers == 0
-                if release_now and job.release is not None:
-                    job.release()
+                job.release()
 
-    def _write(self, job: PendingWrite) -> None:
+    def _write(self, job: ChunkObject) -> None:
         start_s = time.perf_counter()
         digest = job.key.digest
         number = self._index.shard_for(digest)
         shard = self._index.shards[number]
-        header = job.header.with_checksum(job.payload)
+        payload = job.payload_array()
+        header = job.header.with_checksum(payload)
         reserve = disk_io.round_up(header.total_bytes) if shard.odirect else header.total_bytes
         self._follow_free_space(number)
         if reserve > shard.budget_bytes:  # the filesystem is full of other files: don't try
@@ -237,12 +243,12 @@ class DiskTier(DiskReads, Tier):
         try:
             try:
                 size = disk_io.write_object_file(
-                    path, header, job.payload, odirect=shard.odirect, fsync=self._fsync, object_buffer=job.object_buffer
+                    path, header, payload, odirect=shard.odirect, fsync=self._fsync, object_buffer=job.buffer.numpy()
                 )
             except disk_io.OdirectUnsupported:
                 shard.odirect = False
                 logger.warning("disk tier: %s refuses O_DIRECT; using buffered I/O there", shard.root)
-                size = disk_io.write_object_file(path, header, job.payload, odirect=False, fsync=self._fsync)
+                size = disk_io.write_object_file(path, header, payload, odirect=False, fsync=self._fsync)
         except OSError as err:
             self._index.unreserve(number, reserve)
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -280,6 +286,9 @@ class DiskTier(DiskReads, Tier):
         self._metrics.error(self.name, op)
         self._warner.warn(f"disk-{op}-{code}", f"disk tier: {op} failed for {path}: {code} ({err.strerror}); treated as a miss")
 
+    def stats(self) -> dict[str, int | float]:
+        return {**super().stats(), "disk_queued_writes": self.queued_writes}
+
     def _forget(self, digest: bytes, unlink: bool = False) -> None:
         where = self._index.forget(digest)
         if where is not None:
@@ -316,3 +325,18 @@ def scan_persisted_digests_in(dirs: Sequence[str]) -> set[bytes]:
         if disk_trust.tier_dir_problem(root) is None:
             digests.update(f.digest for f in disk_io.scan_root(root, remove_garbage=False))
     return digests
+
+
+def build(config: CacheConfig, context: TierContext) -> DiskTier | None:
+    """This rank's disk tier (``local_disk``, ``max_local_disk_size``), or None when it is 0."""
+    if config.disk_capacity_bytes <= 0:
+        return None
+    from lmi_cache.tiers.disk_ranks import rank_disk_dirs
+
+    return DiskTier(
+        rank_disk_dirs(config.local_disk, context.rank_label), config.disk_capacity_bytes, metrics=context.metrics, warner=context.warner,
+        allocator=context.allocator, policy_name=config.cache_policy, use_odirect=config.use_odirect,
+        fsync=config.disk_fsync, num_workers=config.disk_write_workers, num_readers=config.disk_read_workers,
+        queue_depth=config.disk_queue_depth, write_through=config.disk_feed != "demote",
+        on_remove=context.on_remove,
+    )

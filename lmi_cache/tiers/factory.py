@@ -1,31 +1,58 @@
-"""Lazy registry of tier classes and the builder the engine uses (worker process).
+"""Which tiers a config asks for, built in lookup order (worker process).
 
-Tier modules are imported only when a config enables them, so a disk-only or
-remote-only process never pays for the others (and redis/boto3 stay optional).
+Each tier module registers one builder here: ``(config, context) -> Tier |
+None`` (None: not configured). Modules are imported only when their builder
+runs, so a process without a remote store never imports redis or boto3, and
+a new tier is a new module plus one line below.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-from lmi_cache.tiers.base import Tier
+from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.tiers.base import RemoveCallback, Tier
+from lmi_cache.tiers.host_memory import HostAllocator
 
-# name -> "module:Class", in lookup order (fastest first).
-TIER_CLASSES: dict[str, str] = {
-    "cpu": "lmi_cache.tiers.cpu_tier:CpuTier",
-    "disk": "lmi_cache.tiers.disk_tier:DiskTier",
-}
+if TYPE_CHECKING:
+    from lmi_cache.config import CacheConfig
+    from lmi_cache.tiers.cpu_tier import EvictCallback
 
 
-def tier_class(name: str) -> type[Tier]:
+@dataclass
+class TierContext:
+    """What every tier builder may use besides the config."""
+
+    rank_label: str
+    metrics: CacheMetrics
+    warner: RateLimitedWarner
+    allocator: HostAllocator
+    on_evict: EvictCallback  # the CPU tier's eviction callback (demote-to-disk)
+    on_remove: RemoveCallback  # a persistent tier's removal callback (the scheduler's index)
+
+
+Builder = Callable[["CacheConfig", TierContext], "Tier | None"]
+
+# In lookup order, fastest first: "module:function".
+TIER_BUILDERS: list[str] = [
+    "lmi_cache.tiers.cpu_tier:build",
+    "lmi_cache.tiers.disk_tier:build",
+    "lmi_cache.remote.tier:build",
+]
+
+
+def build_tiers(config: CacheConfig, context: TierContext) -> list[Tier]:
+    tiers: list[Tier] = []
     try:
-        target = TIER_CLASSES[name]
-    except KeyError:
-        raise KeyError(f"unknown tier {name!r}; known: {', '.join(TIER_CLASSES)}") from None
-    module_name, _, class_name = target.partition(":")
-    cls: type[Tier] = getattr(importlib.import_module(module_name), class_name)
-    return cls
-
-
-def create_tier(name: str, *args: Any, **kwargs: Any) -> Tier:
-    return tier_class(name)(*args, **kwargs)
+        for target in TIER_BUILDERS:
+            module_name, _, function = target.partition(":")
+            builder: Builder = getattr(importlib.import_module(module_name), function)
+            tier = builder(config, context)
+            if tier is not None:
+                tiers.append(tier)
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    return tiers

@@ -4,17 +4,20 @@ A chunk buffer holds every layer's blocks of one chunk on this rank:
 ``[num_layers, blocks_per_chunk, *block_shape]``, contiguous, on the host. The
 engine stores and returns such tensors; this module moves them in and out of
 vLLM's paged cache with one ``kernels.gather``/``kernels.scatter`` call per
-chunk or per batch of chunks (all layers at once; native or torch backend).
+batch of chunks (``gather_many``/``scatter_many``: all layers of all chunks
+of a step at once; native or torch backend).
 
-CPU (vLLM CPU backend, tested in CI): gathers write straight into a reused host
-staging buffer or the caller's memory, scatters read straight from the
-engine's tensor.
+CPU (vLLM CPU backend, tested in CI): gathers write straight into the engine's
+host buffers, scatters read straight from them (a CPU-tier hit is copied once,
+tier buffer -> paged cache).
 
 CUDA: gathers run on a side stream that first waits for the compute stream,
-land in a device staging buffer and are copied to a pinned host buffer; the
-side stream is synchronised before the host buffer is handed to the engine.
-Loads copy host -> device on a side stream and make the compute stream wait on
-an event, so the CPU never blocks on a load. The stream calls go through
+land in a device staging buffer and are copied to page-locked host buffers;
+the side stream is synchronised before the host buffers are handed to the
+engine. Loads copy page-locked host buffers -> device asynchronously on a
+side stream and make the compute stream wait on an event, so the CPU never
+blocks on a load: ``scatter_many`` returns that event, and the caller keeps
+the host buffers alive until it has completed. The stream calls go through
 ``StreamOps``: CI (no GPU) runs this same path with CPU tensors and a
 recording fake; the real ``torch.cuda`` behaviour is assumed, not tested.
 """
@@ -145,14 +148,75 @@ class PagedChunkCopier(TransferHandler):
         self._save_stream.synchronize()
         return host
 
-    def reusable_host_buffer(self) -> torch.Tensor | None:
-        """A host buffer that loads may reuse chunk after chunk, or None on CUDA.
+    def gather_many(self, block_ids: Sequence[Sequence[int]], outs: Sequence[torch.Tensor]) -> None:
+        """Full chunks (``block_ids[i]`` -> ``outs[i]``, host tensors of ``chunk_shape``) in one kernel call."""
+        if len(block_ids) != len(outs):
+            raise ValueError("gather_many: one output per chunk")
+        if not outs:
+            return
+        for ids, host in zip(block_ids, outs):
+            if len(ids) != self._blocks_per_chunk:
+                raise ChunkShapeError(f"a full chunk has {self._blocks_per_chunk} blocks, got {len(ids)}")
+            self._check_chunk(host, "gather target")
+        table = torch.cat([self._table(ids, 0, number) for number, ids in enumerate(block_ids)])
+        if self._streams is None:
+            kernels.gather(self._views, table, list(outs))
+            return
+        staging = self._staging("_device_staging_many", len(outs))
+        self._save_stream.wait_stream(self._streams.current_stream(self._device))
+        with self._streams.use(self._save_stream):
+            kernels.gather(self._views, table, list(staging))
+            for number, host in enumerate(outs):
+                host.copy_(staging[number], non_blocking=True)
+        self._save_stream.synchronize()  # the engine reads the host buffers right after
 
-        On the CPU the scatter is synchronous, so one warm buffer serves every
-        load (a fresh 4 MiB tensor per chunk costs ~1,000 page faults). On CUDA
-        the host-to-device copy is asynchronous and may still be reading it.
-        """
-        return self._host_staging if self._streams is None else None
+    def scatter_many(
+        self, chunks: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], block_offsets: Sequence[int]
+    ) -> Any:
+        """Chunks -> paged blocks in one kernel call; ``chunks[i]`` fills ``block_ids[i]`` from slot
+        ``block_offsets[i]``. Returns None when the copy is complete (CPU), else an event that completes
+        when the host buffers may be reused (CUDA)."""
+        if not (len(chunks) == len(block_ids) == len(block_offsets)):
+            raise ValueError("scatter_many: one block list and offset per chunk")
+        rows = []
+        for number, (chunk, ids, offset) in enumerate(zip(chunks, block_ids, block_offsets)):
+            self._check_chunk(chunk, "chunk buffer")
+            if offset < 0 or offset + len(ids) > self._blocks_per_chunk:
+                raise ChunkShapeError(f"blocks {offset}..{offset + len(ids)} outside a chunk of {self._blocks_per_chunk}")
+            if ids:
+                rows.append(self._table(ids, offset, number))
+        if not rows:
+            return None
+        table = torch.cat(rows)
+        if self._streams is None:
+            kernels.scatter(self._views, table, [chunk.contiguous() for chunk in chunks])
+            return None
+        staging = self._staging("_device_load_staging_many", len(chunks))
+        compute = self._streams.current_stream(self._device)
+        self._load_stream.wait_stream(compute)  # blocks were zeroed on the compute stream
+        with self._streams.use(self._load_stream):
+            for number, (chunk, ids, offset) in enumerate(zip(chunks, block_ids, block_offsets)):
+                part = slice(offset, offset + len(ids))  # only the blocks that load travel
+                staging[number][:, part].copy_(chunk[:, part], non_blocking=True)
+            kernels.scatter(self._views, table, list(staging[: len(chunks)]))
+            done = self._streams.new_event()
+            done.record(self._load_stream)
+        compute.wait_event(done)  # the forward pass waits on the GPU, not the CPU
+        return done
+
+    def _check_chunk(self, chunk: torch.Tensor, what: str) -> None:
+        if tuple(chunk.shape) != self._chunk_shape or chunk.dtype != self._layout.dtype:
+            raise ChunkShapeError(
+                f"{what} {list(chunk.shape)} {chunk.dtype} does not match {list(self._chunk_shape)} {self._layout.dtype}"
+            )
+
+    def _staging(self, name: str, count: int) -> torch.Tensor:
+        """A device buffer of at least ``count`` chunks, grown on demand and kept (CUDA only)."""
+        current: torch.Tensor | None = getattr(self, name, None)
+        if current is None or current.size(0) < count:
+            current = torch.empty((count, *self._chunk_shape), dtype=self._layout.dtype, device=self._device)
+            setattr(self, name, current)
+        return current
 
     def scatter_chunk(self, chunk: torch.Tensor, block_ids: Sequence[int], block_offset: int = 0) -> None:
         if tuple(chunk.shape) != self._chunk_shape or chunk.dtype != self._layout.dtype:

@@ -3,17 +3,21 @@
 * ``register_kv_caches``: recognises the KV layout (refusing unknown ones at
   start-up, see ``lmi_cache.transfer.layouts``), builds the paged copier and
   this rank's engine (one :class:`CacheEngine` per worker process).
-* ``load`` (from ``start_load_kv``, before the forward pass, synchronous):
-  retrieves each planned chunk from the engine and scatters its blocks into
-  vLLM's cache. A chunk the engine no longer has (stale index, evicted,
-  corrupt on disk) or that fails to copy is a fault: its block ids are reported
-  through ``take_failed_block_ids`` so vLLM recomputes them, its digest is
-  reported removed so the scheduler's index heals, and the request's saves for
-  this step are skipped (its KV may have been computed on zeroed blocks).
-* ``save`` (from ``wait_for_save``, after the forward pass): gathers each full
-  chunk straight into engine memory (``CacheEngine.store_from``; one copy),
-  and the engine writes it to disk asynchronously. The gather is the only cost
-  on the step; ``stats.save_seconds`` measures it.
+* ``load`` (from ``start_load_kv``, before the forward pass): asks the engine
+  for all planned chunks of the step in one call (``CacheEngine.load``) and
+  scatters each batch of hits into vLLM's cache as it arrives, straight from
+  the engine's buffers (a CPU-tier hit is copied once). On CUDA the copies are
+  asynchronous; the chunk objects are released once their event completes. A
+  chunk the engine no longer has (stale index, evicted, corrupt on disk) or
+  that fails to copy is a fault: its block ids are reported through
+  ``take_failed_block_ids`` so vLLM recomputes them, its digest is reported
+  removed so the scheduler's index heals, and the request's saves for this
+  step are skipped (its KV may have been computed on zeroed blocks).
+* ``save`` (from ``wait_for_save``, after the forward pass): gathers every full
+  chunk of the step in one kernel call straight into engine memory
+  (``CacheEngine.save_many``; one copy), and the engine writes to disk and the
+  remote store asynchronously. The gather is the only cost on the step;
+  ``stats.save_seconds`` measures it.
 * ``build_worker_meta``: this rank's stored/removed digests and layout tag.
 
 Every engine or transfer call is wrapped: a fault is a miss, a warning and a
@@ -74,7 +78,10 @@ class WorkerSide:
         self._failed_block_ids: set[int] = set()
         self._failed_req_ids: set[str] = set()
         self._removed_digests: list[bytes] = []
-        self._num_new_faults = 0
+        self._num_new_faults = 0  # load faults since the last worker meta (the scheduler counts them)
+        self._num_warnings = 0
+        self._last_event: Any = None  # the latest asynchronous scatter of this step (CUDA), or None
+        self._pending_releases: list[tuple[Any, list[Any]]] = []  # (copy-done event or None, chunk objects)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.layout = describe_kv_caches(kv_caches, self._geometry)
@@ -86,7 +93,11 @@ class WorkerSide:
         )
 
     def _fault(self, what: str, err: BaseException | None, op: str = "load") -> None:
-        self._num_new_faults += 1
+        """A fault of ``op`` ("load", "save", "events"): a tier-error metric and a rate-limited warning.
+
+        Only load faults are reported to the scheduler (``num_load_faults``): they are what made
+        vLLM recompute blocks; a failed save is only a future miss.
+        """
         metrics = getattr(self.engine, "metrics", None)
         if metrics is not None and hasattr(metrics, "error"):
             try:
@@ -94,39 +105,84 @@ class WorkerSide:
                 metrics.error("connector", op)
             except Exception:  # noqa: BLE001 - metrics must never break a step
                 pass
+        self._warn_faults(f"{what} ({err or 'missing'})")
+
+    def _warn_faults(self, what: str) -> None:
         total = self.stats.num_load_faults + self.stats.num_save_faults
-        if total <= 3 or total % WARN_EVERY_FAULTS == 0:
-            logger.warning("lmi-cache: %s (%s); treated as a miss [%d faults so far]", what, err or "missing", total)
+        self._num_warnings += 1
+        if self._num_warnings <= 3 or self._num_warnings % WARN_EVERY_FAULTS == 0:
+            logger.warning("lmi-cache: %s; treated as a miss [%d faults so far]", what, total)
 
     def load(self, meta: LmiConnectorMetadata) -> None:
         if not meta.loads or self.copier is None:
             return
         started = time.perf_counter()
-        stage = getattr(self.engine, "stage_remote", None)
-        if stage is not None:  # chunks no local tier holds: one batched remote read for the whole step
-            stage([transfer.keys[self.rank_index] for transfer in meta.loads])
-        for transfer in meta.loads:
+        self._release_finished_loads()
+        keys = [transfer.keys[self.rank_index] for transfer in meta.loads]
+        loaded: set[int] = set()
+        held: list[Any] = []  # chunk objects the copies read from: released once the copies are done
+        try:
+            # One batched call: CPU-tier hits first (straight from the tier's buffers), then disk reads
+            # as each finishes and remote hits from one round trip; each batch is scattered on arrival.
+            for batch in self.engine.load(keys):
+                held.extend(obj for _, obj in batch)
+                loaded.update(self._scatter(meta, batch))
+        except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
+            self._fault("chunk load failed", err)
+        self._finish_loads(meta, keys, loaded)
+        self._pending_releases.append((self._last_event, held))
+        self._last_event = None
+        self._release_finished_loads()
+        self.stats.load_seconds += time.perf_counter() - started
+
+    def _scatter(self, meta: LmiConnectorMetadata, batch: list[tuple[int, Any]]) -> list[int]:
+        """Copy one batch of hits into the paged cache in one kernel call; the positions that landed."""
+        assert self.copier is not None
+        transfers = [meta.loads[position] for position, _ in batch]
+        try:
+            self._last_event = self.copier.scatter_many(
+                [obj.payload_tensor() for _, obj in batch], [t.block_ids for t in transfers],
+                [t.block_offset for t in transfers],
+            ) or self._last_event
+            return [position for position, _ in batch]
+        except Exception as err:  # noqa: BLE001 - a wrong chunk is a miss; retry the others one by one
+            if len(batch) == 1:
+                self._fault(f"could not copy chunk {batch[0][1].key.digest.hex()[:12]}", err)
+                return []
+            landed: list[int] = []
+            for item in batch:
+                landed.extend(self._scatter(meta, [item]))
+            return landed
+
+    def _finish_loads(self, meta: LmiConnectorMetadata, keys: list[Any], loaded: set[int]) -> None:
+        """Count loads; a chunk that did not land fails its blocks (vLLM recomputes them) and its request's saves."""
+        for position, transfer in enumerate(meta.loads):
             if transfer.req_id in self._failed_req_ids:
                 # vLLM truncates at the first failed block; later ones are recomputed anyway.
                 self._failed_block_ids.update(transfer.block_ids)
                 continue
-            key = transfer.keys[self.rank_index]
-            error: BaseException | None = None
-            try:
-                chunk = self.engine.retrieve(key, out=self.copier.reusable_host_buffer())
-                if chunk is not None:
-                    self.copier.scatter_chunk(chunk, transfer.block_ids, transfer.block_offset)
-                    self.stats.num_chunks_loaded += 1
-                    continue
-            except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
-                error = err
-            self.stats.num_load_faults += 1
+            if position in loaded:
+                self.stats.num_chunks_loaded += 1
+                continue
             self._failed_block_ids.update(transfer.block_ids)
+            self.stats.num_load_faults += 1
+            self._num_new_faults += 1
             self._failed_req_ids.add(transfer.req_id)
-            self._removed_digests.append(key.digest)
-            self._fault(f"could not load chunk {key.digest.hex()[:12]} for request {transfer.req_id}", error)
-        self.copier.synchronize()
-        self.stats.load_seconds += time.perf_counter() - started
+            self._removed_digests.append(keys[position].digest)
+            self._fault(f"could not load chunk {keys[position].digest.hex()[:12]} for request {transfer.req_id}", None)
+
+    def _release_finished_loads(self, wait: bool = False) -> None:
+        """Give back the chunk objects of loads whose copies have completed (all of them with ``wait``)."""
+        keep: list[tuple[Any, list[Any]]] = []
+        for event, objs in self._pending_releases:
+            if event is None or wait or event.query():
+                if event is not None and wait:
+                    event.synchronize()
+                for obj in objs:
+                    obj.release()
+            else:
+                keep.append((event, objs))
+        self._pending_releases = keep
 
     def save(self, meta: LmiConnectorMetadata) -> None:
         try:
@@ -139,21 +195,21 @@ class WorkerSide:
         if not meta.saves or self.copier is None:
             return
         started = time.perf_counter()
-        for transfer in meta.saves:
-            if transfer.req_id in self._failed_req_ids:
-                continue
-            key = transfer.keys[self.rank_index]
-            try:
-                copier, block_ids = self.copier, transfer.block_ids
-                # Gather straight into engine memory: one copy on the critical path, not two.
-                if self.engine.store_from(key, copier.chunk_shape, copier.dtype,
-                                          lambda out: copier.gather_chunk(block_ids, out)):
-                    self.stats.num_chunks_saved += 1
-                else:
-                    self.stats.num_saves_refused += 1
-            except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
-                self.stats.num_save_faults += 1
-                self._fault(f"could not save chunk {key.digest.hex()[:12]}", err, op="save")
+        transfers = [t for t in meta.saves if t.req_id not in self._failed_req_ids]
+        if not transfers:
+            return
+        copier = self.copier
+        keys = [t.keys[self.rank_index] for t in transfers]
+        block_ids = [t.block_ids for t in transfers]
+        try:
+            # Every full chunk of the step gathered in one kernel call, straight into engine memory.
+            saved = self.engine.save_many(keys, copier.chunk_shape, copier.dtype,
+                                          lambda outs: copier.gather_many(block_ids, outs))
+            self.stats.num_chunks_saved += sum(saved)
+            self.stats.num_saves_refused += len(saved) - sum(saved)
+        except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
+            self.stats.num_save_faults += len(transfers)
+            self._fault(f"could not save {len(transfers)} chunk(s)", err, op="save")
         self.stats.save_seconds += time.perf_counter() - started
 
     def take_failed_block_ids(self) -> set[int]:
@@ -183,6 +239,7 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self.engine is None:
             return
+        self._release_finished_loads(wait=True)
         logger.info("lmi-cache: rank %d worker stats %s", self.rank_index, self.stats)
         try:
             self.engine.flush(10.0)

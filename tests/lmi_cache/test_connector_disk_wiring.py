@@ -24,6 +24,7 @@ pytest.importorskip("vllm")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from lmi_cache.vllm_connector.connector import LmiCacheConnector  # noqa: E402
+from engine_verbs import save  # noqa: E402
 
 CHUNK = 16
 TOKENS = list(range(4 * CHUNK))
@@ -49,7 +50,7 @@ def fill(disk: Path, label: str, keys: list[ChunkKey]) -> set[bytes]:
     config = CacheConfig(chunk_size=CHUNK, local_cpu=False, local_disk=(str(disk),), max_local_disk_size=0.01)
     with CacheEngine(config, rank_label=label) as engine:
         for key in keys:
-            assert engine.store(key, torch.zeros(4, 16))
+            assert save(engine, key, torch.zeros(4, 16))
         engine.flush()
     return {k.digest for k in keys}
 
@@ -101,7 +102,7 @@ def test_workers_of_a_replica_write_their_own_directory(setup: tuple[Path, Path]
     assert side is not None
     engine = side._engine_factory()  # what register_kv_caches calls (rank 0 without distributed state)
     try:
-        assert engine.store(SPACE.keys(TOKENS, 0)[0], torch.zeros(4, 16))
+        assert save(engine, SPACE.keys(TOKENS, 0)[0], torch.zeros(4, 16))
         engine.flush()
     finally:
         engine.close()

@@ -1,4 +1,4 @@
-"""Tests for lmi_cache.tiers.cpu_tier: byte budget, pinning, pool reuse, concurrency."""
+"""Tests for the CPU tier (references to host-memory chunk objects) and the host allocator."""
 from __future__ import annotations
 
 import logging
@@ -13,94 +13,117 @@ from lmi_cache.eviction import make_policy
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers.buffers import size_class_bytes
 from lmi_cache.tiers.cpu_tier import CpuTier
+from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
+
+ALLOC = HostAllocator(page_locked=False)
 
 
-def make_tier(capacity: int, **kwargs: object) -> CpuTier:
+def make_tier(capacity: int, on_evict=None) -> CpuTier:  # type: ignore[no-untyped-def]
     return CpuTier(capacity, make_policy("LRU"), metrics=CacheMetrics(), warner=RateLimitedWarner(logging.getLogger()),
-                   **kwargs)  # type: ignore[arg-type]
+                   on_evict=on_evict)
 
 
 def key_of(number: int, fingerprint: int | None = None) -> ChunkKey:
-    return ChunkKey(number.to_bytes(16, "little"), 0, 8, number if fingerprint is None else fingerprint)
+    return ChunkKey(number.to_bytes(16, "little"), 0, 16, number if fingerprint is None else fingerprint)
 
 
-def put_tensor(tier: CpuTier, number: int, data: torch.Tensor, pin: bool = False):  # type: ignore[no-untyped-def]
+def make_object(number: int, data: torch.Tensor, allocator: HostAllocator = ALLOC) -> ChunkObject:
     payload = data.reshape(-1).view(torch.uint8)
-    header = ChunkHeader.for_key(key_of(number), payload.numel(), str(data.dtype)[6:], tuple(data.shape))
-    return tier.put(key_of(number), header, payload, pin=pin)
+    header = ChunkHeader.for_key(key_of(number), int(payload.numel()), str(data.dtype).removeprefix("torch."),
+                                 tuple(data.shape))
+    obj = allocator.new_object(key_of(number), header)
+    assert obj is not None
+    obj.payload_tensor().copy_(data)
+    return obj
 
 
-def test_round_trip_keeps_dtype_shape_and_is_a_copy() -> None:
+def put_tensor(tier: CpuTier, number: int, data: torch.Tensor) -> bool:
+    obj = make_object(number, data)
+    try:
+        return tier.put(obj)
+    finally:
+        obj.release()  # the tier holds its own reference
+
+
+def get(tier: CpuTier, number: int, fingerprint: int | None = None) -> torch.Tensor | None:
+    for batch in tier.get_many([key_of(number, fingerprint)]):
+        for _, obj in batch:
+            try:
+                return obj.payload_tensor().clone()
+            finally:
+                obj.release()
+    return None
+
+
+def test_round_trip_keeps_dtype_shape() -> None:
     tier = make_tier(1 << 20)
-    data = torch.randn(2, 3, 5, dtype=torch.float32).to(torch.bfloat16)
-    assert put_tensor(tier, 1, data) is not None
-    data.zero_()  # the caller may reuse its buffer
-    got = tier.load(key_of(1))
-    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (2, 3, 5)
-    assert not torch.equal(got, data)
-    got.fill_(7)  # and the result is the caller's own
-    again = tier.load(key_of(1))
-    assert again is not None and not torch.equal(again, got)
+    data = torch.randn(3, 5).to(torch.bfloat16)
+    assert put_tensor(tier, 1, data)
+    got = get(tier, 1)
+    assert got is not None and got.dtype == torch.bfloat16 and torch.equal(got, data)
+    assert get(tier, 2) is None
 
 
-def test_load_into_out() -> None:
+def test_put_is_by_reference_not_a_copy() -> None:
     tier = make_tier(1 << 20)
-    data = torch.arange(64, dtype=torch.int32).reshape(8, 8)
-    put_tensor(tier, 1, data)
-    out = torch.empty(64, dtype=torch.int32)
-    assert tier.load(key_of(1), out=out) is out and torch.equal(out, data.reshape(-1))
-    with pytest.raises(ValueError):
-        tier.load(key_of(1), out=torch.empty(3, dtype=torch.int32))
+    obj = make_object(1, torch.ones(8))
+    assert tier.put(obj) and obj.refs == 2
+    hits = [o for batch in tier.get_many([key_of(1)]) for _, o in batch]
+    assert hits == [obj] and obj.refs == 3
+    for o in hits + [obj]:
+        o.release()
+    assert obj.refs == 1  # the tier's own
+    assert tier.remove(key_of(1).digest) and obj.refs == 0
 
 
 def test_lru_eviction_and_budget() -> None:
-    size = 8192 - HEADER_BYTES
-    tier = make_tier(3 * size_class_bytes(size + HEADER_BYTES))
+    per = size_class_bytes(HEADER_BYTES + 32)
+    evicted: list[bytes] = []
+    tier = make_tier(3 * per, on_evict=lambda obj: evicted.append(obj.key.digest))
     for number in range(3):
-        put_tensor(tier, number, torch.zeros(size, dtype=torch.uint8))
-    assert tier.load(key_of(0)) is not None  # 0 is now most recent
-    put_tensor(tier, 3, torch.zeros(size, dtype=torch.uint8))
-    assert [tier.contains(key_of(n).digest) for n in range(4)] == [True, False, True, True]
-    assert tier.used_bytes <= tier.capacity_bytes
+        assert put_tensor(tier, number, torch.ones(8))
+    assert get(tier, 0) is not None  # 0 is now most recent
+    assert put_tensor(tier, 3, torch.ones(8))
+    assert evicted == [key_of(1).digest] and not tier.contains(key_of(1).digest)
+    assert tier.used_bytes == 3 * per <= tier.capacity_bytes
 
 
-def test_full_of_pinned_refuses_without_blocking() -> None:
-    size = 8192 - HEADER_BYTES
-    tier = make_tier(2 * size_class_bytes(size + HEADER_BYTES))
-    entries = [put_tensor(tier, n, torch.zeros(size, dtype=torch.uint8), pin=True) for n in range(2)]
-    assert put_tensor(tier, 9, torch.zeros(size, dtype=torch.uint8)) is None
-    assert tier._metrics.snapshot()["cpu_dropped_full"] == 1
-    for entry in entries:
-        tier.unpin(entry)
-    assert put_tensor(tier, 9, torch.zeros(size, dtype=torch.uint8)) is not None
+def test_eviction_keeps_buffers_alive_for_their_readers() -> None:
+    per = size_class_bytes(HEADER_BYTES + 32)
+    tier = make_tier(per)
+    assert put_tensor(tier, 1, torch.full((8,), 1.0))
+    reading = [o for batch in tier.get_many([key_of(1)]) for _, o in batch][0]
+    assert put_tensor(tier, 2, torch.full((8,), 2.0))  # evicts 1 while it is being read
+    assert not tier.contains(key_of(1).digest)
+    assert torch.equal(reading.payload_tensor(), torch.full((8,), 1.0))  # not recycled under the reader
+    reading.release()
 
 
 def test_too_large_refused() -> None:
     tier = make_tier(4096)
-    assert put_tensor(tier, 1, torch.zeros(10_000, dtype=torch.uint8)) is None
-    assert tier._metrics.snapshot()["cpu_dropped_too_large"] == 1
-
-
-def test_evicted_buffer_is_reused() -> None:
-    size = 100_000
-    tier = make_tier(size_class_bytes(size + HEADER_BYTES))
-    first = put_tensor(tier, 1, torch.zeros(size, dtype=torch.uint8))
-    second = put_tensor(tier, 2, torch.ones(size, dtype=torch.uint8))
-    assert first is not None and second is not None
-    assert first.buffer.data_ptr() == second.buffer.data_ptr()  # recycled, not reallocated
-    got = tier.load(key_of(2))
-    assert got is not None and bool((got == 1).all())
+    assert not put_tensor(tier, 1, torch.ones(4096))
+    assert tier.used_bytes == 0
 
 
 def test_fingerprint_mismatch_is_a_counted_miss() -> None:
     tier = make_tier(1 << 20)
-    put_tensor(tier, 1, torch.zeros(4))
-    assert tier.load(key_of(1, fingerprint=12345)) is None
-    assert tier._metrics.snapshot()["cpu_fingerprint_mismatches"] == 1
+    put_tensor(tier, 1, torch.ones(4))
+    assert get(tier, 1, fingerprint=12345) is None
     assert not tier.contains(key_of(1).digest)
 
 
-def test_pin_memory_failure_falls_back(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_allocator_recycles_into_a_bounded_warm_pool() -> None:
+    allocator = HostAllocator(page_locked=False, pool_limit_bytes=2 * 8192)
+    buffers = [allocator.allocate(5000) for _ in range(3)]
+    assert all(b is not None and b.numel() == size_class_bytes(5000) and b.data_ptr() % 4096 == 0 for b in buffers)
+    for buffer in buffers:
+        allocator.recycle(buffer)  # type: ignore[arg-type]
+    assert allocator.pooled_bytes == 2 * 8192  # the third went back to the OS
+    again = allocator.allocate(5000)
+    assert again is not None and again.data_ptr() in {b.data_ptr() for b in buffers}  # type: ignore[union-attr]
+
+
+def test_page_lock_failure_falls_back(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     real_empty = torch.empty
 
     def fake_empty(*args: object, **kwargs: object) -> torch.Tensor:
@@ -109,11 +132,11 @@ def test_pin_memory_failure_falls_back(monkeypatch: pytest.MonkeyPatch, caplog: 
         return real_empty(*args, **kwargs)  # type: ignore[call-overload]
 
     monkeypatch.setattr(torch, "empty", fake_empty)
-    tier = make_tier(1 << 20, pin_memory=True)
+    allocator = HostAllocator(page_locked=True, pool_limit_bytes=0)
     with caplog.at_level(logging.WARNING):
-        assert put_tensor(tier, 1, torch.ones(8)) is not None
-        assert put_tensor(tier, 2, torch.ones(8)) is not None
-    assert sum("pinned host memory unavailable" in r.message for r in caplog.records) == 1
+        assert allocator.allocate(100) is not None and allocator.allocate(100) is not None
+    assert sum("page-locked memory unavailable" in r.message for r in caplog.records) == 1
+    assert not allocator.page_locked
 
 
 def test_concurrent_readers_and_writers_never_see_wrong_bytes() -> None:
@@ -129,7 +152,7 @@ def test_concurrent_readers_and_writers_never_see_wrong_bytes() -> None:
     def reader() -> None:
         for i in range(600):
             number = i % 40
-            got = tier.load(key_of(number))
+            got = get(tier, number)
             if got is not None and not bool((got == number % 256).all()):
                 errors.append(f"wrong bytes for {number}")
 
@@ -140,4 +163,4 @@ def test_concurrent_readers_and_writers_never_see_wrong_bytes() -> None:
     for thread in threads:
         thread.join()
     assert not errors
-    assert tier.used_bytes + tier.pooled_bytes <= tier.capacity_bytes
+    assert tier.used_bytes <= tier.capacity_bytes

@@ -18,12 +18,15 @@ import torch
 from lmi_cache.chunk_format import ChunkHeader
 from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
 from lmi_cache.config import CacheConfig
-from lmi_cache.engine import CacheEngine, rank_disk_dirs, scan_persisted_digests
+from lmi_cache.engine import CacheEngine, scan_persisted_digests
+from lmi_cache.tiers.disk_ranks import rank_disk_dirs
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers import disk_io, disk_space
 from lmi_cache.tiers.disk_ranks import list_rank_dirs, prune_orphan_rank_dirs, rank_label
 from lmi_cache.tiers.disk_space import FreeSpaceLimit
 from lmi_cache.tiers.disk_tier import DiskTier
+from engine_verbs import load, lookup, save  # noqa: E402
+from disk_verbs import disk_put  # noqa: E402
 
 NS = [KeyNamespace("m", "float32", "rep-v1", tp_rank=r, tp_size=4) for r in range(4)]
 TOKENS = list(range(16 * 8))
@@ -40,7 +43,7 @@ def config(root: Path, files_per_rank: int = 100) -> CacheConfig:
 
 def store_all(engine: CacheEngine, keys: list[ChunkKey]) -> None:
     for key in keys:
-        assert engine.store(key, torch.full((4, 16), float(key.start)))
+        assert save(engine, key, torch.full((4, 16), float(key.start)))
     engine.flush()
 
 
@@ -50,7 +53,7 @@ def make_tier(root: Path, capacity: int = 1 << 24) -> DiskTier:
 
 def put(tier: DiskTier, key: ChunkKey) -> bool:
     data = np.full(SIZE, key.start % 256, dtype=np.uint8)
-    return tier.put(key, ChunkHeader.for_key(key, SIZE, "uint8", (SIZE,)), data)
+    return disk_put(tier, key, ChunkHeader.for_key(key, SIZE, "uint8", (SIZE,)), data)
 
 
 def test_second_engine_on_a_busy_rank_directory_evicts_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -60,13 +63,13 @@ def test_second_engine_on_a_busy_rank_directory_evicts_nothing(tmp_path: Path, c
         # The same rank label with a budget of one file: without the lock its start-up would evict 7 of 8.
         with caplog.at_level(logging.WARNING), CacheEngine(config(tmp_path, files_per_rank=1), rank_label="0") as second:
             assert second.stats()["disk_capacity_bytes"] == 0
-            assert second.store(keys[0], torch.zeros(4, 16)) is False
+            assert save(second, keys[0], torch.zeros(4, 16)) is False
         assert sum("in use by another lmi-cache engine" in r.getMessage() for r in caplog.records) == 1
         assert sum(1 for _ in tmp_path.rglob("*.lmc")) == len(keys)
-        assert first.lookup(keys) == keys[-1].end
-        assert all(first.retrieve(key) is not None for key in keys)
+        assert lookup(first, keys) == keys[-1].end
+        assert all(load(first, key) is not None for key in keys)
     with CacheEngine(config(tmp_path), rank_label="0") as restarted:  # the lock died with its holder
-        assert restarted.lookup(keys) == keys[-1].end
+        assert lookup(restarted, keys) == keys[-1].end
 
 
 def test_data_parallel_replicas_keep_separate_directories(tmp_path: Path) -> None:
@@ -76,7 +79,7 @@ def test_data_parallel_replicas_keep_separate_directories(tmp_path: Path) -> Non
             CacheEngine(cfg, rank_label=rank_label(0, 1)) as replica1:
         store_all(replica0, keys[:4])
         store_all(replica1, keys[4:])  # a full budget of its own: replica 0 keeps all of its chunks
-        assert replica0.lookup(keys[:4]) == keys[3].end
+        assert lookup(replica0, keys[:4]) == keys[3].end
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank0-dp1"]
     assert scan_persisted_digests(cfg, replica=0, world_size=1) == {k.digest for k in keys[:4]}
     assert scan_persisted_digests(cfg, replica=1, world_size=1) == {k.digest for k in keys[4:]}
@@ -114,8 +117,8 @@ def test_ranks_beyond_a_shrunk_world_are_pruned_and_never_seed_the_index(tmp_pat
 
 def test_rank_dirs_follow_the_labels() -> None:
     cfg = CacheConfig(local_disk=("/a", "/b"), max_local_disk_size=1.0)
-    assert rank_disk_dirs(cfg, rank_label(3, 0)) == ["/a/rank3", "/b/rank3"]
-    assert rank_disk_dirs(cfg, rank_label(3, 2)) == ["/a/rank3-dp2", "/b/rank3-dp2"]
+    assert rank_disk_dirs(cfg.local_disk, rank_label(3, 0)) == ["/a/rank3", "/b/rank3"]
+    assert rank_disk_dirs(cfg.local_disk, rank_label(3, 2)) == ["/a/rank3-dp2", "/b/rank3-dp2"]
 
 
 class FakeFilesystem:

@@ -18,6 +18,7 @@ from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers import disk_io
 from lmi_cache.tiers.disk_tier import DiskTier, scan_persisted_digests_in
+from disk_verbs import disk_object, disk_put  # noqa: E402
 
 NS = KeyNamespace("m", "uint8", "test-v1")
 KEYS = chunk_keys(list(range(64 * 16)), NS, 16)
@@ -34,11 +35,11 @@ def make_tier(dirs: list[Path], capacity: int = 1 << 24, **kwargs: Any) -> DiskT
 
 def put(tier: DiskTier, key: ChunkKey, size: int = 10_000) -> bool:
     data = payload_for(key, size)
-    return tier.put(key, ChunkHeader.for_key(key, data.nbytes, "uint8", (data.nbytes,)), data)
+    return disk_put(tier, key, ChunkHeader.for_key(key, data.nbytes, "uint8", (data.nbytes,)), data)
 
 
 def loads_correctly(tier: DiskTier, key: ChunkKey, size: int = 10_000) -> bool:
-    obj = tier.load_object(key)
+    obj = disk_object(tier, key)
     return obj is not None and bytes(obj[HEADER_BYTES : HEADER_BYTES + size]) == payload_for(key, size).tobytes()
 
 
@@ -58,7 +59,7 @@ def test_round_trip_layout_and_permissions(tmp_path: Path) -> None:
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
     assert loads_correctly(tier, KEYS[0])
-    assert tier.load_object(KEYS[1]) is None
+    assert disk_object(tier, KEYS[1]) is None
     tier.close()
 
 
@@ -95,7 +96,7 @@ def test_damaged_file_is_a_counted_miss_and_removed(tmp_path: Path, damage: str)
     else:
         raw[20] ^= 0xFF
     path.write_bytes(bytes(raw))
-    assert tier.load_object(KEYS[0]) is None
+    assert disk_object(tier, KEYS[0]) is None
     assert stats(tier)["disk_corrupted_reads"] == 1
     assert not path.exists() and not tier.contains(KEYS[0].digest)
     tier.close()
@@ -106,7 +107,7 @@ def test_fingerprint_mismatch_is_a_miss(tmp_path: Path) -> None:
     put(tier, KEYS[0])
     tier.flush()
     foreign = ChunkKey(KEYS[0].digest, KEYS[0].start, KEYS[0].end, KEYS[0].fingerprint ^ 1)
-    assert tier.load_object(foreign) is None
+    assert disk_object(tier, foreign) is None
     assert stats(tier)["disk_fingerprint_mismatches"] == 1
     tier.close()
 
@@ -176,7 +177,7 @@ def test_write_fault_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     put(tier, KEYS[0])
     tier.flush()
     monkeypatch.undo()
-    assert not tier.contains(KEYS[0].digest) and tier.load_object(KEYS[0]) is None
+    assert not tier.contains(KEYS[0].digest) and disk_object(tier, KEYS[0]) is None
     assert removed == [KEYS[0].digest] and tier.used_bytes == 0
     assert list(tmp_path.rglob("*.tmp")) == [] and list(tmp_path.rglob("*.lmc")) == []
     assert stats(tier)["disk_errors_write"] == 1
@@ -198,7 +199,7 @@ def test_permission_denied_and_read_errors(tmp_path: Path, monkeypatch: pytest.M
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", denied_open)
-    assert tier.load_object(KEYS[0]) is None  # EACCES on read: a miss, the entry is kept
+    assert disk_object(tier, KEYS[0]) is None  # EACCES on read: a miss, the entry is kept
     put(tier, KEYS[1])
     tier.flush()
     monkeypatch.undo()
@@ -244,30 +245,32 @@ def test_aligned_buffer() -> None:
 
 
 @pytest.mark.parametrize("odirect", [False, True])
-def test_load_into_caller_buffer(tmp_path: Path, odirect: bool) -> None:
+def test_get_many_reads_in_parallel_and_verifies(tmp_path: Path, odirect: bool) -> None:
     tier = make_tier([tmp_path], use_odirect=odirect)
-    put(tier, KEYS[0])
-    put(tier, KEYS[1])
-    out = np.zeros(10_000, dtype=np.uint8)
-    header = tier.load_into(KEYS[0], out)  # may still be pending: served from memory
-    assert header is not None and bytes(out) == payload_for(KEYS[0]).tobytes()
+    for key in KEYS[:4]:
+        put(tier, key)
+    pending = disk_object(tier, KEYS[0])  # may still be queued: served from the queued object itself
+    assert pending is not None and bytes(pending[HEADER_BYTES:]) == payload_for(KEYS[0]).tobytes()
     tier.flush()
-    out[:] = 0
-    header = tier.load_into(KEYS[0], out)
-    assert header is not None and header.payload_bytes == 10_000 and bytes(out) == payload_for(KEYS[0]).tobytes()
-    with pytest.raises(ValueError):
-        tier.load_into(KEYS[0], np.zeros(9_999, dtype=np.uint8))  # the caller's mistake: file kept
-    assert tier.contains(KEYS[0].digest)
-    assert tier.load_into(KEYS[2], out) is None
+    asked = [KEYS[3], KEYS[9], KEYS[1], KEYS[0], KEYS[2]]
+    batches = list(tier.get_many(asked))
+    assert all(len(batch) == 1 for batch in batches)  # one batch per finished read
+    found = {position: obj for batch in batches for position, obj in batch}
+    assert sorted(found) == [0, 2, 3, 4]  # KEYS[9] was never stored
+    for position, obj in found.items():
+        assert obj.header.payload_bytes == 10_000
+        assert bytes(obj.payload_array()) == payload_for(asked[position]).tobytes()
+        assert obj.buffer.data_ptr() % 4096 == 0  # host-allocator memory: the CPU tier can adopt it
+        obj.release()
     path = Path(disk_io.object_path(str(tmp_path), KEYS[1].digest))
     raw = bytearray(path.read_bytes())
     raw[HEADER_BYTES + 1234] ^= 0x01
     path.write_bytes(bytes(raw))
-    assert tier.load_into(KEYS[1], out) is None and not path.exists()
+    assert disk_object(tier, KEYS[1]) is None and not path.exists()
     assert stats(tier)["disk_corrupted_reads"] == 1
     path = Path(disk_io.object_path(str(tmp_path), KEYS[0].digest))
-    path.write_bytes(path.read_bytes()[:5000])  # torn: shorter than the caller's buffer
-    assert tier.load_into(KEYS[0], out) is None
+    path.write_bytes(path.read_bytes()[:5000])  # torn
+    assert disk_object(tier, KEYS[0]) is None
     tier.close()
 
 

@@ -22,6 +22,7 @@ from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers import disk_io
 from lmi_cache.tiers.disk_tier import DiskTier, scan_persisted_digests_in
+from disk_verbs import disk_object, disk_put  # noqa: E402
 
 OTHER_UID = 65534
 NS = KeyNamespace("m", "uint8", "trust-v1")
@@ -43,7 +44,7 @@ def fill(root: Path, keys: list[ChunkKey]) -> None:
     tier = make_tier(root)
     for key in keys:
         data = payload(key)
-        assert tier.put(key, ChunkHeader.for_key(key, SIZE, "uint8", (SIZE,)), data)
+        assert disk_put(tier, key, ChunkHeader.for_key(key, SIZE, "uint8", (SIZE,)), data)
     assert tier.flush()
     tier.close()
 
@@ -53,12 +54,11 @@ def path_of(root: Path, key: ChunkKey) -> Path:
 
 
 def load_within(tier: DiskTier, key: ChunkKey, timeout_s: float = 10.0) -> Any:
-    """(loaded object or None, into-header or None); fails if either read blocks."""
+    """[loaded object or None]; fails if the read blocks."""
     results: list[Any] = []
 
     def run() -> None:
-        results.append(tier.load_object(key))
-        results.append(tier.load_into(key, np.empty(SIZE, dtype=np.uint8)))
+        results.append(disk_object(tier, key))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -79,7 +79,7 @@ def test_planted_file_of_another_user_is_never_loaded_nor_deleted(tmp_path: Path
     assert scan_persisted_digests_in([str(root)]) == {KEYS[1].digest}
     tier = make_tier(root)
     assert not tier.contains(KEYS[0].digest) and tier.contains(KEYS[1].digest)
-    assert load_within(tier, KEYS[0]) == [None, None]
+    assert load_within(tier, KEYS[0]) == [None]
     assert counts(tier) == {"disk_untrusted_foreign_owner": 1}
     assert planted.exists()  # not ours to delete
     tier.close()
@@ -91,7 +91,7 @@ def test_file_swapped_after_start_up_is_refused_at_read(tmp_path: Path) -> None:
     tier = make_tier(root)
     assert tier.contains(KEYS[0].digest)
     os.chown(path_of(root, KEYS[0]), OTHER_UID, OTHER_UID)
-    obj, _ = load_within(tier, KEYS[0])
+    (obj,) = load_within(tier, KEYS[0])
     assert obj is None and not tier.contains(KEYS[0].digest)
     assert counts(tier) == {"disk_untrusted_foreign_owner": 1}
     assert path_of(root, KEYS[0]).exists()
@@ -116,7 +116,7 @@ def test_special_files_never_block_and_are_counted(tmp_path: Path, kind: str) ->
         target.symlink_to(path_of(root, KEYS[1]))  # a valid file of ours, but not by this name
     else:
         os.mknod(target, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null
-    assert load_within(tier, KEYS[0]) == [None, None]
+    assert load_within(tier, KEYS[0]) == [None]
     expected = "disk_untrusted_not_regular" if kind in ("fifo", "device") else "disk_untrusted_symlink"
     assert counts(tier) == {expected: 1}
     assert os.path.lexists(target)
@@ -137,7 +137,7 @@ def test_directory_of_another_user_turns_the_tier_off(tmp_path: Path, caplog: py
     assert len(lines) == 1 and str(root) in lines[0] and "off" in lines[0]
     assert not tier.contains(KEYS[0].digest)
     data = payload(KEYS[1])
-    assert not tier.put(KEYS[1], ChunkHeader.for_key(KEYS[1], SIZE, "uint8", (SIZE,)), data)
+    assert not disk_put(tier, KEYS[1], ChunkHeader.for_key(KEYS[1], SIZE, "uint8", (SIZE,)), data)
     assert tier.capacity_bytes == 0
     assert counts(tier) == {"disk_untrusted_unsafe_dir": 1}
     assert tier._metrics.snapshot()["disk_dropped_tier_off"] == 1
@@ -193,7 +193,7 @@ def test_planted_symlink_at_our_tmp_name_is_not_written_through(tmp_path: Path) 
     for worker in tier._workers:
         Path(f"{final}.{os.getpid()}-{worker.ident}.tmp").symlink_to(victim)
     data = payload(KEYS[0])
-    assert tier.put(KEYS[0], ChunkHeader.for_key(KEYS[0], SIZE, "uint8", (SIZE,)), data)
+    assert disk_put(tier, KEYS[0], ChunkHeader.for_key(KEYS[0], SIZE, "uint8", (SIZE,)), data)
     assert tier.flush()
     assert victim.read_text() == "precious"
     assert load_within(tier, KEYS[0])[0] is not None
@@ -204,8 +204,8 @@ def test_disk_io_refuses_untrusted_paths_directly(tmp_path: Path) -> None:
     fifo = tmp_path / "f.lmc"
     os.mkfifo(fifo, 0o600)
     with pytest.raises(OSError):
-        disk_io.read_object_file(str(fifo), odirect=False)
+        disk_io.read_file_into(str(fifo), np.empty(4096, dtype=np.uint8), odirect=False)
     shutil.copy(__file__, tmp_path / "other.lmc")
     os.chown(tmp_path / "other.lmc", OTHER_UID, OTHER_UID)
     with pytest.raises(OSError):
-        disk_io.read_object_into(str(tmp_path / "other.lmc"), np.empty(16, dtype=np.uint8))
+        disk_io.read_file_into(str(tmp_path / "other.lmc"), np.empty(16, dtype=np.uint8), odirect=False)

@@ -17,6 +17,7 @@ from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace
 from lmi_cache.config import CacheConfig
 from lmi_cache.engine import CacheEngine, scan_persisted_digests
 from lmi_cache.tiers import disk_io
+from engine_verbs import held_by, keys_for, load, load_many, lookup, lookup_tokens, save, tier  # noqa: E402
 
 NS = KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1")
 TOKENS = list(range(1000, 1000 + 16 * 20))
@@ -38,19 +39,19 @@ def config(tmp_path: Path | None = None, **kwargs: object) -> CacheConfig:
 
 def test_store_retrieve_lookup(tmp_path: Path) -> None:
     with CacheEngine(config()) as engine:
-        keys = engine.keys_for(TOKENS, NS)
+        keys = keys_for(engine, TOKENS, NS)
         for key in keys[:3] + keys[4:6]:
             data = data_for(key)
-            assert engine.store(key, data)
+            assert save(engine, key, data)
             data.zero_()  # the engine copied it
-        assert engine.lookup(keys) == keys[2].end == engine.lookup_tokens(TOKENS, NS)
-        assert engine.contains(keys[0]) == "cpu" and engine.contains(keys[3]) is None
-        got = engine.retrieve(keys[1])
+        assert lookup(engine, keys) == keys[2].end == lookup_tokens(engine, TOKENS, NS)
+        assert held_by(engine, keys[0]) == "cpu" and held_by(engine, keys[3]) is None
+        got = load(engine, keys[1])
         assert got is not None and torch.equal(got, data_for(keys[1]))
         out = torch.empty(CHUNK_SHAPE)
-        assert engine.retrieve(keys[2], out=out) is out and torch.equal(out, data_for(keys[2]))
-        assert engine.retrieve(keys[3]) is None
-        assert engine.lookup([]) == 0
+        assert load(engine, keys[2], out=out) is out and torch.equal(out, data_for(keys[2]))
+        assert load(engine, keys[3]) is None
+        assert lookup(engine, []) == 0
         stats = engine.stats()
         # Two chunks read back from the CPU tier; lookups are the scheduler's metric, not the engine's.
         assert stats["cpu_loaded_tokens"] == 2 * 16 and stats["cpu_entries"] == 5 and "lookups" not in stats
@@ -58,59 +59,59 @@ def test_store_retrieve_lookup(tmp_path: Path) -> None:
 
 def test_bfloat16_and_odd_shapes() -> None:
     with CacheEngine(config()) as engine:
-        key = engine.keys_for(TOKENS, NS)[0]
+        key = keys_for(engine, TOKENS, NS)[0]
         data = torch.randn(3, 1, 7).to(torch.bfloat16)
-        assert engine.store(key, data)
-        got = engine.retrieve(key)
+        assert save(engine, key, data)
+        got = load(engine, key)
         assert got is not None and got.dtype == torch.bfloat16 and torch.equal(got, data)
 
 
 def test_min_retrieve_tokens_and_partial_chunks() -> None:
     with CacheEngine(config(min_retrieve_tokens=40, save_unfull_chunk=True)) as engine:
-        keys = engine.keys_for(TOKENS[:40], NS)
+        keys = keys_for(engine, TOKENS[:40], NS)
         assert [(k.start, k.end) for k in keys] == [(0, 16), (16, 32), (32, 40)]
-        engine.store(keys[0], data_for(keys[0]))
-        assert engine.lookup(keys) == 0  # 16 < 40
-        engine.store(keys[1], data_for(keys[1]))
-        engine.store(keys[2], torch.ones(2, 8, 8))
-        assert engine.lookup_tokens(TOKENS[:40], NS) == 40
+        save(engine, keys[0], data_for(keys[0]))
+        assert lookup(engine, keys) == 0  # 16 < 40
+        save(engine, keys[1], data_for(keys[1]))
+        save(engine, keys[2], torch.ones(2, 8, 8))
+        assert lookup_tokens(engine, TOKENS[:40], NS) == 40
 
 
 def test_namespaces_isolate(tmp_path: Path) -> None:
     with CacheEngine(config()) as engine:
-        for key in engine.keys_for(TOKENS, NS):
-            engine.store(key, data_for(key))
-        assert engine.lookup_tokens(TOKENS, NS) == len(TOKENS)
+        for key in keys_for(engine, TOKENS, NS):
+            save(engine, key, data_for(key))
+        assert lookup_tokens(engine, TOKENS, NS) == len(TOKENS)
         for other in (KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1", cache_salt="t2"),
                       KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1", lora="a"),
                       KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1", tp_rank=1, tp_size=2)):
-            assert engine.lookup_tokens(TOKENS, other) == 0
+            assert lookup_tokens(engine, TOKENS, other) == 0
 
 
 def test_disk_hit_is_promoted_and_events(tmp_path: Path) -> None:
     # CPU holds 4 chunks, disk holds all 20: early chunks fall out of CPU but stay on disk.
     with CacheEngine(config(tmp_path, max_local_cpu_size=4 * CHUNK_OBJECT_BYTES / 1024**3)) as engine:
-        keys = engine.keys_for(TOKENS, NS)
+        keys = keys_for(engine, TOKENS, NS)
         for key in keys:
-            assert engine.store(key, data_for(key))
+            assert save(engine, key, data_for(key))
             engine.flush()  # written through: the CPU copy is unpinned and evictable again
         stored, removed = engine.drain_events()
         assert stored == [k.digest for k in keys] and removed == []  # evicted from CPU, still on disk
-        assert engine.contains(keys[0]) == "disk"
-        assert engine.lookup(keys) == keys[-1].end
-        got = engine.retrieve(keys[0])
+        assert held_by(engine, keys[0]) == "disk"
+        assert lookup(engine, keys) == keys[-1].end
+        got = load(engine, keys[0])
         assert got is not None and torch.equal(got, data_for(keys[0]))
-        assert engine.contains(keys[0]) == "cpu"
+        assert held_by(engine, keys[0]) == "cpu"
         engine.clear()
-        assert engine.lookup(keys) == 0 and set(engine.drain_events()[1]) == {k.digest for k in keys}
+        assert lookup(engine, keys) == 0 and set(engine.drain_events()[1]) == {k.digest for k in keys}
         assert scan_persisted_digests(engine.config) == set()
 
 
 def test_removed_events_when_gone_from_all_tiers() -> None:
     with CacheEngine(config(max_local_cpu_size=2 * CHUNK_OBJECT_BYTES / 1024**3)) as engine:
-        keys = engine.keys_for(TOKENS, NS)[:3]
+        keys = keys_for(engine, TOKENS, NS)[:3]
         for key in keys:
-            engine.store(key, data_for(key))
+            save(engine, key, data_for(key))
         stored, removed = engine.drain_events()
         assert stored == [k.digest for k in keys] and removed == [keys[0].digest]
         assert engine.drain_events() == ([], [])
@@ -119,84 +120,87 @@ def test_removed_events_when_gone_from_all_tiers() -> None:
 def test_demote_feed_writes_on_eviction(tmp_path: Path) -> None:
     cfg = config(tmp_path, max_local_cpu_size=2 * CHUNK_OBJECT_BYTES / 1024**3, disk_feed="demote")
     with CacheEngine(cfg) as engine:
-        keys = engine.keys_for(TOKENS, NS)[:6]
+        keys = keys_for(engine, TOKENS, NS)[:6]
         for key in keys:
-            engine.store(key, data_for(key))
+            save(engine, key, data_for(key))
         engine.flush()
         assert len(scan_persisted_digests(cfg)) == 4  # only what the CPU tier evicted
         for key in keys:
-            got = engine.retrieve(key)
+            got = load(engine, key)
             assert got is not None and torch.equal(got, data_for(key))
         assert engine.drain_events()[1] == []
 
 
 def test_disk_only_engine(tmp_path: Path) -> None:
     with CacheEngine(config(tmp_path, local_cpu=False)) as engine:
-        key = engine.keys_for(TOKENS, NS)[0]
+        key = keys_for(engine, TOKENS, NS)[0]
         data = data_for(key)
-        assert engine.store(key, data)
+        assert save(engine, key, data)
         data.zero_()
         engine.flush()
-        got = engine.retrieve(key)
+        got = load(engine, key)
         assert got is not None and torch.equal(got, data_for(key))
         out = torch.empty(CHUNK_SHAPE)
-        assert engine.retrieve(key, out=out) is out and torch.equal(out, data_for(key))
-        assert engine.retrieve(key, out=torch.empty(CHUNK_SHAPE, dtype=torch.int32)) is None  # dtype mismatch
-        keys = engine.keys_for(TOKENS, NS)[1:5]
+        assert load(engine, key, out=out) is out and torch.equal(out, data_for(key))
+        keys = keys_for(engine, TOKENS, NS)[1:5]
         for other in keys:
-            engine.store(other, data_for(other))
+            save(engine, other, data_for(other))
         outs = [torch.empty(CHUNK_SHAPE) for _ in keys]
-        results = engine.retrieve_many(keys, outs)
+        results = load_many(engine, keys, outs)
         assert all(r is o and torch.equal(o, data_for(k)) for r, o, k in zip(results, outs, keys))
-        assert [torch.equal(r, data_for(k)) for r, k in zip(engine.retrieve_many(keys), keys)] == [True] * 4  # type: ignore[arg-type]
+        assert [torch.equal(r, data_for(k)) for r, k in zip(load_many(engine, keys), keys)] == [True] * 4  # type: ignore[arg-type]
 
 
 def test_faults_never_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with CacheEngine(config(tmp_path, local_cpu=False)) as engine:
-        keys = engine.keys_for(TOKENS, NS)
-        assert not engine.store(keys[0], torch.zeros(4, 4).t())  # not contiguous: refused
-        engine.store(keys[1], data_for(keys[1]))
+        keys = keys_for(engine, TOKENS, NS)
+        save(engine, keys[1], data_for(keys[1]))
         engine.flush()
         path = Path(disk_io.object_path(str(tmp_path / "rank0"), keys[1].digest))
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 0x10
         path.write_bytes(bytes(raw))
-        assert engine.retrieve(keys[1]) is None  # a flipped byte is a miss, never wrong data
+        assert load(engine, keys[1]) is None  # a flipped byte is a miss, never wrong data
         assert engine.stats()["disk_corrupted_reads"] == 1
         assert engine.drain_events()[1] == [keys[1].digest]
 
         def boom(*args: object, **kwargs: object) -> None:
             raise RuntimeError("bug")
 
-        monkeypatch.setattr(engine._disk, "load_object", boom)
-        assert engine.retrieve(keys[1]) is None and engine.stats()["engine_errors_load"] == 1
+        save(engine, keys[2], data_for(keys[2]))
+        engine.flush()
+        monkeypatch.setattr(tier(engine, "disk").reader, "read", boom)
+        assert load(engine, keys[2]) is None and engine.stats()["disk_errors_load"] == 1
 
 
 def test_restart_in_a_new_process_serves_old_entries(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
+        import sys
         import torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from engine_verbs import keys_for, save
         from lmi_cache.chunk_hashing import KeyNamespace
         from lmi_cache.config import CacheConfig
         from lmi_cache.engine import CacheEngine
         ns = KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1")
         cfg = CacheConfig(chunk_size=16, local_disk=({str(tmp_path)!r},), max_local_disk_size=1 / 1024)
         with CacheEngine(cfg) as engine:
-            for key in engine.keys_for({TOKENS!r}, ns):
-                engine.store(key, torch.arange(256, dtype=torch.float32).reshape(2, 16, 8) + key.start)
+            for key in keys_for(engine, {TOKENS!r}, ns):
+                save(engine, key, torch.arange(256, dtype=torch.float32).reshape(2, 16, 8) + key.start)
             engine.flush()
     """)
     subprocess.run([sys.executable, "-c", script], check=True, env=dict(os.environ, PYTHONHASHSEED="7"))
     cfg = config(tmp_path)
     assert len(scan_persisted_digests(cfg)) == len(TOKENS) // 16
     with CacheEngine(cfg) as engine:
-        keys = engine.keys_for(TOKENS, NS)
-        assert engine.lookup(keys) == len(TOKENS)
+        keys = keys_for(engine, TOKENS, NS)
+        assert lookup(engine, keys) == len(TOKENS)
         for key in keys:
-            got = engine.retrieve(key)
+            got = load(engine, key)
             assert got is not None and torch.equal(got, data_for(key))
 
 
-def test_cpu_full_of_unwritten_chunks_stores_straight_to_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_saves_never_wait_for_the_disk_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
     real_write = disk_io.write_object_file
 
@@ -206,17 +210,18 @@ def test_cpu_full_of_unwritten_chunks_stores_straight_to_disk(tmp_path: Path, mo
 
     monkeypatch.setattr(disk_io, "write_object_file", slow_write)
     with CacheEngine(config(tmp_path, max_local_cpu_size=2 * CHUNK_OBJECT_BYTES / 1024**3)) as engine:
-        keys = engine.keys_for(TOKENS, NS)[:4]
+        keys = keys_for(engine, TOKENS, NS)[:4]
         start = time.perf_counter()
-        assert all(engine.store(key, data_for(key)) for key in keys)  # never blocks on the writer
+        assert all(save(engine, key, data_for(key)) for key in keys)  # never blocks on the writer
         assert time.perf_counter() - start < 2.0
-        assert [engine.contains(k) for k in keys] == ["cpu", "cpu", "disk", "disk"]  # 2, 3 queued
-        got = engine.retrieve(keys[3])  # served from the pending write
-        assert got is not None and torch.equal(got, data_for(keys[3]))
+        # Evicted from the CPU tier while their writes wait: the queued write keeps its reference.
+        assert [held_by(engine, k) for k in keys] == ["disk", "disk", "cpu", "cpu"]
+        got = load(engine, keys[0])  # served from the pending write (no file yet)
+        assert got is not None and torch.equal(got, data_for(keys[0]))
         gate.set()
         engine.flush()
         for key in keys:
-            got = engine.retrieve(key)
+            got = load(engine, key)
             assert got is not None and torch.equal(got, data_for(key))
 
 
@@ -226,18 +231,18 @@ def test_concurrent_stores_and_loads_never_return_wrong_bytes(tmp_path: Path, fe
                  disk_queue_depth=4)
     errors: list[str] = []
     with CacheEngine(cfg) as engine:
-        keys = engine.keys_for(TOKENS, NS)
+        keys = keys_for(engine, TOKENS, NS)
 
         def writer(seed: int) -> None:
             for i in range(200):
                 key = keys[(i * 7 + seed) % len(keys)]
-                engine.store(key, data_for(key))
+                save(engine, key, data_for(key))
 
         def reader(seed: int) -> None:
             out = torch.empty(CHUNK_SHAPE)
             for i in range(200):
                 key = keys[(i * 5 + seed) % len(keys)]
-                got = engine.retrieve(key, out=out if i % 2 else None)
+                got = load(engine, key, out=out if i % 2 else None)
                 if got is not None and not torch.equal(got, data_for(key)):
                     errors.append(f"wrong bytes for chunk at {key.start}")
 
@@ -258,53 +263,74 @@ def test_ranks_sharing_a_path_keep_separate_dirs_and_budgets(tmp_path: Path) -> 
     cfg = config(tmp_path, local_cpu=False, max_local_disk_size=3 * 4096 / 1024**3)  # 3 chunk files per rank
     ns = [KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1", tp_rank=r, tp_size=2) for r in (0, 1)]
     with CacheEngine(cfg, rank_label="0") as rank0, CacheEngine(cfg, rank_label="1") as rank1:
-        keys0, keys1 = rank0.keys_for(TOKENS, ns[0])[:3], rank1.keys_for(TOKENS, ns[1])[:3]
+        keys0, keys1 = keys_for(rank0, TOKENS, ns[0])[:3], keys_for(rank1, TOKENS, ns[1])[:3]
         for key in keys0:
-            rank0.store(key, data_for(key))
+            save(rank0, key, data_for(key))
         for key in keys1:
-            rank1.store(key, data_for(key))
+            save(rank1, key, data_for(key))
         rank0.flush()
         rank1.flush()
     assert scan_persisted_digests(cfg) == {k.digest for k in keys0 + keys1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
     with CacheEngine(cfg, rank_label="0") as again:  # a restart adopts only its own files
-        assert again.stats()["disk_entries"] == 3 and again.lookup(keys0) == keys0[-1].end
-        assert again.lookup(keys1) == 0
+        assert again.stats()["disk_entries"] == 3 and lookup(again, keys0) == keys0[-1].end
+        assert lookup(again, keys1) == 0
 
 
 @pytest.mark.parametrize("local_cpu", [True, False])
-def test_store_from_fills_engine_memory_in_place(tmp_path: Path, local_cpu: bool) -> None:
+def test_save_many_fills_engine_memory_in_place(tmp_path: Path, local_cpu: bool) -> None:
     with CacheEngine(config(tmp_path, local_cpu=local_cpu)) as engine:
-        keys = engine.keys_for(TOKENS, NS)
-        calls: list[torch.Tensor] = []
+        keys = keys_for(engine, TOKENS, NS)
+        calls: list[list[torch.Tensor]] = []
 
-        def fill_for(key: ChunkKey):  # type: ignore[no-untyped-def]
-            def fill(out: torch.Tensor) -> None:
-                assert tuple(out.shape) == CHUNK_SHAPE and out.dtype == torch.float32
-                calls.append(out)
-                out.copy_(data_for(key))
+        def fill_for(chunk_keys: list[ChunkKey]):  # type: ignore[no-untyped-def]
+            def fill(outs: list[torch.Tensor]) -> None:
+                assert all(tuple(o.shape) == CHUNK_SHAPE and o.dtype == torch.float32 for o in outs)
+                calls.append(outs)
+                for out, key in zip(outs, chunk_keys):
+                    out.copy_(data_for(key))
             return fill
 
-        assert engine.store_from(keys[0], CHUNK_SHAPE, torch.float32, fill_for(keys[0]))
+        assert engine.save_many(keys[:2], CHUNK_SHAPE, torch.float32, fill_for(keys[:2])) == [True, True]
         engine.flush()
-        got = engine.retrieve(keys[0])
-        assert got is not None and torch.equal(got, data_for(keys[0])) and len(calls) == 1
-        if local_cpu:
-            # Already held: fill is not called again.
-            assert engine.store_from(keys[0], CHUNK_SHAPE, torch.float32, fill_for(keys[0]))
-            assert len(calls) == 1
+        assert len(calls) == 1 and len(calls[0]) == 2  # one fill for the whole batch
+        for key in keys[:2]:
+            got = load(engine, key)
+            assert got is not None and torch.equal(got, data_for(key))
+        # Already held: not filled again; only the new chunk is handed to fill.
+        assert engine.save_many([keys[0], keys[2]], CHUNK_SHAPE, torch.float32, fill_for([keys[2]])) == [True, True]
+        assert len(calls) == 2 and len(calls[1]) == 1
 
-        def broken(out: torch.Tensor) -> None:
-            out.fill_(7.0)
+        def broken(outs: list[torch.Tensor]) -> None:
+            outs[0].fill_(7.0)
             raise RuntimeError("gather failed")
 
-        # A fill that raises is a refused store and leaves no entry behind (never half-written data).
-        assert engine.store_from(keys[1], CHUNK_SHAPE, torch.float32, broken) is False
+        # A fill that raises is a refused save and leaves no entry behind (never half-written data).
+        assert engine.save_many([keys[3]], CHUNK_SHAPE, torch.float32, broken) == [False]
         engine.flush()
-        assert engine.contains(keys[1]) is None and engine.retrieve(keys[1]) is None
+        assert held_by(engine, keys[3]) is None and load(engine, keys[3]) is None
         assert engine.stats()["engine_dropped_error"] == 1
-        if local_cpu:  # the reserved buffer was given back
-            assert engine.stats()["cpu_entries"] == 1 and engine.stats()["cpu_used_bytes"] == CHUNK_OBJECT_BYTES
+        if local_cpu:  # nothing of the refused chunk is accounted
+            assert engine.stats()["cpu_entries"] == 3 and engine.stats()["cpu_used_bytes"] == 3 * CHUNK_OBJECT_BYTES
+
+
+def test_loads_hand_out_tier_buffers_by_reference_and_recycle_them() -> None:
+    with CacheEngine(config()) as engine:
+        keys = keys_for(engine, TOKENS, NS)[:2]
+        for key in keys:
+            save(engine, key, data_for(key))
+        cpu = tier(engine, "cpu")
+        batches = list(engine.load(keys))
+        assert len(batches) == 1 and [p for p, _ in batches[0]] == [0, 1]  # CPU hits: one batch, at once
+        objs = [obj for _, obj in batches[0]]
+        held = cpu.index.get(keys[0].digest)
+        assert held is objs[0] and objs[0].refs == 2  # the tier's buffer itself, one reference for us
+        cpu.clear()  # evicted while we read: the buffer stays valid until we release it
+        assert torch.equal(objs[0].payload_tensor(), data_for(keys[0]))
+        pooled = engine.allocator.pooled_bytes
+        for obj in objs:
+            obj.release()
+        assert engine.allocator.pooled_bytes == pooled + 2 * CHUNK_OBJECT_BYTES  # back to the warm pool
 
 
 def test_huge_page_entries_round_trip_through_odirect_disk(tmp_path: Path) -> None:
@@ -314,13 +340,13 @@ def test_huge_page_entries_round_trip_through_odirect_disk(tmp_path: Path) -> No
     key = chunk_keys_for_big()
     data = torch.randn(8, 2, 4, 128, 128)  # 4 MiB of float32
     with CacheEngine(cfg) as engine:
-        assert engine.store(key, data)
-        got = engine.retrieve(key)
+        assert save(engine, key, data)
+        got = load(engine, key)
         assert got is not None and torch.equal(got, data)
         engine.flush()
     with CacheEngine(cfg) as engine:  # a fresh engine sees only the disk
-        assert engine.contains(key) == "disk"
-        got = engine.retrieve(key)
+        assert held_by(engine, key) == "disk"
+        got = load(engine, key)
         assert got is not None and torch.equal(got, data)
 
 

@@ -19,10 +19,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from remote_fixtures import BUCKET, moto_s3, redis_server  # noqa: E402,F401
 
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace  # noqa: E402
+from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys  # noqa: E402
 from lmi_cache.config import CacheConfig, config_from_dict  # noqa: E402
 from lmi_cache.engine import CacheEngine  # noqa: E402
 from lmi_cache.remote.redis_server import RedisServer, free_port  # noqa: E402
+from engine_verbs import held_by, load, save  # noqa: E402
 
 CHUNK = 16
 SHAPE = (2, CHUNK, 4, 8)  # per chunk: K/V x tokens x heads x head size
@@ -39,8 +40,7 @@ def fleet_config(url: str, prefix: str, **fields: Any) -> CacheConfig:
 def keys_and_data(num: int, seed: int = 0) -> tuple[list[ChunkKey], list[torch.Tensor]]:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 30000, size=num * CHUNK)
-    engine_keys = CacheEngine(CacheConfig(chunk_size=CHUNK, local_cpu=False)).keys_for(
-        tokens, KeyNamespace("m", "bfloat16", "test-v1"))
+    engine_keys = chunk_keys(tokens, KeyNamespace("m", "bfloat16", "test-v1"), CHUNK)
     data = [torch.from_numpy(rng.normal(size=SHAPE).astype(np.float32)).to(torch.bfloat16) for _ in range(num)]
     return engine_keys, data
 
@@ -48,18 +48,17 @@ def keys_and_data(num: int, seed: int = 0) -> tuple[list[ChunkKey], list[torch.T
 def test_a_second_engine_loads_what_the_first_stored(redis_server: RedisServer) -> None:
     keys, data = keys_and_data(4)
     with CacheEngine(fleet_config(redis_server.url, "two-engines")) as first:
-        assert all(first.store(k, d) for k, d in zip(keys, data))
+        assert all(save(first, k, d) for k, d in zip(keys, data))
         first.flush(10.0)
         assert first.stats()["remote_puts_stored"] == 4
     with CacheEngine(fleet_config(redis_server.url, "two-engines")) as second:
-        assert second.contains(keys[0]) is None  # its own tiers are empty
-        assert second.stage_remote(keys) == 4  # one batched GET
-        out = torch.empty(SHAPE, dtype=torch.bfloat16)
-        for key, expected in zip(keys, data):
-            got = second.retrieve(key, out=out)
-            assert got is not None and torch.equal(got, expected)
-        second.flush(10.0)  # promotion runs in the background
-        assert second.contains(keys[0]) == "cpu"  # promoted
+        assert held_by(second, keys[0]) is None  # its own tiers are empty
+        batches = list(second.load(keys))
+        assert len(batches) == 1 and len(batches[0]) == 4  # one batched GET for the whole step
+        for (position, obj), expected in zip(batches[0], data):
+            assert torch.equal(obj.payload_tensor(), data[position])
+            obj.release()
+        assert held_by(second, keys[0]) == "cpu"  # promoted (by reference)
         stored, _ = second.drain_events()
         assert set(stored) == {k.digest for k in keys}  # the scheduler's index learns the promoted chunks
         stats = second.stats()
@@ -72,11 +71,11 @@ def test_without_local_tiers_the_remote_store_serves_alone(redis_server: RedisSe
     keys, data = keys_and_data(2, seed=1)
     config = fleet_config(redis_server.url, "remote-only", local_cpu=False)
     with CacheEngine(config) as first:
-        assert first.store(keys[0], data[0]) and first.store(keys[1], data[1])
+        assert save(first, keys[0], data[0]) and save(first, keys[1], data[1])
         assert first.drain_events() == ([], [])  # nothing local: the scheduler's local index is not told
         first.flush(10.0)
     with CacheEngine(config) as second:
-        got = second.retrieve(keys[1])  # not staged: fetched alone
+        got = load(second, keys[1])
         assert got is not None and torch.equal(got, data[1])
 
 
@@ -86,7 +85,7 @@ def test_damaged_and_foreign_values_are_misses(redis_server: RedisServer) -> Non
     keys, data = keys_and_data(3, seed=2)
     with CacheEngine(fleet_config(redis_server.url, "damaged")) as first:
         for key, value in zip(keys, data):
-            first.store(key, value)
+            save(first, key, value)
         first.flush(10.0)
     client = redis.Redis.from_url(redis_server.url)
     names = sorted(n for n in client.keys("damaged:*"))
@@ -97,12 +96,10 @@ def test_damaged_and_foreign_values_are_misses(redis_server: RedisServer) -> Non
     client.set(names[1], b"not a chunk at all")  # another program's value
     client.set(names[2], client.get(names[2])[:100])  # type: ignore[index]  # truncated
     with CacheEngine(fleet_config(redis_server.url, "damaged")) as second:
-        assert second.stage_remote(keys) == 0
-        out = torch.zeros(SHAPE, dtype=torch.bfloat16)
-        assert all(second.retrieve(k, out=out) is None for k in keys)
+        assert list(second.load(keys)) == []
         refused = sum(v for k, v in second.stats().items() if k.startswith("remote_miss_"))
-        assert refused == 3  # each value was fetched once: the staged misses were not asked again
-        assert second.contains(keys[0]) is None  # nothing damaged was promoted
+        assert refused == 3  # each value was fetched once, in one batch
+        assert held_by(second, keys[0]) is None  # nothing damaged was promoted
         assert second.stats()["remote_miss_corrupted"] + second.stats().get("remote_miss_truncated", 0) >= 1
 
 
@@ -110,12 +107,12 @@ def test_a_store_that_is_down_costs_misses_not_requests() -> None:
     keys, data = keys_and_data(2, seed=3)
     config = fleet_config(f"redis://127.0.0.1:{free_port()}", "down", extra={"remote_io_timeout_ms": 300})
     with CacheEngine(config) as engine:
-        assert engine.store(keys[0], data[0])  # the CPU tier still takes it
+        assert save(engine, keys[0], data[0])  # the CPU tier still takes it
         started = time.perf_counter()
-        assert engine.retrieve(keys[1]) is None
-        assert engine.stage_remote(keys[1:]) == 0
+        assert load(engine, keys[1]) is None
+        assert list(engine.load(keys[1:])) == []
         assert time.perf_counter() - started < 2.0
-        got = engine.retrieve(keys[0])
+        got = load(engine, keys[0])
         assert got is not None and torch.equal(got, data[0])
 
 
@@ -126,12 +123,11 @@ def test_s3_store_round_trip(moto_s3: str) -> None:
                                  "remote_io_timeout_ms": 5000, "remote_compression": "zstd-planes"})
     with CacheEngine(config) as first:
         for key, value in zip(keys, data):
-            first.store(key, value)
+            save(first, key, value)
         first.flush(10.0)
     with CacheEngine(config) as second:
-        assert second.stage_remote(keys) == 2
         for key, expected in zip(keys, data):
-            got = second.retrieve(key)
+            got = load(second, key)
             assert got is not None and torch.equal(got, expected)
 
 

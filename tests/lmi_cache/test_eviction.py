@@ -11,8 +11,8 @@ from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.eviction import make_policy
 from lmi_cache.eviction.lru import FIFOPolicy, LRUPolicy
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
-from lmi_cache.tiers.buffers import size_class_bytes
-from lmi_cache.tiers.cpu_tier import CpuEntry, CpuTier
+from lmi_cache.tiers.cpu_tier import CpuTier
+from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 
 
 def test_lru_order() -> None:
@@ -44,15 +44,19 @@ def key_of(number: int) -> ChunkKey:
     return ChunkKey(number.to_bytes(16, "little"), 0, 1, number)
 
 
-def put(tier: CpuTier, number: int, size: int, pin: bool = False) -> CpuEntry | None:
-    payload = torch.full((size,), number % 251, dtype=torch.uint8)
+ALLOC = HostAllocator(page_locked=False, pool_limit_bytes=0)
+
+
+def new_object(number: int, size: int) -> ChunkObject:
     header = ChunkHeader.for_key(key_of(number), size, "uint8", (size,))
-    return tier.put(key_of(number), header, payload, pin=pin)
+    obj = ALLOC.new_object(key_of(number), header)
+    assert obj is not None
+    obj.payload_array()[:] = number % 251
+    return obj
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["put", "put_pin", "load", "unpin", "remove"]), st.integers(0, 30),
-              st.integers(1, 40_000)),
+    st.tuples(st.sampled_from(["put", "get", "hold", "drop", "remove"]), st.integers(0, 30), st.integers(1, 40_000)),
     max_size=120,
 )
 
@@ -60,42 +64,33 @@ ops = st.lists(
 @settings(max_examples=80, deadline=None)
 @given(ops=ops, policy=st.sampled_from(["LRU", "FIFO"]))
 def test_random_workload_invariants(ops: list[tuple[str, int, int]], policy: str) -> None:
+    """Budget never exceeded, accounting exact, bytes never wrong, every reference given back."""
     capacity = 160_000
-    evicted: list[bytes] = []
-    tier = CpuTier(capacity, make_policy(policy), metrics=CacheMetrics(), warner=RateLimitedWarner(_logger()),
-                   on_evict=lambda e: evicted.append(e.digest))
-    pinned: list[CpuEntry] = []
-    sizes: dict[int, int] = {}
+    made: list[ChunkObject] = []
+    held: list[ChunkObject] = []  # references a reader keeps across other operations
+    tier = CpuTier(capacity, make_policy(policy), metrics=CacheMetrics(), warner=RateLimitedWarner(_logger()))
     for op, number, size in ops:
-        if op in ("put", "put_pin"):
-            entry = put(tier, number, size, pin=op == "put_pin")
-            if entry is not None:
-                sizes.setdefault(number, entry.header.payload_bytes)
-                if op == "put_pin":
-                    pinned.append(entry)
-        elif op == "load":
-            got = tier.load(key_of(number))
-            if got is not None:
-                assert got.numel() == sizes[number] and bool((got == number % 251).all())
-        elif op == "unpin" and pinned:
-            tier.unpin(pinned.pop(number % len(pinned)))
+        if op == "put":
+            obj = new_object(number, size)
+            made.append(obj)
+            tier.put(obj)
+            obj.release()
+        elif op in ("get", "hold"):
+            for batch in tier.get_many([key_of(number)]):
+                for _, obj in batch:
+                    assert bool((torch.from_numpy(obj.payload_array()) == number % 251).all())
+                    (held.append(obj) if op == "hold" else obj.release())
+        elif op == "drop" and held:
+            held.pop(number % len(held)).release()
         elif op == "remove":
             tier.remove(key_of(number).digest)
-        assert tier.used_bytes + tier.pooled_bytes <= capacity
-        live_pinned = {e.digest for e in pinned if not e.dead}
-        assert not live_pinned & set(evicted), "a pinned entry was evicted"
-        assert all(tier.contains(d) for d in live_pinned)
-        expected_used = sum(size_class_bytes(e.header.total_bytes) for e in _entries(tier))
-        expected_used += sum(e.class_bytes for e in {id(e): e for e in pinned}.values() if e.dead and e.pins)
-        assert tier.used_bytes == expected_used
-    for entry in pinned:
-        tier.unpin(entry)
+        assert tier.used_bytes <= capacity
+        live = [tier.index.get(d) for d in tier.digests()]
+        assert tier.used_bytes == sum(o.class_bytes for o in live if o is not None)
+    for obj in held:
+        obj.release()
     tier.clear()
-    assert tier.used_bytes == 0
-
-
-def _entries(tier: CpuTier) -> list[CpuEntry]:
-    return list(tier._index.values())  # white-box: the accounting must match the index exactly
+    assert tier.used_bytes == 0 and all(obj.refs == 0 for obj in made)
 
 
 def _logger():  # type: ignore[no-untyped-def]

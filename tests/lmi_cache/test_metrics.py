@@ -16,6 +16,7 @@ from lmi_cache.chunk_hashing import KeyNamespace
 from lmi_cache.config import CacheConfig
 from lmi_cache.engine import CacheEngine
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner, SchedulerMetrics
+from engine_verbs import keys_for, load, lookup, save  # noqa: E402
 
 NS = KeyNamespace("m", "float32", "v1")
 REPO = Path(__file__).resolve().parents[2]
@@ -31,20 +32,21 @@ def test_engine_updates_series(tmp_path: Path) -> None:
                          max_local_disk_size=1 / 1024)
     metrics = CacheMetrics(rank_label="3", engine_label="1")
     with CacheEngine(config, metrics=metrics) as engine:
-        keys = engine.keys_for(list(range(16)), NS)
+        keys = keys_for(engine, list(range(16)), NS)
         for key in keys:
-            engine.store(key, torch.ones(4, 8))
+            save(engine, key, torch.ones(4, 8))
             engine.flush()  # written through: the CPU entry is no longer pinned, so it can be evicted
-        assert engine.lookup(keys) == 16
-        assert engine.retrieve(keys[0]) is not None  # evicted from CPU: a disk load
-        assert engine.retrieve(keys[3]) is not None  # still in CPU
+        assert lookup(engine, keys) == 16
+        assert load(engine, keys[0]) is not None  # evicted from CPU: a disk load
+        assert load(engine, keys[3]) is not None  # still in CPU
         assert engine.stats()["disk_loaded_tokens"] == 4
+        assert sample(metrics, "lmi_cache_tier_usage_bytes", tier="cpu") == 2 * 4096
+    assert sample(metrics, "lmi_cache_tier_usage_bytes", tier="cpu") == 0  # closed: references given back
     assert sample(metrics, "lmi_cache_loaded_tokens_total", tier="disk") == 4
     assert sample(metrics, "lmi_cache_loaded_tokens_total", tier="cpu") == 4
     assert sample(metrics, "lmi_cache_stored_chunks_total", tier="cpu") == 5  # 4 + the promotion
     assert sample(metrics, "lmi_cache_stored_tokens_total", tier="disk") == 16
     assert sample(metrics, "lmi_cache_evictions_total", tier="cpu") == 3
-    assert sample(metrics, "lmi_cache_tier_usage_bytes", tier="cpu") == 2 * 4096
     assert sample(metrics, "lmi_cache_tier_capacity_bytes", tier="disk") == 1024**2
     assert sample(metrics, "lmi_cache_load_seconds_count", tier="disk") == 1
     assert sample(metrics, "lmi_cache_store_seconds_count", tier="disk") == 4

@@ -162,7 +162,6 @@ def test_side_stream_path_moves_the_same_bytes_in_the_right_order() -> None:
     desc = describe_kv_caches({f"l{i}": t for i, t in enumerate(src)}, GEO)
     streams = RecordingStreams()
     copier = PagedChunkCopier(src, desc, 2, stream_ops=streams)
-    assert copier.reusable_host_buffer() is None  # async H2D copies may still read a host buffer
     chunk = copier.gather_chunk([4, 9]).clone()
     assert streams.log[:2] == ["side0.wait_stream(compute)", "enter side0"]
     assert streams.log[-1] == "side0.synchronize"  # host buffer complete before the engine sees it
@@ -187,21 +186,6 @@ def test_gather_into_caller_memory_matches_staging_gather(kind: str) -> None:
     assert torch.equal(out, expected)
     with pytest.raises(ChunkShapeError):
         copier.gather_chunk([5, 1], torch.empty(copier.chunk_shape, dtype=torch.float16))
-
-
-def test_reusable_host_buffer_only_without_async_streams() -> None:
-    layers = make_layers("cpu", 3)
-    copier = copier_for(layers, 2)
-    buf = copier.reusable_host_buffer()
-    assert buf is not None and tuple(buf.shape) == copier.chunk_shape
-    # Loading two different chunks through the same buffer still lands each one exactly.
-    first = copier.gather_chunk([0, 1]).clone()
-    second = copier.gather_chunk([2, 3]).clone()
-    buf.copy_(first)
-    copier.scatter_chunk(buf, [4, 5])
-    buf.copy_(second)
-    copier.scatter_chunk(buf, [6, 7])
-    assert torch.equal(copier.gather_chunk([4, 5]), first) and torch.equal(copier.gather_chunk([6, 7]), second)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here; scripts/gpu_check.sh runs this on a GPU")
@@ -235,3 +219,55 @@ def test_scatter_accepts_a_non_contiguous_chunk_buffer() -> None:
     copier_for(dst, 2).scatter_chunk(strided, [0, 1])
     assert torch.equal(block_of(dst[2], "flash_nhd", 0), block_of(src[2], "flash_nhd", 3))
     assert torch.equal(block_of(dst[2], "flash_nhd", 1), block_of(src[2], "flash_nhd", 8))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    kind=st.sampled_from(sorted(SHAPES)),
+    chunks=st.lists(st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=2, max_size=2), min_size=1, max_size=4),
+    offsets=st.lists(st.integers(0, 1), min_size=4, max_size=4),
+    seed=st.integers(0, 1000),
+)
+def test_batched_gather_and_scatter_equal_one_chunk_at_a_time(
+    kind: str, chunks: list[list[int]], offsets: list[int], seed: int
+) -> None:
+    src = make_layers(kind, seed)
+    copier = copier_for(src, 2)
+    outs = [torch.empty(copier.chunk_shape) for _ in chunks]
+    copier.gather_many(chunks, outs)  # one kernel call for every chunk
+    for ids, out in zip(chunks, outs):
+        assert torch.equal(out, copier.gather_chunk(ids))
+    batched = [torch.zeros_like(t) for t in src]
+    one_by_one = [torch.zeros_like(t) for t in src]
+    targets = [[(7 + 2 * i) % NUM_BLOCKS, (8 + 2 * i) % NUM_BLOCKS][offsets[i]:] for i in range(len(chunks))]
+    offs = offsets[: len(chunks)]
+    assert copier_for(batched, 2).scatter_many(outs, targets, offs) is None  # CPU: complete on return
+    single = copier_for(one_by_one, 2)
+    for out, ids, off in zip(outs, targets, offs):
+        single.scatter_chunk(out, ids, off)
+    assert all(torch.equal(a, b) for a, b in zip(batched, one_by_one))
+
+
+def test_batched_scatter_rejects_a_wrong_chunk_and_offsets() -> None:
+    copier = copier_for(make_layers("cpu", 1), 2)
+    good = torch.zeros(copier.chunk_shape)
+    with pytest.raises(ChunkShapeError):
+        copier.scatter_many([good, torch.zeros(3)], [[1], [2]], [0, 0])
+    with pytest.raises(ChunkShapeError):
+        copier.scatter_many([good], [[1, 2]], [1])  # two blocks from slot 1 overflow a 2-block chunk
+    with pytest.raises(ValueError):
+        copier.scatter_many([good], [[1], [2]], [0])
+
+
+def test_side_stream_batched_scatter_returns_the_event_the_compute_stream_waits_on() -> None:
+    src = make_layers("flash_hnd", 3)
+    desc = describe_kv_caches({f"l{i}": t for i, t in enumerate(src)}, GEO)
+    chunks = [copier_for(src, 2).gather_chunk(ids).clone() for ids in ([1, 2], [5, 6])]
+    streams = RecordingStreams()
+    dst = [torch.zeros_like(t) for t in src]
+    event = PagedChunkCopier(dst, desc, 2, stream_ops=streams).scatter_many(chunks, [[3, 4], [9]], [0, 1])
+    assert event is not None  # the caller keeps the host buffers until it completes
+    assert streams.log == [
+        "side1.wait_stream(compute)", "enter side1", "record on side1", "exit side1", "compute.wait_event"
+    ]
+    assert all(torch.equal(d[:, 3], s[:, 1]) and torch.equal(d[:, 9], s[:, 6]) for d, s in zip(dst, src))

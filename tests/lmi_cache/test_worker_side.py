@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -16,32 +16,47 @@ GEO = ExpectedGeometry(block_size_tokens=4, num_kv_heads=2, head_size=3)
 NUM_BLOCKS, NUM_LAYERS = 10, 2
 
 
+class FakeObject:
+    """What the engine's load yields: a chunk with a reference the worker must release."""
+
+    def __init__(self, engine: FakeEngine, key: Any, chunk: torch.Tensor) -> None:
+        self.key, self._chunk, self._engine = key, chunk, engine
+        engine.outstanding += 1
+
+    def payload_tensor(self) -> torch.Tensor:
+        return self._chunk
+
+    def release(self) -> None:
+        self._engine.outstanding -= 1
+
+
 class FakeEngine:
     def __init__(self) -> None:
         self.data: dict[bytes, torch.Tensor] = {}
         self.events: tuple[list[bytes], list[bytes]] = ([], [])
         self.fail_store = False
         self.flushed = self.closed = False
+        self.outstanding = 0  # objects handed out by load and not released yet
+        self.load_calls = 0
         self.metrics = SimpleNamespace(errors=[])
         self.metrics.error = lambda tier, op: self.metrics.errors.append((tier, op))
 
-    def store(self, key: Any, chunk: torch.Tensor) -> bool:
+    def save_many(self, keys: list[Any], shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> list[bool]:
         if self.fail_store:
             raise OSError("disk on fire")
-        self.data[key.digest] = chunk.clone()
-        self.events[0].append(key.digest)
-        return True
+        outs = [torch.empty(shape, dtype=dtype) for _ in keys]
+        fill(outs)  # a real engine hands out its own memory; the worker must gather into it
+        for key, out in zip(keys, outs):
+            self.data[key.digest] = out
+            self.events[0].append(key.digest)
+        return [True] * len(keys)
 
-    def store_from(self, key: Any, shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> bool:
-        out = torch.empty(shape, dtype=dtype)
-        fill(out)  # a real engine hands out its own memory; the worker must gather into it
-        return self.store(key, out)
-
-    def retrieve(self, key: Any, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        chunk = self.data.get(key.digest)
-        if chunk is None or out is None:
-            return chunk
-        return out.copy_(chunk)  # like the engine: the caller's buffer is filled and returned
+    def load(self, keys: list[Any]) -> Iterator[list[tuple[int, FakeObject]]]:
+        self.load_calls += 1
+        for position, key in enumerate(keys):  # one batch per hit, like disk reads finishing one by one
+            chunk = self.data.get(key.digest)
+            if chunk is not None:
+                yield [(position, FakeObject(self, key, chunk))]
 
     def drain_events(self) -> tuple[list[bytes], list[bytes]]:
         events, self.events = self.events, ([], [])
@@ -80,6 +95,39 @@ def test_save_then_load_into_other_blocks() -> None:
     assert torch.equal(layers[1][7], layers[1][1]) and torch.equal(layers[1][8], layers[1][2])
     assert torch.equal(layers[0][9], layers[0][3])
     assert worker.take_failed_block_ids() == set() and worker.stats.num_chunks_loaded == 2
+    assert engine.load_calls == 1  # the whole step in one engine call
+    assert engine.outstanding == 0  # CPU copies are complete on return: every chunk object given back
+
+
+class PendingEvent:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_async_copies_keep_chunk_objects_until_their_event_completes() -> None:
+    worker, engine, _ = make_worker()
+    k = keys(1)
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2))]))
+    event = PendingEvent()
+    assert worker.copier is not None
+    worker.copier.scatter_many = lambda *args: event  # type: ignore[method-assign]  # as on CUDA
+    worker.load(LmiConnectorMetadata(loads=[ChunkTransfer("q", (k[0],), (7, 8))]))
+    assert engine.outstanding == 1  # the host->device copy may still read the buffer
+    worker.load(LmiConnectorMetadata(loads=[ChunkTransfer("q", (k[0],), (7, 8))]))
+    assert engine.outstanding == 2
+    event.done = True
+    worker.load(LmiConnectorMetadata(loads=[ChunkTransfer("q", (k[0],), (7, 8))]))
+    assert engine.outstanding == 0  # released at the next step once the copies completed
+    event.done = False
+    worker.load(LmiConnectorMetadata(loads=[ChunkTransfer("q", (k[0],), (7, 8))]))
+    worker.shutdown()  # waits for the last copies, then gives everything back
+    assert engine.outstanding == 0
 
 
 def test_missing_chunk_reports_blocks_removes_digest_and_skips_saves() -> None:

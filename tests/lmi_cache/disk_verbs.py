@@ -1,0 +1,35 @@
+"""Test-side spellings of one-chunk disk-tier operations, built on the Tier protocol (put / get_many)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from lmi_cache.chunk_format import ChunkHeader, byte_view
+from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.tiers.base import Tier
+from lmi_cache.tiers.host_memory import HostAllocator
+
+ALLOC = HostAllocator(page_locked=False, pool_limit_bytes=0)
+
+
+def disk_put(tier: Tier, key: ChunkKey, header: ChunkHeader, payload: Any) -> bool:
+    """Put one chunk object holding ``payload`` (any bytes-like) through ``Tier.put``."""
+    obj = ALLOC.new_object(key, header)
+    assert obj is not None
+    obj.payload_array()[:] = np.frombuffer(byte_view(payload), dtype=np.uint8)
+    try:
+        return tier.put(obj)
+    finally:
+        obj.release()  # the tier took its own reference if it queued the write
+
+
+def disk_object(tier: Tier, key: ChunkKey) -> np.ndarray | None:
+    """A copy of the verified object (header + payload) through ``Tier.get_many``, or None on a miss."""
+    for batch in tier.get_many([key]):
+        for _, obj in batch:
+            try:
+                return obj.object_array().copy()
+            finally:
+                obj.release()
+    return None
