@@ -48,6 +48,16 @@ class LayerwiseModel(Protocol):
         """Final norm and LM head: [T, hidden] -> [T, vocab]."""
 
 
+class LayerAttention(Protocol):
+    """Attention of one layer's queries over [prefix | blended tokens]: (layer, q, positions, k, v) -> [Tq, H*D].
+
+    ``k``/``v`` are the layer's blended tokens' K/V (after the prefix); the prefix is the implementation's to find.
+    """
+
+    def __call__(self, layer: int, q: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class KVStack:
     """Per-layer KV of consecutive tokens: k and v of shape [layers, T, H_kv, D], K after RoPE."""
@@ -77,11 +87,13 @@ def empty_kv(like: KVStack) -> KVStack:
 
 
 def prefill(
-    model: LayerwiseModel, token_ids: torch.Tensor, past: KVStack | None = None
+    model: LayerwiseModel, token_ids: torch.Tensor, past: KVStack | None = None,
+    attention: LayerAttention | None = None,
 ) -> tuple[KVStack, torch.Tensor]:
     """Ordinary prefill of ``token_ids`` after ``past`` (positions continue from it).
 
-    Returns the new tokens' KV and their final hidden states [T, hidden].
+    Returns the new tokens' KV and their final hidden states [T, hidden]. ``attention``
+    as in ``blend`` (it gets the new tokens' K/V; ``past`` is the implementation's to find).
     """
     start = 0 if past is None else past.num_tokens
     positions = torch.arange(start, start + token_ids.numel())
@@ -94,16 +106,19 @@ def prefill(
         q, k = apply_rope(q, positions, model.rope), apply_rope(k, positions, model.rope)
         new_k.append(k)
         new_v.append(v)
-        full_k = k if past is None else torch.cat((past.k[layer], k))
-        full_v = v if past is None else torch.cat((past.v[layer], v))
-        attn = attend(q, full_k, full_v, positions, all_positions, model.attn_scale)
+        if attention is not None:
+            attn = attention(layer, q, positions, k, v)
+        else:
+            full_k = k if past is None else torch.cat((past.k[layer], k))
+            full_v = v if past is None else torch.cat((past.v[layer], v))
+            attn = attend(q, full_k, full_v, positions, all_positions, model.attn_scale)
         hidden = model.finish_layer(layer, hidden, attn)
     return KVStack(torch.stack(new_k), torch.stack(new_v)), hidden
 
 
-def segment_kv(model: LayerwiseModel, token_ids: torch.Tensor) -> KVStack:
+def segment_kv(model: LayerwiseModel, token_ids: torch.Tensor, attention: LayerAttention | None = None) -> KVStack:
     """The KV stored for a segment: computed alone, at positions 0..n-1."""
-    return prefill(model, token_ids)[0]
+    return prefill(model, token_ids, attention=attention)[0]
 
 
 def rerotated_segments(model: LayerwiseModel, cached: Sequence[KVStack | None], lengths: Sequence[int],
@@ -143,8 +158,12 @@ def blend(
     selection: Literal["topk", "random"] = "topk",
     deviation: Literal["k", "kv"] = "k",
     generator: torch.Generator | None = None,
+    attention: LayerAttention | None = None,
 ) -> BlendOutcome:
     """Blend cached segments after an exact prefix; see the module docstring.
+
+    ``attention`` replaces the reference attention (e.g. vLLM's kernel over the
+    paged cache); it gets the layer's whole blended K/V so far, fresh and cached.
 
     ``cached[i]`` is segment i's stored KV, or None when it is not cached: its tokens are then
     computed in full (never deselected). ``recompute_counts[i]`` cached tokens stay in the
@@ -179,9 +198,12 @@ def blend(
             active, q, hidden, pos = active[keep], q[keep], hidden[keep], pos[keep]
             if active.numel() == 0:
                 break
-        full_k = torch.cat((prefix_kv.k[layer], out_k[layer]))
-        full_v = torch.cat((prefix_kv.v[layer], out_v[layer]))
-        attn = attend(q, full_k, full_v, pos, all_positions, model.attn_scale)
+        if attention is not None:
+            attn = attention(layer, q, pos, out_k[layer], out_v[layer])
+        else:
+            full_k = torch.cat((prefix_kv.k[layer], out_k[layer]))
+            full_v = torch.cat((prefix_kv.v[layer], out_v[layer]))
+            attn = attend(q, full_k, full_v, pos, all_positions, model.attn_scale)
         hidden = model.finish_layer(layer, hidden, attn)
     return BlendOutcome(prefix_kv.cat(KVStack(out_k, out_v)), active)
 

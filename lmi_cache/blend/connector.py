@@ -221,7 +221,7 @@ class LmiBlendConnector(LmiCacheConnector):
         from lmi_cache.blend.worker_jobs import BlendWorker
 
         assert self._worker is not None and self._worker.layout is not None
-        names = list(kv_caches)
+        names = sorted(kv_caches, key=_layer_index)
         from lmi_cache.blend import vllm_plugin
 
         static = getattr(self._vllm_config.compilation_config, "static_forward_context", {}) or {}
@@ -235,7 +235,17 @@ class LmiBlendConnector(LmiCacheConnector):
         layerwise = VllmLayerwiseModel(model, _hf_config(self._vllm_config), str(self._vllm_config.model_config.model))
         block_size = int(self._vllm_config.cache_config.block_size)
         paged = PagedKV([kv_caches[n] for n in names], self._worker.layout, block_size)
-        self._blend_worker = BlendWorker(self._blend_settings, layerwise, paged, self._worker.rank_index)
+        paged_attention = None
+        if self._worker.layout.kind == "cpu":
+            from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
+
+            first_attn = model.model.layers[0].self_attn
+            paged_attention = CpuPagedAttention(
+                [kv_caches[n] for n in names], [static.get(n) for n in names], block_size,
+                int(first_attn.num_heads), int(first_attn.num_kv_heads), layerwise.head_dim, layerwise.attn_scale,
+            )
+        self._blend_worker = BlendWorker(self._blend_settings, layerwise, paged, self._worker.rank_index,
+                                         paged_attention)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
@@ -256,6 +266,15 @@ class LmiBlendConnector(LmiCacheConnector):
     @property
     def blend_worker(self) -> Any:
         return self._blend_worker
+
+
+def _layer_index(name: str) -> int:
+    """``model.layers.7.self_attn.attn`` -> 7 (registration order is not promised to be layer order)."""
+    parts = name.split(".")
+    for before, part in zip(parts, parts[1:]):
+        if before == "layers" and part.isdigit():
+            return int(part)
+    raise BlendConfigError(f"enable_blending: cannot tell the layer of KV cache {name!r}; turn blending off")
 
 
 def _set_salt(request: Any, salt: str | None) -> None:

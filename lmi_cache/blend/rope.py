@@ -84,10 +84,34 @@ class RopeSpec:
         return inv
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [T, head_dim] for integer ``positions`` of shape [T]."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq().to(positions.device)[None, :]
+        """cos and sin of shape [T, head_dim] for integer ``positions`` of shape [T].
+
+        Looked up in a per-spec table (the same float32 products, so the same values):
+        blending rotates every layer's K of every segment, and recomputing the
+        trigonometry each time cost more than the blend's matmuls.
+        """
+        if positions.numel() == 0:
+            empty = torch.empty((0, self.head_dim), dtype=dtype, device=positions.device)
+            return empty, empty
+        cos, sin = _table(self, int(positions.max()) + 1)
+        index = positions.to(torch.long).cpu()
+        return cos[index].to(device=positions.device, dtype=dtype), sin[index].to(device=positions.device, dtype=dtype)
+
+
+_TABLES: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
+_TABLE_MIN_POSITIONS = 4096
+
+
+def _table(spec: RopeSpec, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin [P, head_dim] for positions 0..P-1, P >= ``num_positions`` (grown by doubling)."""
+    table = _TABLES.get(spec)
+    if table is None or table[0].shape[0] < num_positions:
+        size = max(_TABLE_MIN_POSITIONS, num_positions, 2 * (table[0].shape[0] if table is not None else 0))
+        angles = torch.arange(size).to(torch.float32)[:, None] * spec.inv_freq()[None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        table = (angles.cos(), angles.sin())
+        _TABLES[spec] = table
+    return table
 
 
 def _llama3_inv_freq(inv: torch.Tensor, spec: RopeSpec) -> torch.Tensor:

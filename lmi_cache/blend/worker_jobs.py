@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from lmi_cache.blend.blender import KVStack, LayerwiseModel, blend, prefill, segment_kv
+from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
 from lmi_cache.blend.engine_io import load_segments, save_segment
 from lmi_cache.blend.jobs import BlendJob, SegmentStore
 from lmi_cache.blend.paged_kv import PagedKV
@@ -44,16 +45,20 @@ class BlendWorkerStats:
     num_segments_stored: int = 0
     num_segment_store_faults: int = 0
     blend_seconds: float = 0.0
+    blend_load_seconds: float = 0.0  # of blend_seconds: prefix read and segment loads
+    blend_write_seconds: float = 0.0  # of blend_seconds: writing every layer's KV into the paged cache
     store_seconds: float = 0.0
 
 
 class BlendWorker:
     """One rank's blending; ``model`` and ``paged`` are attached once the KV caches are registered."""
 
-    def __init__(self, settings: BlendSettings, model: LayerwiseModel, paged: PagedKV, rank_index: int) -> None:
+    def __init__(self, settings: BlendSettings, model: LayerwiseModel, paged: PagedKV, rank_index: int,
+                 paged_attention: CpuPagedAttention | None = None) -> None:
         self.settings = settings
         self.model = model
         self.paged = paged
+        self.paged_attention = paged_attention  # vLLM's CPU kernel; None: the reference attention
         self.rank_index = rank_index
         self.stats = BlendWorkerStats()
 
@@ -85,6 +90,7 @@ class BlendWorker:
         return KVStack(data[:, 0], data[:, 1])
 
     def _blend_one(self, job: BlendJob, engine: Any) -> None:
+        started = time.perf_counter()
         prefix_k, prefix_v = self.paged.read(job.block_ids, 0, job.prefix_tokens)
         prefix = KVStack(prefix_k, prefix_v)
         tokens = torch.tensor(job.token_ids, dtype=torch.long)
@@ -97,6 +103,7 @@ class BlendWorker:
             kv = self._check_segment(loaded[i], piece.end - piece.start) if i in loaded else None
             cached.append(None if kv is None else KVStack(kv.k.to(prefix.k.dtype), kv.v.to(prefix.v.dtype)))
         num_cached = sum(int(t.numel()) for t, c in zip(seg_tokens, cached) if c is not None)
+        self.stats.blend_load_seconds += time.perf_counter() - started
         if num_cached == 0:
             new_kv, _ = prefill(self.model, tokens, prefix)  # every cached segment went missing: a plain prefill
             recomputed = tokens.numel()
@@ -105,10 +112,21 @@ class BlendWorker:
             if job.recompute_ratios is not None:
                 settings = replace(settings, recompute_ratios=job.recompute_ratios)
             counts = settings.recompute_counts(num_cached)
-            outcome = blend(self.model, prefix, seg_tokens, cached, settings.check_layers, counts)
+            attention = None
+            if self.paged_attention is not None:
+                self.paged_attention.bind(job.block_ids)
+                attention = self.paged_attention.layer_attention(job.prefix_tokens)
+            outcome = blend(self.model, prefix, seg_tokens, cached, settings.check_layers, counts, attention=attention)
             new_kv = KVStack(outcome.kv.k[:, job.prefix_tokens :], outcome.kv.v[:, job.prefix_tokens :])
             recomputed = int(outcome.recomputed.numel())
-        self.paged.write(job.block_ids, job.prefix_tokens, new_kv.k, new_kv.v)
+        started = time.perf_counter()
+        if self.paged_attention is not None:
+            self.paged_attention.bind(job.block_ids)
+            for layer in range(new_kv.k.shape[0]):
+                self.paged_attention.write(layer, job.prefix_tokens, new_kv.k[layer], new_kv.v[layer])
+        else:
+            self.paged.write(job.block_ids, job.prefix_tokens, new_kv.k, new_kv.v)
+        self.stats.blend_write_seconds += time.perf_counter() - started
         self.stats.num_blended_tokens += num_cached
         self.stats.num_recomputed_tokens += recomputed
 
@@ -119,8 +137,11 @@ class BlendWorker:
             started = time.perf_counter()
             key = store.keys[self.rank_index]
             try:
+                attention = None
+                if self.paged_attention is not None:
+                    attention = self.paged_attention.scratch(len(store.token_ids)).layer_attention(0)
                 with torch.inference_mode():
-                    kv = segment_kv(self.model, torch.tensor(store.token_ids, dtype=torch.long))
+                    kv = segment_kv(self.model, torch.tensor(store.token_ids, dtype=torch.long), attention)
                 dtype = self.paged.layout.dtype
                 shape = (kv.k.shape[0], 2, *kv.k.shape[1:])
 

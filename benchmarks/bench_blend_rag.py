@@ -1,0 +1,186 @@
+"""RAG time-to-first-token on vLLM CPU: no cache vs prefix caching (vLLM's, ours) vs blending, in one run.
+
+A pool of documents; every prompt is [system prefix | k documents in random order
+and combination | question], documents and prefix each ending with the blend
+separator. Each configuration gets its own vLLM process (same model, same
+prompts, same seeds): a warm-up pass serves prompts that contain every pool
+document once (so the caches hold them), then each measured prompt is served
+alone with ``max_tokens=1`` and its wall time is its TTFT.
+
+Configurations: ``no_cache`` (no connector, vLLM prefix caching off),
+``vllm_prefix`` (vLLM's prefix cache), ``lmi_prefix`` (LmiCacheConnector,
+exact prefix chunks), ``blend`` (LmiBlendConnector at the configured ratio,
+vLLM's prefix cache on). The first generated token of every measured prompt is
+compared with ``no_cache`` (greedy agreement; a random-weight model, so only a
+sanity check of the blended KV, not a quality figure).
+
+    .venv/bin/python benchmarks/bench_blend_rag.py                 # 4 docs x 2,000 tokens, 32M model
+    .venv/bin/python benchmarks/bench_blend_rag.py --size 7m --doc-tokens 1000 --prompts 4
+
+Prints a table and writes JSON with --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("no_cache", "vllm_prefix", "lmi_prefix", "blend")
+
+
+def _child(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    os.environ.update(job["env"])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    if job["config"] == "blend":
+        from lmi_cache.blend import vllm_plugin
+
+        vllm_plugin.register()  # what the installed entry point does in every vLLM process
+    kwargs: dict[str, Any] = dict(model=job["model"], dtype="float32", enforce_eager=True, seed=0,
+                                  max_model_len=job["max_model_len"],
+                                  enable_prefix_caching=job["config"] in ("vllm_prefix", "blend"))
+    if job["config"] == "lmi_prefix":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LmiCacheConnector", kv_connector_module_path="lmi_cache.vllm_connector", kv_role="kv_both")
+    if job["config"] == "blend":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LmiBlendConnector", kv_connector_module_path="lmi_cache.blend.connector", kv_role="kv_both")
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    for tokens in job["warmup"]:  # fills the caches; the last one is a first blend, not timed
+        llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+    ttft, first = [], []
+    for tokens in job["prompts"]:
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        ttft.append(time.perf_counter() - t0)
+        first.append(out[0].outputs[0].token_ids[0])
+    stats: dict[str, Any] = {}
+    if job["config"] == "blend":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        stats = dict(vars(get_kv_transfer_group().blend_worker.stats))
+    sys.stdout.write("RESULT_JSON:" + json.dumps({"ttft_s": ttft, "first_tokens": first, "blend_stats": stats}) + "\n")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _separator(model: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model)).encode(" # # ", add_special_tokens=False)
+
+
+def _build(args: argparse.Namespace, sep: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(args.seed)
+    vocab = [t for t in range(10, 4000) if t not in sep]
+    doc = lambda n: [rng.choice(vocab) for _ in range(n)] + sep  # noqa: E731
+    system = doc(args.system_tokens)
+    pool = [doc(args.doc_tokens) for _ in range(args.pool)]
+    question = lambda: [rng.choice(vocab) for _ in range(args.question_tokens)]  # noqa: E731
+    # Warm-up: every pool document appears once (in pool order, k per prompt), then one untimed
+    # prompt like the measured ones (first-call costs: kernels, tables, allocations).
+    warmup = [system + sum(pool[i : i + args.docs], []) + question() for i in range(0, args.pool, args.docs)]
+    warmup.append(system + sum((pool[i] for i in rng.sample(range(args.pool), args.docs)), []) + question())
+    prompts = []
+    for _ in range(args.prompts):
+        chosen = rng.sample(range(args.pool), args.docs)  # random combination, random order
+        prompts.append(system + sum((pool[i] for i in chosen), []) + question())
+    return warmup, prompts
+
+
+def _run(config: str, args: argparse.Namespace, model: Path, warmup: list[list[int]], prompts: list[list[int]],
+         work: Path) -> dict[str, Any]:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_RPC_BASE_PATH": str(work),
+           "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "true", "LMCACHE_MAX_LOCAL_CPU_SIZE": "2",
+           "LMCACHE_ENABLE_BLENDING": "true" if config == "blend" else "false"}
+    if args.ratio is not None:
+        env["LMCACHE_BLEND_RECOMPUTE_RATIOS"] = str(args.ratio)
+    job = {"config": config, "model": str(model), "env": env, "warmup": warmup, "prompts": prompts,
+           "max_model_len": max(len(p) for p in warmup + prompts) + 16}
+    job_path = work / f"{config}.json"
+    job_path.write_text(json.dumps(job))
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), child_env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, __file__, "--child", str(job_path)], env=child_env, cwd=work,
+                          capture_output=True, text=True, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT_JSON:"):
+            return json.loads(line.removeprefix("RESULT_JSON:"))
+    raise SystemExit(f"{config}: vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="32m", choices=("7m", "32m"), help="tiny random model (4 or 8 layers)")
+    parser.add_argument("--docs", type=int, default=4, help="documents per prompt")
+    parser.add_argument("--doc-tokens", type=int, default=2000)
+    parser.add_argument("--pool", type=int, default=8, help="documents in the pool")
+    parser.add_argument("--prompts", type=int, default=6, help="measured prompts per configuration")
+    parser.add_argument("--system-tokens", type=int, default=64)
+    parser.add_argument("--question-tokens", type=int, default=32)
+    parser.add_argument("--ratio", type=float, default=None, help="blend recompute ratio (default: the setting's 0.15)")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=2, help="times each configuration is started (rotating)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child)
+        return
+    from lmi_cache.devtools.tiny_model import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="bench-blend-rag-"))
+    model = make_tiny_model(Path(os.environ.get("LMI_CACHE_BENCH_MODEL_DIR", str(work / f"tiny-{args.size}"))), args.size)
+    warmup, prompts = _build(args, _separator(model))
+    results: dict[str, Any] = {}
+    # Rounds rotate through the configurations, so load from other processes on a shared
+    # machine spreads over all of them instead of biasing one.
+    for round_number in range(args.rounds):
+        for config in args.configs.split(","):
+            res = _run(config, args, model, warmup, prompts, work)
+            print(f"round {round_number} {config}: TTFT {[round(t, 3) for t in res['ttft_s']]} s", flush=True)
+            if res.get("blend_stats"):
+                print(f"  blend worker: {res['blend_stats']}", flush=True)
+            merged = results.setdefault(config, {"ttft_s": [], "first_tokens": [], "blend_stats": []})
+            merged["ttft_s"] += res["ttft_s"]
+            merged["first_tokens"] += res["first_tokens"]
+            merged["blend_stats"].append(res.get("blend_stats"))
+    base = results.get("no_cache")
+    print(f"\n{args.size} model, {args.prompts} prompts x {args.rounds} rounds, {len(prompts[0])} tokens each "
+          f"([{args.system_tokens} system | {args.docs} x {args.doc_tokens} docs | {args.question_tokens} question]), "
+          f"pool {args.pool}\n")
+    print("| configuration | median TTFT (s) | mean TTFT (s) | speed-up vs no cache | first token = no cache |")
+    print("|---|---|---|---|---|")
+    for config, res in results.items():
+        med = statistics.median(res["ttft_s"])
+        speedup = f"{statistics.median(base['ttft_s']) / med:.2f}x" if base else "-"
+        agree = (f"{sum(a == b for a, b in zip(res['first_tokens'], base['first_tokens']))}/{len(res['first_tokens'])}"
+                 if base else "-")
+        print(f"| {config} | {med:.3f} | {statistics.mean(res['ttft_s']):.3f} | {speedup} | {agree} |")
+    if "blend" in results:
+        blend_med = statistics.median(results["blend"]["ttft_s"])
+        for other in ("vllm_prefix", "lmi_prefix"):
+            if other in results:
+                print(f"\nblend vs {other}: {statistics.median(results[other]['ttft_s']) / blend_med:.2f}x lower TTFT")
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
+                                        "results": results}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

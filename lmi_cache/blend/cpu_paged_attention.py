@@ -1,0 +1,117 @@
+"""Blend attention through vLLM's own CPU attention kernel, over the request's paged blocks (vLLM worker process).
+
+The blender's reference attention (``attention.attend``, torch SDPA with an
+explicit causal mask) is several times slower than vLLM's CPU kernel on long
+prompts, and the layers before the first check layer attend every blended
+token to everything before it: with SDPA the blend would cost about as much as
+the prefill it replaces. Here each layer's K/V of the blended tokens is first
+written into the request's paged blocks (``cpu_attn_reshape_and_cache``, the
+op vLLM itself uses), then the queries attend with ``cpu_attention_with_kv_cache``:
+each run of consecutive query positions is one "request" of the kernel whose
+sequence ends at the run's last position, all sharing the prompt's block table,
+so scattered recomputed tokens cost what decoding them would.
+
+CPU only (layout kind ``cpu``); other devices use the reference attention.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def _runs(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query start offsets [R+1] and sequence lengths [R] of the runs of consecutive ``positions`` (ascending)."""
+    breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+    starts = torch.cat((torch.zeros(1, dtype=torch.long), breaks))
+    ends = torch.cat((breaks, torch.tensor([positions.numel()])))
+    seq_lens = positions[ends - 1] + 1
+    query_start_loc = torch.cat((starts, ends[-1:]))
+    return query_start_loc.to(torch.int32), seq_lens.to(torch.int32)
+
+
+class CpuPagedAttention:
+    """Per-layer write + attend over one rank's CPU paged KV cache."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], attn_layers: Sequence[Any], block_size: int,
+                 num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        self._ops = ops
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for cache in kv_caches:
+            nb, h, n, _ = cache.shape
+            key_cache, value_cache = cache.view(nb, h, 2 * n, -1).chunk(2, dim=2)
+            self._caches.append((key_cache, value_cache))
+        self.block_size = block_size
+        self._num_heads, self._num_kv_heads, self._head_dim = num_heads, num_kv_heads, head_dim
+        self._scale = scale
+        self._dtype = kv_caches[0].dtype
+        first = attn_layers[0]
+        impl = getattr(first, "impl", None)
+        self._kv_cache_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
+        self._isa = getattr(first, "isa", None) or _get_attn_isa(self._dtype, block_size, head_dim, self._kv_cache_dtype)
+        self._block_table: torch.Tensor | None = None
+        self._block_ids: tuple[int, ...] = ()
+
+    def scratch(self, num_tokens: int) -> "CpuPagedAttention":
+        """The same kernel over private blocks for ``num_tokens`` tokens (a segment computed alone), bound."""
+        num_blocks = -(-num_tokens // self.block_size)
+        shape = (num_blocks, self._num_kv_heads, self.block_size, 2 * self._head_dim)
+        caches = [torch.empty(shape, dtype=self._dtype) for _ in self._caches]
+        other = CpuPagedAttention.__new__(CpuPagedAttention)
+        other.__dict__.update(self.__dict__)
+        other._caches = [tuple(c.view(num_blocks, self._num_kv_heads, 2 * self.block_size, -1).chunk(2, dim=2))
+                         for c in caches]  # type: ignore[misc]
+        other._scratch_caches = caches  # keeps the storage alive
+        other.bind(range(num_blocks))
+        return other
+
+    def bind(self, block_ids: Sequence[int]) -> None:
+        """The request whose blocks the following calls read and write."""
+        self._block_ids = tuple(block_ids)
+        self._block_table = torch.tensor(self._block_ids, dtype=torch.int32)
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V [T, H_kv, D] as the request's tokens [start, start + T) of ``layer``."""
+        positions = torch.arange(start, start + k.shape[0])
+        blocks = torch.tensor(self._block_ids, dtype=torch.long)[positions // self.block_size]
+        slots = blocks * self.block_size + positions % self.block_size
+        key_cache, value_cache = self._caches[layer]
+        self._ops.cpu_attn_reshape_and_cache(
+            k.to(self._dtype).contiguous(), v.to(self._dtype).contiguous(), key_cache, value_cache, slots, self._isa,
+            kv_cache_dtype=self._kv_cache_dtype,
+        )
+
+    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention [Tq, H*D] of queries q [Tq, H, D] at ascending ``positions`` over the paged tokens before them."""
+        assert self._block_table is not None, "bind() the request first"
+        query_start_loc, seq_lens = _runs(positions)
+        num_runs = int(seq_lens.numel())
+        block_table = self._block_table.expand(num_runs, -1).contiguous()
+        metadata = self._ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=num_runs, num_heads=self._num_heads, num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
+            seq_lens=seq_lens, dtype=self._dtype, query_start_loc=query_start_loc, causal=True,
+            sliding_window_size=-1, isa=self._isa, enable_kv_split=False, kv_cache_dtype=self._kv_cache_dtype,
+        )
+        out = torch.empty((q.shape[0], self._num_heads, self._head_dim), dtype=self._dtype)
+        key_cache, value_cache = self._caches[layer]
+        self._ops.cpu_attention_with_kv_cache(
+            query=q.to(self._dtype).contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self._scale, causal=True, alibi_slopes=None,
+            sliding_window=-1, block_table=block_table, softcap=0.0, scheduler_metadata=metadata, s_aux=None,
+            kv_cache_dtype=self._kv_cache_dtype,
+        )
+        return out.reshape(q.shape[0], -1)
+
+    def layer_attention(self, start: int) -> Any:
+        """The blender's attention hook for a request bound with ``bind`` whose blended tokens start at ``start``."""
+
+        def attention(layer: int, q: torch.Tensor, positions: torch.Tensor, k_blended: torch.Tensor,
+                      v_blended: torch.Tensor) -> torch.Tensor:
+            self.write(layer, start, k_blended, v_blended)
+            return self.attend(layer, q, positions)
+
+        return attention

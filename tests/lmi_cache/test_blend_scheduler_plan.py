@@ -1,0 +1,165 @@
+"""BlendScheduler: which requests blend, what the workers are asked to do (no vLLM, plain fakes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from lmi_cache.blend.jobs import BlendConnectorMetadata
+from lmi_cache.blend.scheduler_plan import BlendRequestError, BlendScheduler, explicit_split
+from lmi_cache.blend.segments import Span
+from lmi_cache.blend.settings import BlendSettings
+from lmi_cache.chunk_hashing import ChunkKey
+
+SEP = (9, 9)
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    lora_request: Any = None
+
+
+@dataclass
+class NewReq:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass
+class Cached:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Output:
+    scheduled_new_reqs: list[NewReq]
+    scheduled_cached_reqs: Cached = field(default_factory=Cached)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+
+def _key(tokens: Any, rank: int, layout: str, lora: Any, salt: Any) -> ChunkKey:
+    digest = hash((tuple(tokens), rank, layout, lora, salt)).to_bytes(16, "little", signed=True)
+    return ChunkKey(digest, 0, len(tokens), 1)
+
+
+def _scheduler(**settings: Any) -> BlendScheduler:
+    return BlendScheduler(BlendSettings(enabled=True, min_tokens=4, **settings), SEP, 2, _key)
+
+
+def _doc(value: int, n: int = 10) -> list[int]:
+    return [value] * n + list(SEP)
+
+
+PROMPT = _doc(1) + _doc(2) + _doc(3) + [5, 6, 7]
+
+
+def _hold_all(sched: BlendScheduler, req: FakeRequest) -> None:
+    state = sched.state(req.request_id)
+    assert state is not None
+    sched.update_from_workers([k.digest for keys in state.segment_keys for k in keys], [])
+
+
+def test_a_cold_request_is_not_blended_and_stores_each_segment_once() -> None:
+    sched = _scheduler()
+    a, b = FakeRequest("a", PROMPT), FakeRequest("b", PROMPT)
+    assert sched.plan(a, 0, 0, "L") is None and sched.plan(b, 0, 0, "L") is None
+    meta = BlendConnectorMetadata()
+    sched.take_jobs(Output([NewReq("a", ([1, 2],)), NewReq("b", ([3, 4],))]), meta)
+    assert not meta.blends
+    assert [len(s.token_ids) for s in meta.segment_stores] == [12, 12, 12]  # one per segment, not per request
+    assert all(len(s.keys) == 2 for s in meta.segment_stores)  # one key per rank
+
+
+def test_cached_segments_blend_up_to_the_tail() -> None:
+    sched = _scheduler()
+    req = FakeRequest("a", PROMPT)
+    sched.plan(req, 0, 0, "L")
+    _hold_all(sched, req)
+    assert sched.plan(req, 0, 0, "L") == 36  # every segment; the 3-token question is prefilled
+    sched.confirm("a", 36)
+    meta = BlendConnectorMetadata()
+    sched.take_jobs(Output([NewReq("a", ([5, 6, 7],))]), meta)
+    (job,) = meta.blends
+    assert job.prefix_tokens == 0 and job.end == 36 and job.block_ids == (5, 6, 7)
+    assert [(p.start, p.end, p.keys is not None) for p in job.pieces] == [(0, 12, True), (12, 24, True), (24, 36, True)]
+    assert not meta.segment_stores
+
+
+def test_vllm_prefix_hit_cuts_a_segment_which_is_then_computed() -> None:
+    sched = _scheduler()
+    req = FakeRequest("a", PROMPT)
+    sched.plan(req, 0, 0, "L")
+    _hold_all(sched, req)
+    assert sched.plan(req, 8, 8, "L") == 28
+    sched.confirm("a", 28)
+    meta = BlendConnectorMetadata()
+    sched.take_jobs(Output([NewReq("a", ([5, 6, 7],))]), meta)
+    assert [(p.start, p.end, p.keys is not None) for p in meta.blends[0].pieces] == [
+        (8, 12, False), (12, 24, True), (24, 36, True)]
+
+
+def test_the_prefix_path_wins_when_it_reaches_as_far() -> None:
+    sched = _scheduler()
+    req = FakeRequest("a", PROMPT)
+    sched.plan(req, 0, 0, "L")
+    _hold_all(sched, req)
+    assert sched.plan(req, 0, 36, "L") is None
+
+
+def test_opt_out_salt_and_min_tokens() -> None:
+    sched = _scheduler()
+    req = FakeRequest("a", PROMPT, kv_transfer_params={"blend": False})
+    sched.plan(req, 0, 0, "L")
+    _hold_all(sched, req)
+    assert sched.plan(req, 0, 0, "L") is None
+    # Another tenant's salt keys other segments: nothing is held for it.
+    assert sched.plan(FakeRequest("b", PROMPT, cache_salt="t2"), 0, 0, "L") is None
+    strict = BlendScheduler(BlendSettings(enabled=True, min_tokens=100), SEP, 1, _key)
+    req = FakeRequest("c", PROMPT)
+    strict.plan(req, 0, 0, "L")
+    _hold_all(strict, req)
+    assert strict.plan(req, 0, 0, "L") is None
+
+
+def test_a_different_admitted_hit_drops_the_blend() -> None:
+    sched = _scheduler()
+    req = FakeRequest("a", PROMPT)
+    sched.plan(req, 0, 0, "L")
+    _hold_all(sched, req)
+    sched.plan(req, 0, 0, "L")
+    sched.confirm("a", 12)
+    meta = BlendConnectorMetadata()
+    sched.take_jobs(Output([NewReq("a", ([5],))]), meta)
+    assert not meta.blends
+
+
+def test_per_request_ratios_travel_with_the_job() -> None:
+    sched = _scheduler()
+    req = FakeRequest("a", PROMPT, kv_transfer_params={"blend_recompute_ratios": [1.0]})
+    sched.plan(req, 0, 0, "L")
+    _hold_all(sched, req)
+    sched.confirm("a", sched.plan(req, 0, 0, "L") or 0)
+    meta = BlendConnectorMetadata()
+    sched.take_jobs(Output([NewReq("a", ([5, 6, 7],))]), meta)
+    assert meta.blends[0].recompute_ratios == (1.0,)
+
+
+def test_explicit_segment_ends() -> None:
+    split = explicit_split([12, 30], 40)
+    assert split.segments == (Span(0, 12), Span(12, 30)) and split.tail == Span(30, 40)
+    for bad in ([], [0], [12, 12], [50], "12", [True]):
+        with pytest.raises(BlendRequestError, match="blend_segment_ends"):
+            explicit_split(bad, 40)
+    sched = _scheduler()
+    req = FakeRequest("a", [1] * 40, kv_transfer_params={"blend_segment_ends": [12, 30]})
+    assert sched.plan(req, 0, 0, "L") is None
+    assert [(s.start, s.end) for s in sched.state("a").split.segments] == [(0, 12), (12, 30)]  # type: ignore[union-attr]
+    assert sched.plan(FakeRequest("b", [1] * 40, kv_transfer_params={"blend_segment_ends": [50]}), 0, 0, "L") is None
+    assert sched.stats.num_bad_requests == 1

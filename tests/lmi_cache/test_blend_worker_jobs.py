@@ -1,0 +1,96 @@
+"""BlendWorker over a tiny HF Llama and CPU paged tensors: stores, blends, faults (no vLLM engine)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from blend_models import tiny_model
+
+from lmi_cache.blend.blender import prefill
+from lmi_cache.blend.hf_adapter import HFLayerwiseModel
+from lmi_cache.blend.jobs import BlendJob, BlendPiece, SegmentStore
+from lmi_cache.blend.paged_kv import PagedKV
+from lmi_cache.blend.settings import BlendSettings
+from lmi_cache.blend.vllm_plugin import loaded_model, register, remember_model
+from lmi_cache.blend.worker_jobs import BlendWorker
+from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.transfer.layouts import ExpectedGeometry, describe_kv_caches
+
+N = 16
+
+
+class DictEngine:
+    """The two engine verbs blending uses, over a dict (older verb names, as engine_io also accepts)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[bytes, torch.Tensor] = {}
+
+    def store_from(self, key: ChunkKey, shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> bool:
+        out = torch.empty(shape, dtype=dtype)
+        fill(out)
+        self.objects[key.digest] = out
+        return True
+
+    def retrieve(self, key: ChunkKey, out: Any = None) -> torch.Tensor | None:
+        found = self.objects.get(key.digest)
+        return None if found is None else found.clone()
+
+
+def _worker(ratio: float) -> tuple[BlendWorker, HFLayerwiseModel, list[torch.Tensor]]:
+    hf = tiny_model("llama")
+    model = HFLayerwiseModel(hf)
+    kv_heads, head_dim = hf.config.num_key_value_heads, model.head_dim
+    layers = [torch.zeros(32, kv_heads, N, 2 * head_dim) for _ in range(model.num_layers)]
+    layout = describe_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)},
+                                ExpectedGeometry(block_size_tokens=N, num_kv_heads=kv_heads, head_size=head_dim))
+    settings = BlendSettings(enabled=True, recompute_ratios=(ratio,), min_tokens=0)
+    return BlendWorker(settings, model, PagedKV(layers, layout, N), rank_index=0), model, layers
+
+
+def _key(n: int, tag: int) -> ChunkKey:
+    return ChunkKey(bytes([tag]) * 16, 0, n, tag)
+
+
+def test_ratio_one_blend_equals_a_prefill_and_a_lost_segment_is_recomputed() -> None:
+    worker, model, _ = _worker(1.0)
+    engine = DictEngine()
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 256, (20,), generator=gen)
+    seg_a, seg_b = torch.randint(0, 256, (30,), generator=gen), torch.randint(0, 256, (25,), generator=gen)
+    worker.run_stores([SegmentStore("r", tuple(seg_a.tolist()), (_key(30, 1),)),
+                       SegmentStore("r", tuple(seg_b.tolist()), (_key(25, 2),))], engine)
+    assert worker.stats.num_segments_stored == 2
+    block_ids = tuple(range(3, 3 + 6))
+    with torch.inference_mode():
+        prefix_kv, _ = prefill(model, prefix)
+        want, _ = prefill(model, torch.cat((seg_b, seg_a)), prefix_kv)
+    worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
+    del engine.objects[bytes([1]) * 16]  # segment a evicted behind the scheduler's back
+    job = BlendJob("r", 20, tuple(torch.cat((seg_b, seg_a)).tolist()),
+                   (BlendPiece(20, 45, (_key(25, 2),)), BlendPiece(45, 75, (_key(30, 1),))), block_ids)
+    assert worker.run_blends([job], engine) == set()
+    assert worker.stats.num_segments_loaded == 1 and worker.stats.num_segment_misses == 1
+    got_k, got_v = worker.paged.read(block_ids, 20, 75)
+    torch.testing.assert_close(got_k, want.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_v, want.v, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_blend_reports_its_blocks_for_recompute() -> None:
+    worker, _, _ = _worker(0.15)
+    job = BlendJob("r", 16, tuple(range(40)), (BlendPiece(16, 56, (_key(40, 3),)),), (1, 2))  # blocks too few
+    failed = worker.run_blends([job], DictEngine())
+    assert failed == {2} and worker.stats.num_blend_faults == 1
+
+
+def test_plugin_remembers_the_model_weakly_and_wraps_once() -> None:
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    register()
+    wrapped = BaseModelLoader.load_model
+    register()
+    assert BaseModelLoader.load_model is wrapped
+    module = torch.nn.Linear(2, 2)
+    remember_model(module)
+    assert loaded_model() is module
+    del module
+    assert loaded_model() is None
