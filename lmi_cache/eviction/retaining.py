@@ -33,9 +33,29 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from itertools import chain
 
+from lmi_cache.errors import ConfigError
 from lmi_cache.eviction.base import EvictionPolicy
 
 SizeOf = Callable[[Hashable], "int | None"]
+
+# extra_config.session_retention_share when not set (the planner writes it too): half the CPU tier
+# for open sessions leaves the other half to LRU for everything else.
+DEFAULT_RETENTION_SHARE = 0.5
+
+
+def parse_retention_share(value: object, where: str) -> float:
+    """``extra_config.session_retention_share``: a number from 0 (off) to 1 (the whole CPU tier)."""
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str) and len(value) <= 40:
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None or not 0.0 <= number <= 1.0:  # NaN fails the comparison too
+        raise ConfigError(f"{where}: expected a share of the CPU tier from 0 (off) to 1, e.g. 0.5; got {value!r:.60}")
+    return number
 
 
 class RetentionBook:
