@@ -28,6 +28,9 @@ The serving verbs (the vLLM connector uses exactly these):
 - ``drain_events() -> (stored, removed)``: digests newly held by some local
   tier and digests no longer held by any since the last call (for the
   scheduler's index; a hint, since loads stay verified).
+- ``retain(session, digests)`` / ``release(session)``: while a stateful
+  session is open its chunks (held now or saved later) are evicted last, within
+  ``extra_config.session_retention_share`` of the CPU tier (``eviction.retaining``).
 - ``flush(timeout_s)``, ``clear()``, ``stats()``, ``close()``, ``metrics``,
   ``tiers``.
 
@@ -80,8 +83,11 @@ class CacheEngine:
         self._stored_events: list[bytes] = []
         self._removed_events: list[bytes] = []
         self._closed = False
-        # Warm free buffers: enough for a few steps of saves and loads, never more than the CPU tier.
-        pool_bytes = min(256 << 20, max(config.cpu_capacity_bytes // 4, 32 << 20))
+        # Warm free buffers (a fresh 4 MiB buffer costs ~1,000 page faults on vLLM's critical path):
+        # at most 256 MiB, about a full disk write queue of 4 MiB chunks; with a CPU tier, at most a
+        # quarter of it (most buffers then live in the tier anyway).
+        cpu_bytes = config.cpu_capacity_bytes
+        pool_bytes = 256 << 20 if cpu_bytes <= 0 else min(256 << 20, max(cpu_bytes // 4, 32 << 20))
         self.allocator = HostAllocator(page_locked=page_locked, pool_limit_bytes=pool_bytes)
         self.tiers: list[Tier] = []
         context = TierContext(rank_label, self.metrics, self._warner, self.allocator, self._on_evict, self._on_removed)
@@ -176,6 +182,15 @@ class CacheEngine:
                 promoted = True
         if promoted and not held_before:
             self._event(self._stored_events, obj.key.digest)
+
+    # ------------------------------------------------------------ session retention
+    def retain(self, session: str, digests: Sequence[bytes]) -> None:
+        for tier in self.tiers:
+            tier.retain(session, digests)
+
+    def release(self, session: str) -> None:
+        for tier in self.tiers:
+            tier.release(session)
 
     # ------------------------------------------------------------ events
     def _on_evict(self, obj: ChunkObject) -> None:

@@ -16,6 +16,11 @@ from typing import Any
 import pytest
 from e2e_support import DOCS, PARTIAL, PREEMPT, PREEMPT_MAX_TOKENS, SALTED, cache_env, gen_phase, prompts, run_job
 
+# The end-to-end jobs inherit this: they run the native copy kernels (a start-up error if they
+# cannot load), so CI proves the production path; the kernel unit tests compare native and torch.
+# LMI_CACHE_KERNELS=torch in the environment runs the same suite on the torch path.
+os.environ.setdefault("LMI_CACHE_KERNELS", "native")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     here = Path(__file__).parent

@@ -48,6 +48,8 @@ def _counters(llm: Any) -> dict[str, Any]:
         counters.update({f"worker.{k}": v for k, v in vars(side.stats).items()})
         if side.layout is not None:
             counters["worker.layout_tag"] = side.layout.tag
+        if side.copier is not None:
+            counters["worker.kernels"] = side.copier.backend
         engine_stats = getattr(side.engine, "stats", None)
         if callable(engine_stats):
             counters.update({f"engine.{k}": v for k, v in engine_stats().items() if isinstance(v, (int, float))})

@@ -1,6 +1,7 @@
 """LmiCacheConnector on real vLLM (CPU, float32): identical outputs cold and warm, real hits."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from e2e_support import (
@@ -57,6 +58,11 @@ def test_different_cache_salts_never_share(baseline: dict[str, Any], connector_r
 def test_layout_tag_reported_by_worker(connector_run: dict[str, Any]) -> None:
     tag = phase(connector_run, "cold")["counters"]["worker.layout_tag"]
     assert tag.startswith("cpu.") and tag.endswith("float32")
+
+
+def test_jobs_copy_with_the_kernels_the_environment_asks_for(connector_run: dict[str, Any]) -> None:
+    # conftest sets LMI_CACHE_KERNELS=native unless the caller chose: CI exercises the native kernels.
+    assert phase(connector_run, "cold")["counters"]["worker.kernels"] == os.environ["LMI_CACHE_KERNELS"]
 
 
 def test_save_cost_is_small(connector_run: dict[str, Any]) -> None:
