@@ -40,7 +40,7 @@ MODEL_OPTION = "model_id"
 LMCACHE_OPTIONS = frozenset({
     "lmcache_auto_config", "lmcache_config_file", "lmcache_max_local_cpu_size",
     "lmcache_max_local_disk_size", "lmcache_local_disk", "lmcache_chunk_size", "lmcache_use_odirect",
-    "lmcache_engine", "lmcache_remote_url",
+    "lmcache_engine", "lmcache_remote_url", "lmcache_session_retention_share",
 })
 
 # vLLM arguments that serve controls itself: a user value would break the

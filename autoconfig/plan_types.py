@@ -82,6 +82,12 @@ class CpuTierPlan:
     bytes_per_rank: int  # what LMCache will allocate per rank (GiB rounded down to 0.01)
     capacity_tokens: int  # per rank, whole chunks only
     fit_bytes_per_rank: int  # the most that fits per rank, before rounding/override
+    # Share of the tier where open stateful sessions' chunks are evicted last (0: no session retention).
+    session_retention_share: float = 0.0
+
+    @property
+    def session_retention_bytes_per_rank(self) -> int:
+        return int(self.bytes_per_rank * self.session_retention_share)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +95,8 @@ class CpuTierPlan:
             "bytes_per_rank": self.bytes_per_rank,
             "capacity_tokens": self.capacity_tokens,
             "fit_bytes_per_rank": self.fit_bytes_per_rank,
+            "session_retention_share": self.session_retention_share,
+            "session_retention_bytes_per_rank": self.session_retention_bytes_per_rank,
         }
 
 

@@ -11,6 +11,8 @@ came from. Tier overrides the planner honours (per rank, LMCache semantics):
 - ``option.lmcache_local_disk``          disk tier directory (path or file:// URL)
 - ``option.lmcache_chunk_size``          tokens per chunk (multiple of vLLM's block size)
 - ``option.lmcache_use_odirect``         true/false: O_DIRECT for the disk tier
+- ``option.lmcache_session_retention_share`` 0 to 1: share of the CPU tier where open stateful
+  sessions' chunks are evicted last (0 turns it off; default 0.5)
 - ``option.lmcache_remote_url``          the fleet's shared store: redis://, rediss://, valkey://,
   valkeys://, unix:// or s3://bucket/prefix (the remote tier behind CPU and disk)
 - ``option.lmcache_engine``              ``lmi_cache`` (default) or ``lmcache`` (upstream
@@ -162,6 +164,7 @@ def resolve_properties(
             chunk_size=get.value("lmcache_chunk_size", _positive_int, None),
             use_odirect=get.value("lmcache_use_odirect", parse_bool, None),
             remote_url=_remote_url(options),
+            session_retention_share=get.value("lmcache_session_retention_share", _share, None),
         ),
     )
     auto = get.value("lmcache_auto_config", parse_bool, False)
@@ -252,6 +255,16 @@ def _fraction(value: str) -> float:
         raise ValueError("must be a number in (0, 1]") from None
     if not 0 < number <= 1:
         raise ValueError("must be a number in (0, 1]")
+    return number
+
+
+def _share(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError("must be a number from 0 to 1") from None
+    if not 0 <= number <= 1:
+        raise ValueError("must be a number from 0 to 1")
     return number
 
 

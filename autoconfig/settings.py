@@ -23,6 +23,7 @@ class TierOverrides:
     chunk_size: int | None = None  # tokens per chunk
     use_odirect: bool | None = None
     remote_url: str | None = None  # the fleet's shared store (LMCache remote_url): redis/valkey/unix/s3
+    session_retention_share: float | None = None  # CPU-tier share kept for open stateful sessions; 0: off
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ def lmcache_dict(plan: "TierPlan") -> dict[str, Any]:
     if plan.remote_url:
         data["remote_url"] = plan.remote_url
     data["extra_config"] = {"use_odirect": bool(plan.disk.enabled and plan.disk.use_odirect)}
+    if plan.engine == "lmi_cache" and plan.cpu.enabled:  # explicit even when 0: the engine's default is on
+        data["extra_config"]["session_retention_share"] = plan.cpu.session_retention_share
     return data
 
 

@@ -35,6 +35,7 @@ def format_plan(plan: "TierPlan", host_label: str) -> str:
         ("Disk tier / rank", _tier(plan.disk.enabled, plan.disk.bytes_per_rank, plan.disk.capacity_tokens,
                                    plan.disk.path),
          "n/a (no /tmp)" if ref.disk_gib_per_rank is None else f"{ref.disk_gib_per_rank} GiB at {ref.disk_path}"),
+        ("Session retention", _retention(plan), "none"),
         ("Remote tier", _remote(plan), "none"),
         ("O_DIRECT", "yes" if plan.disk.enabled and plan.disk.use_odirect else "no", "always yes"),
         ("Chunk size", f"{plan.chunk_size} tokens (block {gpu.block_size})", "LMCache default (256)"),
@@ -57,6 +58,13 @@ def format_plan(plan: "TierPlan", host_label: str) -> str:
         lines += ["", "Warnings:"]
         lines += [f"  ! {w}" for w in plan.warnings]
     return "\n".join(lines) + "\n"
+
+
+def _retention(plan: "TierPlan") -> str:
+    cpu = plan.cpu
+    if not cpu.session_retention_share:
+        return "off"
+    return f"up to {_gib(cpu.session_retention_bytes_per_rank)} of the CPU tier (share {cpu.session_retention_share})"
 
 
 def _remote(plan: "TierPlan") -> str:
