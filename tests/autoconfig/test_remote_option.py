@@ -46,6 +46,12 @@ def test_remote_url_is_rendered_explained_and_probed(tmp_path: Path, redis_serve
     assert plan_json["tiers"]["remote"]["chunk_bytes_per_rank"] == 131072 * 256
     # vLLM never sees the option.
     assert not any("remote" in a for a in json.loads((out / "vllm_args.json").read_text()))
+    # Batched remote loads keep freed memory: the server's environment says so (and only with a remote tier).
+    env = json.loads((out / "env.json").read_text())
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "67108864" and env["MALLOC_TRIM_THRESHOLD_"] == "268435456"
+    (tmp_path / "plain").mkdir()
+    plain = configure(_model_dir(tmp_path / "plain", AUTO), tmp_path / "plain-out", {}, host=HOST)
+    assert plain.plan is not None and "MALLOC_MMAP_THRESHOLD_" not in plain.plan.env
 
 
 def test_a_store_that_does_not_answer_warns_and_the_start_goes_on(tmp_path: Path) -> None:

@@ -209,6 +209,26 @@ def test_cuda_copier_moves_exact_blocks_through_side_streams(kind: str) -> None:
         assert int(block_of(dst[layer_idx], kind, 5).abs().sum()) == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here; scripts/gpu_check.sh runs this on a GPU")
+def test_cuda_batched_copies_from_page_locked_memory() -> None:
+    src_cpu = make_layers("flash_nhd", 13)
+    src = [t.cuda() for t in src_cpu]
+    desc = describe_kv_caches({f"l{i}": t for i, t in enumerate(src)}, GEO)
+    copier = PagedChunkCopier(src, desc, 2)
+    outs = [torch.empty(copier.chunk_shape, pin_memory=True) for _ in range(3)]  # as the host allocator gives
+    copier.gather_many([[1, 2], [7, 3], [11, 0]], outs)
+    reference = copier_for(src_cpu, 2)
+    assert all(torch.equal(o, reference.gather_chunk(ids)) for o, ids in zip(outs, ([1, 2], [7, 3], [11, 0])))
+    dst = [torch.zeros_like(t) for t in src]
+    event = PagedChunkCopier(dst, desc, 2).scatter_many(outs, [[4, 5], [6], [8, 9]], [0, 1, 0])
+    assert event is not None
+    event.synchronize()  # what the worker waits for before it releases the host buffers
+    torch.cuda.current_stream().synchronize()
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(dst[layer][:, 4], src[layer][:, 1]) and torch.equal(dst[layer][:, 6], src[layer][:, 3])
+        assert torch.equal(dst[layer][:, 9], src[layer][:, 0])
+
+
 def test_scatter_accepts_a_non_contiguous_chunk_buffer() -> None:
     src = make_layers("flash_nhd", 12)
     copier = copier_for(src, 2)
