@@ -11,7 +11,8 @@ entry costs time, never correctness.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+
+from lmi_cache.chunk_hashing import ChunkKey
 
 # Saves issued but not yet confirmed are remembered this many steps, so that
 # concurrent requests sharing a prefix do not save the same chunk twice.
@@ -42,11 +43,11 @@ class KeyIndex:
             self._digests.discard(digest)
             self._pending_saves.pop(digest, None)
 
-    def has_all(self, keys: Sequence[Any]) -> bool:
+    def has_all(self, keys: Sequence[ChunkKey]) -> bool:
         """True when every rank holds its key of this chunk."""
         return all(key.digest in self._digests for key in keys)
 
-    def leading_hits(self, chunk_keys: Sequence[Sequence[Any]]) -> int:
+    def leading_hits(self, chunk_keys: Sequence[Sequence[ChunkKey]]) -> int:
         """How many leading chunks are held by every rank."""
         count = 0
         for keys in chunk_keys:
@@ -55,10 +56,10 @@ class KeyIndex:
             count += 1
         return count
 
-    def save_pending(self, keys: Sequence[Any]) -> bool:
+    def save_pending(self, keys: Sequence[ChunkKey]) -> bool:
         return all(key.digest in self._pending_saves for key in keys)
 
-    def mark_save_pending(self, keys: Sequence[Any]) -> None:
+    def mark_save_pending(self, keys: Sequence[ChunkKey]) -> None:
         for key in keys:
             self._pending_saves[key.digest] = self._step
 
