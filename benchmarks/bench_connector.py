@@ -262,7 +262,7 @@ def main() -> int:
     tables, checks, throughput, summary = [], [], [], {}
     redis = None
     if any(c in ("ours-redis", "no-reuse-redis") for c in configs):
-        from lmi_cache.remote.redis_server import RedisServer
+        from lmi_cache.devtools.redis_server import RedisServer
 
         redis = RedisServer().start()  # its own loopback port, stopped at the end
     args.redis_url = redis.url if redis is not None else None

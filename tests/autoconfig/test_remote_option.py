@@ -16,7 +16,7 @@ from autoconfig.configure import configure  # noqa: E402
 from autoconfig.properties import PropertiesError  # noqa: E402
 from autoconfig.render.plan_text import format_plan  # noqa: E402
 from lmi_cache.config import load_config  # noqa: E402
-from lmi_cache.remote.redis_server import RedisServer, free_port  # noqa: E402
+from lmi_cache.devtools.redis_server import RedisServer, free_port  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs"
 HOST = host(1, 400, disks=[disk("/nvme", free_gib=2000, total_gib=3000)])

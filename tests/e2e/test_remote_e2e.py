@@ -20,7 +20,7 @@ from e2e_support import DOCS, SALTED, assert_same_outputs, cache_env, expected_h
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lmi_cache"))
 from remote_fixtures import BUCKET, moto_s3  # noqa: E402,F401
 
-from lmi_cache.remote.redis_server import RedisServer  # noqa: E402
+from lmi_cache.devtools.redis_server import RedisServer  # noqa: E402
 
 S3_DOCS = DOCS[:3]
 

@@ -16,7 +16,7 @@ from tests.moto_server import moto_endpoint
 
 from lmi_cache.chunk_format import ChunkHeader
 from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
-from lmi_cache.remote.redis_server import RedisServer
+from lmi_cache.devtools.redis_server import RedisServer
 from lmi_cache.remote.settings import RemoteSettings
 
 BUCKET = "kv-bucket"

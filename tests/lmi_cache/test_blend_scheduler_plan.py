@@ -119,6 +119,11 @@ def test_opt_out_salt_and_min_tokens() -> None:
     sched.plan(req, 0, 0, "L")
     _hold_all(sched, req)
     assert sched.plan(req, 0, 0, "L") is None
+    opted = FakeRequest("o", PROMPT + [8], kv_transfer_params={"blend": False})
+    sched.plan(opted, 0, 0, "L")
+    meta = BlendConnectorMetadata()
+    sched.take_jobs(Output([NewReq("o", ([1],))]), meta)
+    assert not meta.segment_stores  # an opted-out request stores nothing either
     # Another tenant's salt keys other segments: nothing is held for it.
     assert sched.plan(FakeRequest("b", PROMPT, cache_salt="t2"), 0, 0, "L") is None
     strict = BlendScheduler(BlendSettings(enabled=True, min_tokens=100), SEP, 1, _key)

@@ -11,7 +11,7 @@ import redis
 from remote_fixtures import make_keys, make_object, payload_of, redis_settings
 
 from lmi_cache.remote import open_remote
-from lmi_cache.remote.redis_server import RedisServer
+from lmi_cache.devtools.redis_server import RedisServer
 from lmi_cache.remote.value_codec import DecodedChunk, MissReason
 
 

@@ -16,7 +16,7 @@ from remote_fixtures import make_keys, make_object, own_redis, payload_of, redis
 
 from lmi_cache.remote import open_remote, probe_remote
 from lmi_cache.remote.cache import RemoteCache
-from lmi_cache.remote.redis_server import RedisServer
+from lmi_cache.devtools.redis_server import RedisServer
 from lmi_cache.remote.value_codec import DecodedChunk, MissReason
 
 T = TypeVar("T")

@@ -21,7 +21,7 @@ from remote_fixtures import (  # noqa: F401
 from lmi_cache.metrics import CacheMetrics
 from lmi_cache.remote import open_remote
 from lmi_cache.remote.cache import RemoteCache
-from lmi_cache.remote.redis_server import RedisServer
+from lmi_cache.devtools.redis_server import RedisServer
 from lmi_cache.remote.value_codec import DecodedChunk, MissReason
 
 SECRET = b"fleet-secret-0123456789"

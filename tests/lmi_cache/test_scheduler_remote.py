@@ -18,7 +18,7 @@ from test_scheduler_side import BLOCK, CHUNK, TAG, key_space, new_req, output, r
 
 from lmi_cache.remote import open_remote  # noqa: E402
 from lmi_cache.remote.cache import RemoteCache  # noqa: E402
-from lmi_cache.remote.redis_server import RedisServer, free_port  # noqa: E402
+from lmi_cache.devtools.redis_server import RedisServer, free_port  # noqa: E402
 from lmi_cache.vllm_connector.metadata import LmiWorkerMeta  # noqa: E402
 from lmi_cache.vllm_connector.scheduler_side import SchedulerGeometry, SchedulerSide  # noqa: E402
 
@@ -49,6 +49,16 @@ def ask_until_answered(side: SchedulerSide, req: Any, limit_s: float = 5.0) -> t
         time.sleep(0.005)  # one scheduler step
 
 
+def outcomes(side: Any) -> dict[str, float]:
+    """lmi_cache_remote_lookups_total by outcome, as Prometheus would scrape it."""
+    found: dict[str, float] = {}
+    for family in side.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == "lmi_cache_remote_lookups_total":
+                found[sample.labels["outcome"]] = sample.value
+    return found
+
+
 def test_remote_chunks_of_every_rank_are_planned_as_loads(redis_server: RedisServer) -> None:
     cache = open_remote(redis_settings(redis_server.url, "sched-hit", lookup_timeout_ms=2000))
     try:
@@ -59,6 +69,7 @@ def test_remote_chunks_of_every_rank_are_planned_as_loads(redis_server: RedisSer
         assert first == (None, False) or first == (2 * CHUNK, False)  # in flight, or answered at once
         assert ask_until_answered(side, req) == (2 * CHUNK, False)
         assert side.stats.num_remote_lookups == 1  # one batched check for both chunks and both ranks
+        assert outcomes(side) == {"answered": 1.0}
         side.update_state_after_alloc(req, 2 * CHUNK)
         meta = side.build_connector_meta(output([new_req("r", list(range(10, 17)), 0)], {"r": len(PROMPT) - 2 * CHUNK}))
         assert [t.block_ids for t in meta.loads] == [(10, 11), (12, 13)]
@@ -99,6 +110,7 @@ def test_a_store_that_is_down_never_stalls_the_scheduler() -> None:
         answer = ask_until_answered(side, request("r", PROMPT))
         assert answer == (0, False)
         assert time.perf_counter() - started < 1.0
+        assert sum(outcomes(side).values()) == 1 and "answered" not in outcomes(side)  # a timeout or unavailable
         calls = time.perf_counter()
         side.get_num_new_matched_tokens(request("r2", PROMPT), 0)
         assert time.perf_counter() - calls < 0.05  # each call returns at once, answered or not
