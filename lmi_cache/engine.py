@@ -156,8 +156,9 @@ class CacheEngine:
                 return
             found: set[int] = set()
             started = time.perf_counter()
+            batches = tier.get_many([keys[i] for i in remaining])
             try:
-                for batch in tier.get_many([keys[i] for i in remaining]):
+                for batch in batches:
                     hits = [(remaining[j], obj) for j, obj in batch]
                     for _, obj in hits:
                         self.metrics.loaded(tier.name, time.perf_counter() - started)
@@ -171,6 +172,10 @@ class CacheEngine:
             except Exception as err:  # a tier fault: its remaining keys are asked of the next tier
                 self.metrics.error(tier.name, "load")
                 self._warner.warn(f"load-{tier.name}", f"{tier.name} tier: load failed ({err!r}); treated as a miss")
+            finally:
+                close = getattr(batches, "close", None)
+                if close is not None:  # a caller that stopped early: the tier's reads in flight clean up now
+                    close()
             remaining = [i for i in remaining if i not in found]
 
     def _promote(self, obj: ChunkObject, tier_number: int) -> None:

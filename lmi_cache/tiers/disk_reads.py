@@ -78,10 +78,10 @@ class DiskReader:
         }
         try:
             for future in as_completed(futures):
+                position = futures.pop(future)  # before the yield: a yielded object is the caller's
                 obj = future.result()
                 if obj is not None:
-                    yield [(futures[future], obj)]
-                futures.pop(future)
+                    yield [(position, obj)]
         finally:
             # The caller stopped early: reads still running must not leak their buffers.
             for future in futures:

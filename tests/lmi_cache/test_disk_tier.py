@@ -294,3 +294,22 @@ def test_disk_index_budget_bookkeeping() -> None:
     index.commit(number, b"\xff" * 16, 0, 100)
     assert index.used_bytes == 500 and index.forget(b"\xff" * 16) == (number, 100)
     assert index.clear() == [(kept[0], number)] and index.used_bytes == 0
+
+
+def test_a_caller_that_stops_early_leaks_no_buffer_and_releases_nothing_twice(tmp_path: Path) -> None:
+    from lmi_cache.tiers.host_memory import HostAllocator
+
+    allocator = HostAllocator(page_locked=False)
+    tier = make_tier([tmp_path], allocator=allocator, num_readers=3)
+    for key in KEYS[:6]:
+        put(tier, key)
+    tier.flush()
+    reads = tier.get_many(KEYS[:6])
+    first = next(reads)
+    reads.close()  # the caller stops after one hit; reads in flight finish in the background
+    (_, obj), = first
+    assert obj.refs == 1  # still the caller's, not released by the tier
+    obj.release()
+    tier.reader.close()  # waits for the reads in flight: their buffers go back to the pool
+    assert allocator.pooled_bytes > 0
+    tier.close()
