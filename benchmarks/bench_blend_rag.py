@@ -59,6 +59,8 @@ def _child(job_path: str) -> None:
             kv_connector="LmiBlendConnector", kv_connector_module_path="lmi_cache.blend.connector", kv_role="kv_both")
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=1)
+    if job.get("paired"):
+        _paired(llm, job)
     for tokens in job["warmup"]:  # fills the caches; the last one is a first blend, not timed
         llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
     ttft, first = [], []
@@ -71,10 +73,74 @@ def _child(job_path: str) -> None:
     if job["config"] == "blend":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        stats = dict(vars(get_kv_transfer_group().blend_worker.stats))
+        stats = dict(vars(getattr(get_kv_transfer_group(), "blend_worker").stats))
     sys.stdout.write("RESULT_JSON:" + json.dumps({"ttft_s": ttft, "first_tokens": first, "blend_stats": stats}) + "\n")
     sys.stdout.flush()
     os._exit(0)
+
+
+def _paired(llm: Any, job: dict[str, Any]) -> None:
+    """One blending vLLM; every prompt served three ways back to back, so machine load hits all alike.
+
+    Order per prompt: blend (``LmiBlendConnector``), no cache (blending off and a fresh
+    ``cache_salt``: neither vLLM's prefix cache nor the chunk cache can hit), prefix only
+    (blending off: vLLM's prefix cache and the chunk cache, both exact). Blending goes
+    first because the exact run puts the whole prompt into vLLM's prefix cache.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def serve(tokens: list[int], salt: str | None, blend: bool) -> tuple[float, int]:
+        prompt = TokensPrompt(prompt_token_ids=tokens)
+        if salt:
+            prompt["cache_salt"] = salt
+        params = SamplingParams(temperature=0.0, max_tokens=1,
+                                extra_args=None if blend else {"kv_transfer_params": {"blend": False}})
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)
+        return time.perf_counter() - t0, out[0].outputs[0].token_ids[0]
+
+    for tokens in job["warmup"]:
+        serve(tokens, None, True)
+    rows = []
+    for number, tokens in enumerate(job["prompts"]):
+        blend_s, blend_tok = serve(tokens, None, True)
+        none_s, none_tok = serve(tokens, f"bench-no-cache-{number}", False)
+        prefix_s, _ = serve(tokens, None, False)
+        rows.append({"blend_s": blend_s, "no_cache_s": none_s, "prefix_s": prefix_s, "same_first": blend_tok == none_tok})
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    stats = dict(vars(getattr(get_kv_transfer_group(), "blend_worker").stats))
+    sys.stdout.write("RESULT_JSON:" + json.dumps({"rows": rows, "blend_stats": stats}) + "\n")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# Deeper models than the devtools' tiny ones: blending recomputes every layer before the check
+# layer for all tokens, so its saving grows with depth (a 7-8B model has 32 layers).
+DEEP_MODELS: dict[str, dict[str, Any]] = {"deep24": dict(num_hidden_layers=24, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+                              intermediate_size=1376)}
+
+
+def _deep_model(out_dir: Path, size: str, tokenizer_from: Path) -> Path:
+    """A random float32 Llama of ``DEEP_MODELS[size]`` with the tiny models' tokenizer (seeded, cached)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (out_dir / "config.json").exists():
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in tokenizer_from.iterdir():
+        if item.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(item, out_dir / item.name)
+    config = LlamaConfig(vocab_size=4096, max_position_embeddings=16384, initializer_range=0.12, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=3, tie_word_embeddings=False, **DEEP_MODELS[size])
+    config.dtype = "float32"
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).float().save_pretrained(str(out_dir), safe_serialization=True)
+    return out_dir
 
 
 def _separator(model: Path) -> list[int]:
@@ -105,12 +171,12 @@ def _run(config: str, args: argparse.Namespace, model: Path, warmup: list[list[i
          work: Path) -> dict[str, Any]:
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_RPC_BASE_PATH": str(work),
-           "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "true", "LMCACHE_MAX_LOCAL_CPU_SIZE": "2",
+           "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "true", "LMCACHE_MAX_LOCAL_CPU_SIZE": "6",
            "LMCACHE_ENABLE_BLENDING": "true" if config == "blend" else "false"}
     if args.ratio is not None:
         env["LMCACHE_BLEND_RECOMPUTE_RATIOS"] = str(args.ratio)
     job = {"config": config, "model": str(model), "env": env, "warmup": warmup, "prompts": prompts,
-           "max_model_len": max(len(p) for p in warmup + prompts) + 16}
+           "max_model_len": max(len(p) for p in warmup + prompts) + 16, "paired": args.paired}
     job_path = work / f"{config}.json"
     job_path.write_text(json.dumps(job))
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
@@ -123,9 +189,29 @@ def _run(config: str, args: argparse.Namespace, model: Path, warmup: list[list[i
     raise SystemExit(f"{config}: vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
+def _report_paired(res: dict[str, Any], args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    rows = res["rows"]
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    ratio = lambda a, b: statistics.median(r[a] / r[b] for r in rows)  # noqa: E731
+    print(f"\n{args.size} model, paired in one vLLM process: {len(rows)} prompts of {len(prompts[0])} tokens "
+          f"([{args.system_tokens} system | {args.docs} x {args.doc_tokens} docs | {args.question_tokens} question]), "
+          f"pool {args.pool}\n")
+    print("| serving | median TTFT (s) |\n|---|---|")
+    print(f"| no cache | {med('no_cache_s'):.3f} |\n| prefix only (vLLM's + ours) | {med('prefix_s'):.3f} |")
+    print(f"| blend | {med('blend_s'):.3f} |\n")
+    print(f"median per-prompt ratio: no cache / blend = {ratio('no_cache_s', 'blend_s'):.2f}x, "
+          f"prefix only / blend = {ratio('prefix_s', 'blend_s'):.2f}x; "
+          f"first token as without cache: {sum(r['same_first'] for r in rows)}/{len(rows)}")
+    print(f"blend worker: {res['blend_stats']}")
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
+                                        "paired": res}, indent=1, default=str))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="32m", choices=("7m", "32m"), help="tiny random model (4 or 8 layers)")
+    parser.add_argument("--size", default="32m", choices=("7m", "32m", *DEEP_MODELS),
+                        help="random model: 7m (4 layers), 32m (8 layers), deep24 (24 layers, 70M)")
     parser.add_argument("--docs", type=int, default=4, help="documents per prompt")
     parser.add_argument("--doc-tokens", type=int, default=2000)
     parser.add_argument("--pool", type=int, default=8, help="documents in the pool")
@@ -137,6 +223,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="times each configuration is started (rotating)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    parser.add_argument("--paired", action="store_true",
+                        help="one blending vLLM serving each prompt as blend / no cache / prefix only, back to back")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -145,8 +233,15 @@ def main() -> None:
     from lmi_cache.devtools.tiny_model import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-blend-rag-"))
-    model = make_tiny_model(Path(os.environ.get("LMI_CACHE_BENCH_MODEL_DIR", str(work / f"tiny-{args.size}"))), args.size)
+    models_dir = Path(os.environ.get("LMI_CACHE_BENCH_MODEL_DIR", str(work)))
+    if args.size in DEEP_MODELS:
+        model = _deep_model(models_dir / args.size, args.size, make_tiny_model(models_dir / "tiny-7m", "7m"))
+    else:
+        model = make_tiny_model(models_dir / f"tiny-{args.size}", args.size)
     warmup, prompts = _build(args, _separator(model))
+    if args.paired:
+        _report_paired(_run("blend", args, model, warmup, prompts, work), args, prompts)
+        return
     results: dict[str, Any] = {}
     # Rounds rotate through the configurations, so load from other processes on a shared
     # machine spreads over all of them instead of biasing one.

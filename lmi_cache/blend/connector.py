@@ -250,13 +250,15 @@ class LmiBlendConnector(LmiCacheConnector):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
         meta = self._connector_metadata
-        if self._blend_worker is not None and isinstance(meta, BlendConnectorMetadata) and meta.blends:
+        if self._blend_worker is not None and self._worker is not None and isinstance(meta, BlendConnectorMetadata) \
+                and meta.blends:
             self._blend_failed_blocks |= self._blend_worker.run_blends(meta.blends, self._worker.engine)
 
     def wait_for_save(self) -> None:
         super().wait_for_save()
         meta = self._connector_metadata
-        if self._blend_worker is not None and isinstance(meta, BlendConnectorMetadata) and meta.segment_stores:
+        if self._blend_worker is not None and self._worker is not None and isinstance(meta, BlendConnectorMetadata) \
+                and meta.segment_stores:
             self._blend_worker.run_stores(meta.segment_stores, self._worker.engine)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

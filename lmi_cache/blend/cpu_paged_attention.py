@@ -60,12 +60,14 @@ class CpuPagedAttention:
         """The same kernel over private blocks for ``num_tokens`` tokens (a segment computed alone), bound."""
         num_blocks = -(-num_tokens // self.block_size)
         shape = (num_blocks, self._num_kv_heads, self.block_size, 2 * self._head_dim)
-        caches = [torch.empty(shape, dtype=self._dtype) for _ in self._caches]
         other = CpuPagedAttention.__new__(CpuPagedAttention)
         other.__dict__.update(self.__dict__)
-        other._caches = [tuple(c.view(num_blocks, self._num_kv_heads, 2 * self.block_size, -1).chunk(2, dim=2))
-                         for c in caches]  # type: ignore[misc]
-        other._scratch_caches = caches  # keeps the storage alive
+        other._caches = []
+        for _ in self._caches:  # the views keep their storage alive
+            # Zeroed: the kernel reads whole blocks, and masked-out garbage (NaN) times 0 is still NaN.
+            key_cache, value_cache = torch.zeros(shape, dtype=self._dtype).view(
+                num_blocks, self._num_kv_heads, 2 * self.block_size, -1).chunk(2, dim=2)
+            other._caches.append((key_cache, value_cache))
         other.bind(range(num_blocks))
         return other
 

@@ -35,7 +35,7 @@ SegmentKeyFn = Callable[[Sequence[int], int, str, "str | None", "str | None"], A
 
 # Per-request keys of ``kv_transfer_params`` (SamplingParams.extra_args["kv_transfer_params"]).
 SEGMENT_ENDS_PARAM = "blend_segment_ends"  # explicit segment ends (token offsets) instead of the separator
-BLEND_PARAM = "blend"  # false: serve this request by the exact prefix path only
+BLEND_PARAM = "blend"  # false: the exact prefix path only; its segments are not stored either
 RATIOS_PARAM = "blend_recompute_ratios"  # this request's recompute ratios (one per check layer, or one)
 
 
@@ -197,8 +197,8 @@ class BlendScheduler:
                 BlendJob(req_id, blend.prefix_tokens, tokens, tuple(pieces), tuple(block_ids), state.ratios)
             )
         state.blend, state.confirmed = None, False
-        if state.stores_issued:
-            return
+        if state.stores_issued or state.opted_out:
+            return  # an opted-out request neither blends nor stores segments
         state.stores_issued = True
         for span, keys in zip(state.split.segments, state.segment_keys):
             if self.index.has_all(keys) or self.index.save_pending(keys):

@@ -96,8 +96,8 @@ class BlendWorker:
         tokens = torch.tensor(job.token_ids, dtype=torch.long)
         seg_tokens: list[torch.Tensor] = []
         cached: list[KVStack | None] = []
-        wanted = [i for i, piece in enumerate(job.pieces) if piece.keys is not None]
-        loaded = dict(zip(wanted, load_segments(engine, [job.pieces[i].keys[self.rank_index] for i in wanted])))
+        wanted = [(i, piece.keys[self.rank_index]) for i, piece in enumerate(job.pieces) if piece.keys is not None]
+        loaded = dict(zip((i for i, _ in wanted), load_segments(engine, [key for _, key in wanted])))
         for i, piece in enumerate(job.pieces):
             seg_tokens.append(tokens[piece.start - job.prefix_tokens : piece.end - job.prefix_tokens])
             kv = self._check_segment(loaded[i], piece.end - piece.start) if i in loaded else None
@@ -119,6 +119,8 @@ class BlendWorker:
             outcome = blend(self.model, prefix, seg_tokens, cached, settings.check_layers, counts, attention=attention)
             new_kv = KVStack(outcome.kv.k[:, job.prefix_tokens :], outcome.kv.v[:, job.prefix_tokens :])
             recomputed = int(outcome.recomputed.numel())
+        if not (bool(torch.isfinite(new_kv.k).all()) and bool(torch.isfinite(new_kv.v).all())):
+            raise ValueError("blended KV is not finite")  # a fault: vLLM recomputes the blocks
         started = time.perf_counter()
         if self.paged_attention is not None:
             self.paged_attention.bind(job.block_ids)
@@ -142,6 +144,8 @@ class BlendWorker:
                     attention = self.paged_attention.scratch(len(store.token_ids)).layer_attention(0)
                 with torch.inference_mode():
                     kv = segment_kv(self.model, torch.tensor(store.token_ids, dtype=torch.long), attention)
+                if not (bool(torch.isfinite(kv.k).all()) and bool(torch.isfinite(kv.v).all())):
+                    raise ValueError("segment KV is not finite")
                 dtype = self.paged.layout.dtype
                 shape = (kv.k.shape[0], 2, *kv.k.shape[1:])
 
