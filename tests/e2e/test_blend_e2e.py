@@ -172,6 +172,9 @@ def test_default_ratio_recomputes_a_fraction(blend_run: dict[str, Any]) -> None:
     assert got["delta"]["blend_worker.num_recomputed_tokens"] == int(0.15 * blended)
     assert got["outputs"][0]["num_cached_tokens"] == blended
     assert got["delta"]["worker.num_chunks_saved"] == 0  # nothing exact is saved from blended KV
+    assert got["delta"]["blend_worker.num_blend_faults"] == 0
+    # Not exact at ratio 0.15, but close: the first token (greedy, float32, fixed seeds) is the no-cache one.
+    assert got["outputs"][0]["tokens"][0] == _ref(blend_run, 2)["tokens"][0]
 
 
 def test_explicit_segment_ends_blend_without_separators(blend_run: dict[str, Any]) -> None:
