@@ -130,22 +130,22 @@ def rerotated_segments(model: LayerwiseModel, cached: Sequence[KVStack | None], 
     like = next((seg for seg in cached if seg is not None), None)
     if like is None:
         raise ValueError("at least one segment must have cached KV")
-    ks: list[torch.Tensor] = []
-    vs: list[torch.Tensor] = []
-    offset = start
+    num_layers, heads, dim = like.k.shape[0], like.k.shape[2], like.k.shape[3]
+    out_k = like.k.new_zeros((num_layers, sum(lengths), heads, dim))
+    out_v = like.v.new_zeros((num_layers, sum(lengths), heads, dim))
+    offset = 0
     for seg, n in zip(cached, lengths):
-        if seg is None:
-            ks.append(like.k.new_zeros((like.k.shape[0], n, *like.k.shape[2:])))
-            vs.append(like.v.new_zeros((like.v.shape[0], n, *like.v.shape[2:])))
-        else:
+        if seg is not None:
             if seg.num_tokens != n:
                 raise ValueError(f"cached KV holds {seg.num_tokens} tokens, its segment {n}")
             old = torch.arange(n)
-            new = old + offset
-            ks.append(torch.stack([rerotate(seg.k[layer], old, new, model.rope) for layer in range(seg.k.shape[0])]))
-            vs.append(seg.v)
+            # Every layer at once (layers folded into the head dim): the same per-element arithmetic.
+            folded = seg.k.permute(1, 0, 2, 3).reshape(n, num_layers * heads, dim)
+            moved = rerotate(folded, old, old + start + offset, model.rope)
+            out_k[:, offset : offset + n] = moved.reshape(n, num_layers, heads, dim).permute(1, 0, 2, 3)
+            out_v[:, offset : offset + n] = seg.v
         offset += n
-    return KVStack(torch.cat(ks, dim=1), torch.cat(vs, dim=1))
+    return KVStack(out_k, out_v)
 
 
 def blend(
@@ -159,11 +159,13 @@ def blend(
     deviation: Literal["k", "kv"] = "k",
     generator: torch.Generator | None = None,
     attention: LayerAttention | None = None,
+    include_prefix: bool = True,
 ) -> BlendOutcome:
     """Blend cached segments after an exact prefix; see the module docstring.
 
     ``attention`` replaces the reference attention (e.g. vLLM's kernel over the
     paged cache); it gets the layer's whole blended K/V so far, fresh and cached.
+    ``include_prefix=False`` returns the blended tokens' KV only (saves copying the prefix).
 
     ``cached[i]`` is segment i's stored KV, or None when it is not cached: its tokens are then
     computed in full (never deselected). ``recompute_counts[i]`` cached tokens stay in the
@@ -179,8 +181,12 @@ def blend(
     all_positions = torch.arange(start + tokens.numel())
     cached_kv = rerotated_segments(model, cached, [int(t.numel()) for t in segment_tokens], start)
     forced = torch.cat([torch.full((int(t.numel()),), c is None) for t, c in zip(segment_tokens, cached)])
-    out_k, out_v = cached_kv.k.clone(), cached_kv.v.clone()
     counts = dict(zip(check_layers, recompute_counts))
+    # Fresh K/V overwrite the cached ones in place; only the check layers' cached values are
+    # compared afterwards, so only those are kept aside (copying every layer cost more than the matmuls).
+    check_cached = {layer: KVStack(cached_kv.k[layer].clone(), cached_kv.v[layer].clone())
+                    for layer in counts if layer < model.num_layers}
+    out_k, out_v = cached_kv.k, cached_kv.v
     active = torch.arange(tokens.numel())
     hidden = model.embed(tokens)
     for layer in range(model.num_layers):
@@ -193,7 +199,7 @@ def blend(
         out_v[layer, active] = v
         if layer in counts:
             keep = _select(
-                k, v, cached_kv, layer, active, forced[active], counts[layer], selection, deviation, generator
+                k, v, check_cached[layer], active, forced[active], counts[layer], selection, deviation, generator
             )
             active, q, hidden, pos = active[keep], q[keep], hidden[keep], pos[keep]
             if active.numel() == 0:
@@ -205,14 +211,14 @@ def blend(
             full_v = torch.cat((prefix_kv.v[layer], out_v[layer]))
             attn = attend(q, full_k, full_v, pos, all_positions, model.attn_scale)
         hidden = model.finish_layer(layer, hidden, attn)
-    return BlendOutcome(prefix_kv.cat(KVStack(out_k, out_v)), active)
+    blended = KVStack(out_k, out_v)
+    return BlendOutcome(prefix_kv.cat(blended) if include_prefix else blended, active)
 
 
 def _select(
     k: torch.Tensor,
     v: torch.Tensor,
-    cached_kv: KVStack,
-    layer: int,
+    cached: KVStack,
     active: torch.Tensor,
     forced: torch.Tensor,
     count: int,
@@ -226,9 +232,9 @@ def _select(
         with_v = deviation == "kv"
         scores = kv_deviation(
             k[candidates],
-            cached_kv.k[layer, active[candidates]],
+            cached.k[active[candidates]],
             v[candidates] if with_v else None,
-            cached_kv.v[layer, active[candidates]] if with_v else None,
+            cached.v[active[candidates]] if with_v else None,
         )
         chosen = select_topk(scores, count)
     else:

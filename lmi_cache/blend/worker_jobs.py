@@ -116,10 +116,11 @@ class BlendWorker:
             if self.paged_attention is not None:
                 self.paged_attention.bind(job.block_ids)
                 attention = self.paged_attention.layer_attention(job.prefix_tokens)
-            outcome = blend(self.model, prefix, seg_tokens, cached, settings.check_layers, counts, attention=attention)
-            new_kv = KVStack(outcome.kv.k[:, job.prefix_tokens :], outcome.kv.v[:, job.prefix_tokens :])
+            outcome = blend(self.model, prefix, seg_tokens, cached, settings.check_layers, counts, attention=attention,
+                            include_prefix=False)
+            new_kv = outcome.kv
             recomputed = int(outcome.recomputed.numel())
-        if not (bool(torch.isfinite(new_kv.k).all()) and bool(torch.isfinite(new_kv.v).all())):
+        if not _finite(new_kv):
             raise ValueError("blended KV is not finite")  # a fault: vLLM recomputes the blocks
         started = time.perf_counter()
         if self.paged_attention is not None:
@@ -144,7 +145,7 @@ class BlendWorker:
                     attention = self.paged_attention.scratch(len(store.token_ids)).layer_attention(0)
                 with torch.inference_mode():
                     kv = segment_kv(self.model, torch.tensor(store.token_ids, dtype=torch.long), attention)
-                if not (bool(torch.isfinite(kv.k).all()) and bool(torch.isfinite(kv.v).all())):
+                if not _finite(kv):
                     raise ValueError("segment KV is not finite")
                 dtype = self.paged.layout.dtype
                 shape = (kv.k.shape[0], 2, *kv.k.shape[1:])
@@ -159,3 +160,8 @@ class BlendWorker:
                 self.stats.num_segment_store_faults += 1
                 logger.warning("lmi-cache: segment KV of request %s not stored (%r)", store.req_id, err)
             self.stats.store_seconds += time.perf_counter() - started
+
+
+def _finite(kv: KVStack) -> bool:
+    """No NaN or inf anywhere (one float32 sum per tensor: a single pass, no mask tensor)."""
+    return bool(torch.isfinite(kv.k.sum(dtype=torch.float32))) and bool(torch.isfinite(kv.v.sum(dtype=torch.float32)))
