@@ -41,6 +41,7 @@ from lmi_cache.config_values import (
     unquote_env,
 )
 from lmi_cache.errors import ConfigError
+from lmi_cache.eviction.retaining import DEFAULT_RETENTION_SHARE, parse_retention_share
 
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 DISK_FEEDS = ("write_through", "demote")
@@ -72,6 +73,8 @@ class CacheConfig:
     disk_write_workers: int = 2  # extra_config.disk_write_workers: threads writing files
     disk_read_workers: int = 2  # extra_config.disk_read_workers: parallel reads in retrieve_many
     disk_queue_depth: int = 64  # extra_config.disk_queue_depth: queued writes before stores drop
+    # extra_config.session_retention_share: share of the CPU tier where open sessions' chunks are evicted last (0: off)
+    session_retention_share: float = DEFAULT_RETENTION_SHARE
     # extra_config keys of the remote tier (lmi_cache.config_remote; RemoteSettings documents each).
     remote_compression: str = "off"  # off | zstd | zstd-planes (lossless)
     remote_io_timeout_ms: int = 2000  # a batched remote load or store batch gives up after this
@@ -140,6 +143,8 @@ def _parse_extra(
         value = extra[key]
         if key in REMOTE_EXTRA_KEYS:
             fields[key] = parse_remote_extra(key, value, kw)
+        elif key == "session_retention_share":
+            fields[key] = parse_retention_share(value, kw)
         elif key in ("use_odirect", "disk_fsync"):
             fields[key] = parse_bool(value, kw)
         elif key == "disk_feed":

@@ -20,6 +20,8 @@ waits for memory are not counted; a preempted request that is admitted again
 is looked up again):
 
 - lmi_cache_lookups_total{engine}                 requests looked up
+- lmi_cache_session_releases_total{engine}        stateful sessions whose chunks stopped being retained
+                                                  (closed, expired, or idle without the session store)
 - lmi_cache_requested_tokens_total{engine}        prompt tokens of those requests
 - lmi_cache_hit_tokens_total{engine}              of those, tokens held by the cache (whole chunks every
                                                   rank holds, at most prompt-1, block aligned), whether or
@@ -42,6 +44,8 @@ Worker series (per rank; with TP every rank holds its own part of each token's K
                                                   foreign_owner) and directories refused (unsafe_dir, busy_dir)
 - lmi_cache_tier_usage_bytes{tier}                bytes held now
 - lmi_cache_tier_capacity_bytes{tier}             byte budget
+- lmi_cache_session_retained_bytes{tier}          bytes of open sessions' chunks evicted last (within
+                                                  extra_config.session_retention_share of the tier)
 - lmi_cache_load_seconds{tier}                    latency of a successful load (histogram)
 - lmi_cache_store_seconds{tier}                   latency of a store (CPU: copy; disk: file write)
 """
@@ -72,12 +76,23 @@ class SchedulerMetrics:
                                   registry=r)
         self._hit = Counter("lmi_cache_hit_tokens", "Prompt tokens held by the cache", labels, registry=r)
         self._load = Counter("lmi_cache_load_tokens", "Tokens the workers were told to load", labels, registry=r)
+        self._remote_lookups = Counter(
+            "lmi_cache_remote_lookups", "Batched remote existence checks of the scheduler, by outcome "
+            "(answered, or why not: timeout, unavailable)", ["engine", "outcome"], registry=r)
+        self._releases = Counter("lmi_cache_session_releases", "Sessions whose chunks stopped being retained", labels,
+                                 registry=r)
+
+    def remote_lookup(self, outcome: str) -> None:
+        self._remote_lookups.labels(self.engine_label, outcome).inc()
 
     def lookup(self, requested_tokens: int, hit_tokens: int, load_tokens: int) -> None:
         self._lookups.labels(self.engine_label).inc()
         self._requested.labels(self.engine_label).inc(requested_tokens)
         self._hit.labels(self.engine_label).inc(hit_tokens)
         self._load.labels(self.engine_label).inc(load_tokens)
+
+    def sessions_released(self, count: int) -> None:
+        self._releases.labels(self.engine_label).inc(count)
 
 
 class CacheMetrics:
@@ -106,6 +121,8 @@ class CacheMetrics:
                             multiprocess_mode=_GAUGE_MODE)
         self._capacity = Gauge("lmi_cache_tier_capacity_bytes", "Byte budget", tier, registry=r,
                                multiprocess_mode=_GAUGE_MODE)
+        self._retained = Gauge("lmi_cache_session_retained_bytes", "Bytes of open sessions' chunks evicted last", tier,
+                               registry=r, multiprocess_mode=_GAUGE_MODE)
         self._load_s = Histogram("lmi_cache_load_seconds", "Load latency", tier, buckets=_LATENCY_BUCKETS_S, registry=r)
         self._store_s = Histogram(
             "lmi_cache_store_seconds", "Store latency", tier, buckets=_LATENCY_BUCKETS_S, registry=r
@@ -164,6 +181,11 @@ class CacheMetrics:
         with self._lock:
             self._plain[f"{tier}_usage_bytes"] = used_bytes
             self._plain[f"{tier}_capacity_bytes"] = capacity_bytes
+
+    def retained(self, tier: str, num_bytes: int) -> None:
+        self._retained.labels(*self._ids, tier).set(num_bytes)
+        with self._lock:
+            self._plain[f"{tier}_session_retained_bytes"] = num_bytes
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:

@@ -292,6 +292,8 @@ class PendingLookup:
         self._num_keys = num_keys
         self._deadline = deadline
         self._result: list[bool] | None = None if isinstance(future, Future) else [False] * num_keys
+        # "answered", or the MissReason value of why the check gave nothing (timeout, unavailable).
+        self.outcome: str = "answered" if isinstance(future, Future) else future.value
 
     def poll(self) -> list[bool] | None:
         """Which keys the store holds, or None while the check is in flight and within the lookup timeout."""
@@ -303,6 +305,7 @@ class PendingLookup:
         found = self._cache._settle("lookup", self._future, self._cache.settings.lookup_timeout_ms)
         if isinstance(found, MissReason) or len(found) != self._num_keys:
             self._result = [False] * self._num_keys
+            self.outcome = found.value if isinstance(found, MissReason) else MissReason.UNAVAILABLE.value
         else:
             self._cache._count("lookup_hits", sum(found))
             self._result = found

@@ -86,6 +86,14 @@ class Tier(ABC):
     @abstractmethod
     def capacity_bytes(self) -> int: ...
 
+    def retain(self, session: str, digests: Sequence[bytes]) -> None:
+        """Evict ``digests`` last while ``session`` is open (the CPU tier; others ignore it)."""
+        return None
+
+    def release(self, session: str) -> None:
+        """``session`` closed or expired: its chunks are ordinary again."""
+        return None
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for queued work; False on timeout."""
         return True

@@ -82,6 +82,16 @@ class CpuIndex(Generic[E]):
             self._policy.on_insert(digest)
             return None, evicted
 
+    def entry_bytes(self, digest: bytes) -> int | None:
+        """Budget bytes of an entry (None: absent). Takes no lock: policies call it under the index's."""
+        found = self._entries.get(digest)
+        return None if found is None else found[1]
+
+    def under_lock(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (a change of the policy's order: session retention) under the index's lock."""
+        with self._lock:
+            action()
+
     def _candidates(self) -> Iterator[bytes]:
         """Digests in eviction order (called under the lock; the place to prefer some entries over others)."""
         for digest in self._policy.candidates():

@@ -23,6 +23,7 @@ fault must never fail a request).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -168,7 +169,20 @@ class LmiCacheConnector(KVConnectorBase_V1):
         metrics = SchedulerMetrics(engine_label=str(self._dp_index))
         note_where_metrics_go()
         serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
-        self._scheduler = SchedulerSide(geometry, self._key_space, seed, metrics, remote=self._open_remote_lookups())
+        self._scheduler = SchedulerSide(geometry, self._key_space, seed, metrics, remote=self._open_remote_lookups(),
+                                        sessions=self._session_tracker())
+
+    def _session_tracker(self) -> Any:
+        """Which sessions are open (for retention in the CPU tier), or None when retention is off."""
+        if self._config.session_retention_share <= 0 or self._config.cpu_capacity_bytes <= 0:
+            return None
+        from lmi_cache.eviction.session_tracker import SessionSource, SessionTracker
+
+        source = SessionSource.from_env(os.environ)
+        logger.info("lmi-cache: open sessions keep up to %.0f%% of the CPU tier (sessions from %s)",
+                    100 * self._config.session_retention_share,
+                    source.store_path or f"requests, released after {source.expiration_s:.0f} s idle")
+        return SessionTracker(source)
 
     def _open_remote_lookups(self) -> Any:
         """The scheduler's client of the remote store (existence checks only), or None without one."""

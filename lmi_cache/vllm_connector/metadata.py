@@ -39,10 +39,14 @@ class LmiConnectorMetadata(KVConnectorMetadata):
 
     loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
+    # Session retention (lmi_cache.eviction.session_tracker), applied before the saves: release these
+    # sessions, then retain, per session, new prompt chunks (digests per rank).
+    release: list[str] = field(default_factory=list)
+    retain: dict[str, list[tuple[bytes, ...]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.release and not self.retain
 
 
 @dataclass

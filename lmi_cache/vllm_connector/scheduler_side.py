@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmi_cache.chunk_hashing import ChunkKey, KeySpace
+from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics import SchedulerMetrics
 from lmi_cache.vllm_connector.key_index import KeyIndex
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
@@ -78,6 +79,7 @@ class _RequestPlan:
     remote_from: int = -1  # first chunk the remote lookup below covers (-1: none yet)
     remote_pending: Any = None  # lmi_cache.remote.cache.PendingLookup while in flight
     remote_chunks: int | None = None  # leading chunks from remote_from present on every rank
+    session_id: str | None = None  # vLLM's request.session_id (the front forwards LMI's session)
 
 
 @dataclass
@@ -102,8 +104,10 @@ class SchedulerSide:
         seed_digests: Iterable[bytes] = (),
         metrics: SchedulerMetrics | None = None,
         remote: Any = None,
+        sessions: SessionTracker | None = None,
     ) -> None:
         self.geometry = geometry
+        self._sessions = sessions  # None: no session retention
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         # req id -> hit tokens of its last answered lookup, until admission counts it.
         self._answered: dict[str, int] = {}
@@ -140,7 +144,8 @@ class SchedulerSide:
         plan = self._plans.get(req_id)
         if plan is None:
             prompt = request.prompt_token_ids or []
-            plan = _RequestPlan(chunk_keys=self._chunk_keys(request), num_prompt_tokens=len(prompt))
+            plan = _RequestPlan(chunk_keys=self._chunk_keys(request), num_prompt_tokens=len(prompt),
+                                session_id=getattr(request, "session_id", None))
             self._plans[req_id] = plan
         plan.load_range, plan.load_confirmed = None, False
         self.stats.num_match_queries += 1
@@ -178,6 +183,7 @@ class SchedulerSide:
             found = plan.remote_pending.poll()
             if found is None:
                 return None
+            self.metrics.remote_lookup(getattr(plan.remote_pending, "outcome", "answered"))
             ranks, hits = self.geometry.world_size, 0
             while hits < end - first and all(found[hits * ranks : (hits + 1) * ranks]):
                 hits += 1
@@ -219,6 +225,8 @@ class SchedulerSide:
             if plan is None:
                 continue
             plan.block_ids = list(new_req.block_ids[0]) if new_req.block_ids else []
+            if self._sessions is not None and plan.session_id:
+                self._sessions.note(plan.session_id, [tuple(k.digest for k in keys) for keys in plan.chunk_keys])
             self._plan_step(new_req.req_id, plan, new_req.num_computed_tokens, num_scheduled.get(new_req.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -231,6 +239,11 @@ class SchedulerSide:
             elif new_ids:
                 plan.block_ids.extend(new_ids[0])
             self._plan_step(req_id, plan, cached.num_computed_tokens[i], num_scheduled.get(req_id, 0), meta)
+        if self._sessions is not None:
+            retention = self._sessions.take_step()
+            meta.retain, meta.release = retention.retain, retention.release
+            if retention.release:
+                self.metrics.sessions_released(len(retention.release))
         self.index.next_step()
         return meta
 

@@ -186,6 +186,7 @@ class WorkerSide:
 
     def save(self, meta: LmiConnectorMetadata) -> None:
         try:
+            self._apply_retention(meta)  # first: chunks saved below are retained on insert
             self._save(meta)
         finally:
             # Load faults only poison this step's saves.
@@ -211,6 +212,17 @@ class WorkerSide:
             self.stats.num_save_faults += len(transfers)
             self._fault(f"could not save {len(transfers)} chunk(s)", err, op="save")
         self.stats.save_seconds += time.perf_counter() - started
+
+    def _apply_retention(self, meta: LmiConnectorMetadata) -> None:
+        if self.engine is None or not (meta.release or meta.retain):
+            return
+        try:
+            for session in meta.release:
+                self.engine.release(session)
+            for session, chunks in meta.retain.items():
+                self.engine.retain(session, [digests[self.rank_index] for digests in chunks])
+        except Exception as err:  # noqa: BLE001 - retention is a preference, never a failed step
+            self._fault("could not update session retention", err, op="retain")
 
     def take_failed_block_ids(self) -> set[int]:
         failed, self._failed_block_ids = self._failed_block_ids, set()

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 
+from lmi_cache.eviction import session_tracker
 from lmi_cache.eviction.session_tracker import DEFAULT_EXPIRATION_S, SessionSource, SessionTracker
 
 CHUNK_A = (b"a" * 16, b"A" * 16)  # one chunk, two ranks
@@ -120,7 +122,10 @@ def test_checks_per_step_are_bounded_but_every_session_is_checked_in_turn(tmp_pa
     assert sorted(released) == sorted(names)
 
 
-def test_the_number_of_tracked_sessions_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_number_of_tracked_sessions_is_bounded(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A library imported earlier in the session may configure logging with disable_existing_loggers.
+    monkeypatch.setattr(session_tracker.logger, "disabled", False)
+    caplog.set_level(logging.WARNING, logger=session_tracker.logger.name)
     tracker = SessionTracker(SessionSource(None, 600), max_sessions=2)
     for name in ("a", "b", "c"):
         tracker.note(name, [CHUNK_A])
