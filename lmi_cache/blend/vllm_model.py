@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -75,9 +76,10 @@ def find_model(attention_layer: Any) -> Any | None:
         return model
     if attention_layer is None:
         return None
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.nn.Module):
-            continue
+    with warnings.catch_warnings():  # isinstance on some gc objects touches deprecated torch attributes
+        warnings.simplefilter("ignore")
+        modules = [obj for obj in gc.get_objects() if isinstance(obj, torch.nn.Module)]
+    for obj in modules:
         inner = getattr(obj, "model", None)
         layers = getattr(inner, "layers", None)
         try:

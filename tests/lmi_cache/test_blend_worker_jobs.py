@@ -94,3 +94,19 @@ def test_plugin_remembers_the_model_weakly_and_wraps_once() -> None:
     assert loaded_model() is module
     del module
     assert loaded_model() is None
+
+
+def test_without_the_plugin_the_model_is_found_by_its_attention_layer() -> None:
+    from lmi_cache.blend.vllm_model import find_model
+
+    remember_model(torch.nn.Linear(1, 1))  # the plugin's record dies with its model: no record
+    attn = torch.nn.Identity()
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.attn = attn
+    inner = torch.nn.Module()
+    inner.layers = torch.nn.ModuleList([layer])
+    top = torch.nn.Module()
+    top.model = inner
+    assert find_model(attn) is top
+    assert find_model(torch.nn.Identity()) is None
