@@ -114,7 +114,9 @@ def run_config(name: str, model_dir: Path, work: Path, args: argparse.Namespace)
         return {"warmup": first["warmup"], "query": second["query"], "start_s": second["start_s"], "note": note}
     if name == "ours-redis":
         yaml = connector_yaml(work / "ours-redis.yaml", None, args.redis_url)
-        spec = ServerSpec(**base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml)
+        # What `lmi-cache serve` sets with a remote tier (the plan's env): malloc keeps freed memory.
+        malloc = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+        spec = ServerSpec(**base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml, extra_env=malloc)
         first = run_rounds(spec, run_dir / "warmup-process", args, ("warmup",))
         # A fresh process without a disk tier: its CPU tier starts empty, so query hits come from Redis.
         second = run_rounds(spec, run_dir / "query-process", args, ("query",), long_prime=True)

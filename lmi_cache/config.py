@@ -204,6 +204,13 @@ def _merge(
             fields[key] = url
         elif key == "extra_config":
             fields.update(_parse_extra(parse_mapping(value, where), where, where_of, warnings))
+        elif key == "enable_blending" or key.startswith("blend_"):
+            # Read by lmi_cache.blend.settings when the blending connector runs; the exact-prefix
+            # connector reuses prefixes only and says so once.
+            if key == "enable_blending" and _truthy(value):
+                warnings.append(f"{where}: blending needs the blending connector (kv_connector LmiBlendConnector, "
+                                "kv_connector_module_path lmi_cache.blend.connector); LmiCacheConnector reuses "
+                                "exact prefixes only")
         elif key in UNSUPPORTED_FEATURES and _truthy(value):
             warnings.append(f"{where}: asks for {UNSUPPORTED_FEATURES[key]}, which lmi_cache does not provide; "
                             "this server runs without it (its local tiers still serve)")

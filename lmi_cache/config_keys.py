@@ -181,7 +181,6 @@ UNSUPPORTED_FEATURES: dict[str, str] = {
     "enable_nixl": "disaggregated prefill over NIXL (LMCache 0.3/0.4)",
     "enable_xpyd": "disaggregated prefill (LMCache 0.3 name of enable_pd)",
     "enable_p2p": "peer-to-peer KV sharing between instances",
-    "enable_blending": "CacheBlend (reuse of non-prefix KV)",
     "enable_controller": "the LMCache controller",
     "use_layerwise": "layer-by-layer KV transfer",
 }

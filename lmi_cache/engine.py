@@ -25,6 +25,10 @@ The serving verbs (the vLLM connector uses exactly these):
   copies out of it are complete (on CUDA: once the asynchronous copy is done).
   Hits from behind the CPU tier are promoted into it by reference.
   Keys never yielded are misses.
+- ``expect_chunks(payload_bytes)``: the size of this rank's chunks (the
+  worker knows it once vLLM's KV cache is registered), so the allocator keeps
+  touched buffers of that size ready instead of faulting fresh memory in on
+  vLLM's critical path.
 - ``drain_events() -> (stored, removed)``: digests newly held by some local
   tier and digests no longer held by any since the last call (for the
   scheduler's index; a hint, since loads stay verified).
@@ -50,7 +54,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from lmi_cache.chunk_format import ChunkHeader
+from lmi_cache.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.config import CacheConfig
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
@@ -93,6 +97,10 @@ class CacheEngine:
         context = TierContext(rank_label, self.metrics, self._warner, self.allocator, self._on_evict, self._on_removed)
         self.tiers = build_tiers(config, context)
         self._local = [tier for tier in self.tiers if tier.local]
+
+    def expect_chunks(self, payload_bytes: int) -> None:
+        """Chunks of this rank carry ``payload_bytes``: keep touched buffers of that size ready."""
+        self.allocator.keep_warm(HEADER_BYTES + payload_bytes)
 
     # ------------------------------------------------------------ save
     def save_many(self, keys: Sequence[ChunkKey], shape: tuple[int, ...], dtype: torch.dtype, fill: FillMany) -> list[bool]:

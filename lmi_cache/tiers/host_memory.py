@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 import warnings
 from collections import defaultdict
@@ -34,6 +35,7 @@ from lmi_cache.tiers.buffers import PAGE_BYTES, size_class_bytes, torch_dtype
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
+WARM_QUIET_S = 0.02  # keep_warm refills the pool only after this long without an allocation from it
 
 
 class ChunkObject:
@@ -111,6 +113,10 @@ class HostAllocator:
         self._lock = threading.Lock()
         self._pool: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._pooled_bytes = 0
+        self._warm_class = 0  # the size class keep_warm keeps ready (0: none)
+        self._warm_wanted = threading.Event()
+        self._warmer: threading.Thread | None = None
+        self._closed = False
 
     @property
     def pooled_bytes(self) -> int:
@@ -132,20 +138,71 @@ class HostAllocator:
     def allocate(self, num_bytes: int) -> torch.Tensor | None:
         class_bytes = size_class_bytes(num_bytes)
         with self._lock:
+            if class_bytes == self._warm_class:
+                self._warm_wanted.set()  # top the pool up again once the caller's burst is over
             free = self._pool.get(class_bytes)
             if free:
                 self._pooled_bytes -= class_bytes
                 return free.pop()
         return self._fresh(class_bytes)
 
+    def keep_warm(self, num_bytes: int) -> None:
+        """Keep the pool filled with touched buffers for objects of ``num_bytes`` (a background thread).
+
+        Every chunk a save gathers or a load brings from disk or a remote store
+        needs a buffer, and while the CPU tier is filling up none comes back to
+        the pool: each would be fresh memory, faulted in on vLLM's critical
+        path (measured here: 32 fresh 4 MiB buffers 32-170 ms, the same writes
+        into touched memory 6 ms). A low-priority thread allocates and touches
+        buffers ahead of demand, up to the pool limit.
+        """
+        if self._pool_limit <= 0 or num_bytes <= 0:
+            return
+        with self._lock:
+            self._warm_class = size_class_bytes(num_bytes)
+            if self._warmer is None:
+                self._warmer = threading.Thread(target=self._warm_loop, name="lmi-host-warmer", daemon=True)
+                self._warmer.start()
+        self._warm_wanted.set()
+
+    def _warm_loop(self) -> None:
+        try:  # below the serving threads: page faults are the kernel's work either way, just not theirs
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
+        while not self._closed:
+            self._warm_wanted.wait()
+            while not self._closed:
+                # Wait for a quiet moment: refilling while a step takes buffers would compete with it.
+                self._warm_wanted.clear()
+                if self._warm_wanted.wait(WARM_QUIET_S):
+                    continue
+                with self._lock:
+                    size = self._warm_class
+                    if self._pooled_bytes + size > self._pool_limit:
+                        break
+                buffer = self._fresh(size)
+                if buffer is None:
+                    break
+                buffer.zero_()  # faults every page in now; torch releases the GIL meanwhile
+                self.recycle(buffer)
+
+    def close(self) -> None:
+        self._closed = True
+        self._warm_wanted.set()
+        warmer = self._warmer
+        if warmer is not None and warmer is not threading.current_thread():
+            warmer.join(timeout=5.0)  # never leave it touching memory while the interpreter exits
+
     def recycle(self, buffer: torch.Tensor) -> None:
         size = int(buffer.numel())
         with self._lock:
-            if self._pooled_bytes + size <= self._pool_limit:
+            if not self._closed and self._pooled_bytes + size <= self._pool_limit:
                 self._pool[size].append(buffer)
                 self._pooled_bytes += size
 
     def trim(self) -> None:
+        self.close()
         with self._lock:
             self._pool.clear()
             self._pooled_bytes = 0

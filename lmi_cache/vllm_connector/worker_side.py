@@ -87,6 +87,9 @@ class WorkerSide:
         self.layout = describe_kv_caches(kv_caches, self._geometry)
         self.copier = PagedChunkCopier(list(kv_caches.values()), self.layout, self._blocks_per_chunk)
         self.engine = self._engine_factory()
+        expect = getattr(self.engine, "expect_chunks", None)
+        if expect is not None:
+            expect(self.copier.chunk_bytes)
         logger.info(
             "lmi-cache: rank %d registered %d KV layers, layout %s, %d bytes per chunk",
             self.rank_index, len(kv_caches), self.layout.tag, self.copier.chunk_bytes,

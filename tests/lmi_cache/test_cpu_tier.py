@@ -164,3 +164,22 @@ def test_concurrent_readers_and_writers_never_see_wrong_bytes() -> None:
         thread.join()
     assert not errors
     assert tier.used_bytes <= tier.capacity_bytes
+
+
+def test_keep_warm_fills_the_pool_with_touched_buffers_in_the_background() -> None:
+    import time
+
+    allocator = HostAllocator(page_locked=False, pool_limit_bytes=4 * size_class_bytes(100_000))
+    allocator.keep_warm(100_000)
+    deadline = time.monotonic() + 10
+    while allocator.pooled_bytes < 4 * size_class_bytes(100_000) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert allocator.pooled_bytes == 4 * size_class_bytes(100_000)  # up to the limit, not beyond
+    taken = [allocator.allocate(100_000) for _ in range(2)]
+    assert allocator.pooled_bytes == 2 * size_class_bytes(100_000)
+    while allocator.pooled_bytes < 4 * size_class_bytes(100_000) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert allocator.pooled_bytes == 4 * size_class_bytes(100_000)  # topped up again after use
+    assert all(t is not None for t in taken)
+    allocator.trim()
+    assert allocator.pooled_bytes == 0
