@@ -78,6 +78,7 @@ def run_rounds(spec: ServerSpec, run_dir: Path, args: argparse.Namespace, rounds
         if long_prime:
             unrelated = argparse.Namespace(**{**vars(args), "num_documents": 1})
             asyncio.run(drive(server.url, unrelated, ("warmup",), args.seed + UNIQUE_SEED_OFFSET + 1))
+            time.sleep(args.settle_s)  # its asynchronous stores land before the measured rounds start
         qa = asyncio.run(drive(server.url, args, rounds, args.seed))
         for item in qa.rounds:
             if item.stats.name.startswith("query"):
