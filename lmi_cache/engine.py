@@ -2,7 +2,7 @@
 
 Orchestration only: tiers own entries and budgets (``tiers.base.Tier``: batched
 contains / get / put), ``tiers.host_memory`` owns the bytes, ``chunk_format``
-defines them, ``key_space``/``chunk_hashing`` make keys. The engine never
+defines them, ``chunk_hashing.KeySpace`` makes keys. The engine never
 raises to its caller for a cache fault: a fault is a miss (or a refused save),
 a rate-limited warning and a metric, and wrong bytes are never returned.
 
@@ -93,10 +93,11 @@ class CacheEngine:
         cpu_bytes = config.cpu_capacity_bytes
         pool_bytes = 256 << 20 if cpu_bytes <= 0 else min(256 << 20, max(cpu_bytes // 4, 32 << 20))
         self.allocator = HostAllocator(page_locked=page_locked, pool_limit_bytes=pool_bytes)
+        # Filled tier by tier: a tier's start-up may already call back (a disk tier over a shrunken
+        # budget evicts while it opens), and the callbacks look at the tiers built so far.
         self.tiers: list[Tier] = []
         context = TierContext(rank_label, self.metrics, self._warner, self.allocator, self._on_evict, self._on_removed)
-        self.tiers = build_tiers(config, context)
-        self._local = [tier for tier in self.tiers if tier.local]
+        build_tiers(config, context, self.tiers)
 
     def expect_chunks(self, payload_bytes: int) -> None:
         """Chunks of this rank carry ``payload_bytes``: keep touched buffers of that size ready."""
@@ -154,7 +155,7 @@ class CacheEngine:
             return False
 
     def _held_locally(self, digest: bytes) -> bool:
-        return any(tier.contains(digest) for tier in self._local)
+        return any(tier.local and tier.contains(digest) for tier in self.tiers)
 
     # ------------------------------------------------------------ load
     def load(self, keys: Sequence[ChunkKey]) -> Iterator[HitBatch]:
@@ -175,8 +176,6 @@ class CacheEngine:
                             self._promote(obj, number)
                     found.update(i for i, _ in hits)
                     yield hits
-            except GeneratorExit:
-                raise
             except Exception as err:  # a tier fault: its remaining keys are asked of the next tier
                 self.metrics.error(tier.name, "load")
                 self._warner.warn(f"load-{tier.name}", f"{tier.name} tier: load failed ({err!r}); treated as a miss")
@@ -240,8 +239,8 @@ class CacheEngine:
 
     def clear(self) -> None:
         digests: set[bytes] = set()
-        for tier in self._local:
-            digests.update(tier.digests())
+        for tier in self.tiers:
+            digests.update(tier.digests())  # a shared (remote) store lists nothing and is never cleared
             tier.clear()
         with self._events_lock:
             self._removed_events.extend(digests)

@@ -42,8 +42,9 @@ TIER_BUILDERS: list[str] = [
 ]
 
 
-def build_tiers(config: CacheConfig, context: TierContext) -> list[Tier]:
-    tiers: list[Tier] = []
+def build_tiers(config: CacheConfig, context: TierContext, tiers: list[Tier]) -> None:
+    """Append the configured tiers to ``tiers`` in lookup order, each as soon as it is built
+    (later tiers' start-up callbacks may consult the earlier ones). On failure, closes what was built."""
     try:
         for target in TIER_BUILDERS:
             module_name, _, function = target.partition(":")
@@ -54,5 +55,5 @@ def build_tiers(config: CacheConfig, context: TierContext) -> list[Tier]:
     except BaseException:
         for tier in tiers:
             tier.close()
+        tiers.clear()
         raise
-    return tiers

@@ -354,3 +354,21 @@ def chunk_keys_for_big() -> ChunkKey:
     from lmi_cache.chunk_hashing import chunk_keys
 
     return chunk_keys(list(range(16)), NS, 16)[0]
+
+
+def test_restart_over_a_shrunken_disk_budget_evicts_at_start_and_reports_it(tmp_path: Path) -> None:
+    # The disk tier evicts while it opens; its callback must find the engine ready for it.
+    with CacheEngine(config(tmp_path, local_cpu=False)) as engine:
+        keys = keys_for(engine, TOKENS, NS)[:4]
+        for key in keys:
+            save(engine, key, data_for(key))
+        engine.flush()
+    file_bytes = next(tmp_path.rglob("*.lmc")).stat().st_size
+    with CacheEngine(config(tmp_path, max_local_disk_size=2.5 * file_bytes / 1024**3)) as restarted:
+        assert restarted.stats()["disk_entries"] == 2
+        _, removed = restarted.drain_events()
+        assert len(removed) == 2 and set(removed) <= {k.digest for k in keys}
+        kept = [k for k in keys if k.digest not in removed]
+        assert len(kept) == 2 and all(held_by(restarted, k) == "disk" for k in kept)
+        got = load(restarted, kept[0])
+        assert got is not None and torch.equal(got, data_for(kept[0]))
