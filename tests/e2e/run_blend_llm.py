@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from run_llm import llm_kwargs, output_record  # this folder is on sys.path: both run as scripts from it
+
 
 def _connectors(llm: Any) -> tuple[Any, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -56,18 +58,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    kwargs: dict[str, Any] = {
-        "model": job["model"],
-        "dtype": "float32",
-        "enforce_eager": True,
-        "seed": 0,
-        "max_model_len": 4096,
-        "enable_prefix_caching": True,
-        "kv_transfer_config": KVTransferConfig(
-            kv_connector="LmiBlendConnector", kv_connector_module_path="lmi_cache.blend.connector", kv_role="kv_both"
-        ),
-    }
-    kwargs.update(job.get("llm_kwargs", {}))
+    kwargs = llm_kwargs(job, prefix_caching=True)
+    kwargs.setdefault("kv_transfer_config", KVTransferConfig(
+        kv_connector="LmiBlendConnector", kv_connector_module_path="lmi_cache.blend.connector", kv_role="kv_both"
+    ))
     started = time.perf_counter()
     llm = LLM(**kwargs)
     result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "phases": []}
@@ -87,12 +81,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         after = _counters(llm)
         delta = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
-        records = []
-        for out in outs:
-            completion = out.outputs[0]
-            logprobs = [sorted([tid, lp.logprob] for tid, lp in step.items()) for step in (completion.logprobs or [])]
-            records.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
-                            "num_cached_tokens": out.num_cached_tokens})
+        records = [output_record(out) for out in outs]
         result["phases"].append({"name": phase["name"], "elapsed_s": elapsed, "outputs": records, "delta": delta,
                                  "counters": after})
     return result

@@ -92,12 +92,26 @@ def _apply_patch(name: str | None) -> None:
         layouts._candidate_shapes = lambda geo, num_blocks: []  # type: ignore[assignment]
 
 
-def _output_record(out: Any) -> dict[str, Any]:
+def output_record(out: Any) -> dict[str, Any]:
     completion = out.outputs[0]
     logprobs = [
         sorted([tid, lp.logprob] for tid, lp in step.items()) for step in (completion.logprobs or [])
     ]
     return {"tokens": list(completion.token_ids), "logprobs": logprobs, "num_cached_tokens": out.num_cached_tokens}
+
+
+def llm_kwargs(job: dict[str, Any], prefix_caching: bool) -> dict[str, Any]:
+    """vLLM's arguments every e2e job shares (float32, eager, seeded), then the job's own ``llm_kwargs``."""
+    kwargs: dict[str, Any] = {
+        "model": job["model"],
+        "dtype": "float32",
+        "enforce_eager": True,
+        "seed": 0,
+        "max_model_len": 4096,
+        "enable_prefix_caching": prefix_caching,
+    }
+    kwargs.update(job.get("llm_kwargs", {}))
+    return kwargs
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
@@ -107,15 +121,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     _apply_patch(job.get("patch"))
-    kwargs: dict[str, Any] = {
-        "model": job["model"],
-        "dtype": "float32",
-        "enforce_eager": True,
-        "seed": 0,
-        "max_model_len": 4096,
-        "enable_prefix_caching": False,
-    }
-    kwargs.update(job.get("llm_kwargs", {}))
+    kwargs = llm_kwargs(job, prefix_caching=False)
     if job.get("connector"):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LmiCacheConnector", kv_connector_module_path="lmi_cache.vllm_connector", kv_role="kv_both"
@@ -140,7 +146,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         after = _counters(llm)
         delta = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
         result["phases"].append(
-            {"name": phase["name"], "elapsed_s": elapsed, "outputs": [_output_record(o) for o in outs], "delta": delta, "counters": after}
+            {"name": phase["name"], "elapsed_s": elapsed, "outputs": [output_record(o) for o in outs], "delta": delta, "counters": after}
         )
     return result
 
