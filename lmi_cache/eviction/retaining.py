@@ -174,17 +174,17 @@ class RetainingPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------ EvictionPolicy
     def on_insert(self, key: Hashable) -> None:
-        if key in self._protected:
-            self._protected.move_to_end(key)
-            return
-        self._inner.on_insert(key)
-        self._try_protect(key)
+        self._touch(key, self._inner.on_insert)
 
     def on_access(self, key: Hashable) -> None:
+        self._touch(key, self._inner.on_access)
+
+    def _touch(self, key: Hashable, inner: Callable[[Hashable], None]) -> None:
+        """A protected key moves up its own list; any other goes to the inner policy and may become protected."""
         if key in self._protected:
             self._protected.move_to_end(key)
             return
-        self._inner.on_access(key)
+        inner(key)
         self._try_protect(key)
 
     def on_remove(self, key: Hashable) -> None:
