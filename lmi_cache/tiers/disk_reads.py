@@ -12,13 +12,14 @@ forgotten and counted.
 
 Several reads run at once on a small thread pool: one file per chunk needs
 several reads in flight to match a sequential stream. Hits are yielded as each
-read finishes, so the caller copies the first chunk while others are read.
+read finishes (all those finished by then in one batch), so the caller copies the
+first chunks while others are read.
 """
 from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from lmi_cache.chunk_format import HEADER_BYTES, BytesLike, ChunkFormatError, ChunkHeader, FingerprintMismatch, verify_parts
@@ -66,7 +67,12 @@ class DiskReader:
         self._pool_lock = threading.Lock()
 
     def get_many(self, keys: Sequence[ChunkKey]) -> Iterator[HitBatch]:
-        """Verified hits, one batch per finished read (parallel when there are several keys)."""
+        """Verified hits in batches: each wake-up yields every read finished by then (parallel reads).
+
+        One batch per wake-up rather than per read: the caller copies each batch with one kernel
+        call, and page-cached reads finish faster than a copy of one chunk is set up, so one call
+        per chunk would cost more than the reads (31 calls vs 1 for a 32M model's 8k-token prompt).
+        """
         if len(keys) <= 1 or self._num_workers == 1:
             for position, key in enumerate(keys):
                 obj = self.read(key)
@@ -77,11 +83,21 @@ class DiskReader:
             self._executor().submit(self.read, key): position for position, key in enumerate(keys)
         }
         try:
-            for future in as_completed(futures):
-                position = futures.pop(future)  # before the yield: a yielded object is the caller's
-                obj = future.result()
-                if obj is not None:
-                    yield [(position, obj)]
+            while futures:
+                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                batch: HitBatch = []
+                try:
+                    for future in sorted(done, key=futures.__getitem__):
+                        position = futures.pop(future)  # before the yield: a yielded object is the caller's
+                        obj = future.result()
+                        if obj is not None:
+                            batch.append((position, obj))
+                except BaseException:
+                    for _, obj in batch:  # not handed over yet
+                        obj.release()
+                    raise
+                if batch:
+                    yield batch
         finally:
             # The caller stopped early: reads still running must not leak their buffers.
             for future in futures:

@@ -254,7 +254,7 @@ def test_get_many_reads_in_parallel_and_verifies(tmp_path: Path, odirect: bool) 
     tier.flush()
     asked = [KEYS[3], KEYS[9], KEYS[1], KEYS[0], KEYS[2]]
     batches = list(tier.get_many(asked))
-    assert all(len(batch) == 1 for batch in batches)  # one batch per finished read
+    assert sum(len(batch) for batch in batches) == 4  # every read finished by a wake-up comes in one batch
     found = {position: obj for batch in batches for position, obj in batch}
     assert sorted(found) == [0, 2, 3, 4]  # KEYS[9] was never stored
     for position, obj in found.items():
@@ -306,10 +306,36 @@ def test_a_caller_that_stops_early_leaks_no_buffer_and_releases_nothing_twice(tm
     tier.flush()
     reads = tier.get_many(KEYS[:6])
     first = next(reads)
-    reads.close()  # the caller stops after one hit; reads in flight finish in the background
-    (_, obj), = first
-    assert obj.refs == 1  # still the caller's, not released by the tier
-    obj.release()
+    reads.close()  # the caller stops after one batch; reads in flight finish in the background
+    assert first and all(obj.refs == 1 for _, obj in first)  # still the caller's, not released by the tier
+    for _, obj in first:
+        obj.release()
     tier.reader.close()  # waits for the reads in flight: their buffers go back to the pool
     assert allocator.pooled_bytes > 0
+    tier.close()
+
+
+class _InlineExecutor:
+    """Runs each read as it is submitted: every read has finished before the first wake-up."""
+
+    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
+def test_reads_finished_by_a_wake_up_come_in_one_batch_in_key_order(tmp_path: Path) -> None:
+    tier = make_tier([tmp_path], num_readers=3)
+    for key in KEYS[:5]:
+        put(tier, key)
+    tier.flush()
+    tier.reader._executor = _InlineExecutor  # type: ignore[method-assign]
+    asked = [KEYS[4], KEYS[9], KEYS[0], KEYS[2]]
+    batches = list(tier.get_many(asked))
+    assert [[position for position, _ in batch] for batch in batches] == [[0, 2, 3]]  # one copy call, not three
+    for (position, obj) in batches[0]:
+        assert bytes(obj.payload_array()) == payload_for(asked[position]).tobytes()
+        obj.release()
     tier.close()
