@@ -4,7 +4,9 @@ Data-path verbs over ``ChunkKey``s: ``contains_many`` (one batched EXISTS or
 HEAD round trip, bounded by ``lookup_timeout_ms``; ``contains_many_async``
 returns a ``PendingLookup`` to poll instead, for vLLM's scheduler, which may
 answer "not yet" and ask again on a later step), ``get_many`` (one batched
-GET, bounded by ``io_timeout_ms``; values verified by ``ValueCodec``) and
+GET, bounded by ``io_timeout_ms``, received into memory the caller gives
+(``get_many_into``: the tier's host allocator, so a value needs no copy after
+it arrives); values verified by ``ValueCodec``) and
 ``put`` (queued for a background writer; a full queue drops the put and counts
 it, so the caller never waits on the network). Calls run on a small I/O pool
 and the caller waits at most the timeout: a slow or hung store turns into
@@ -28,8 +30,8 @@ from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.remote.put_queue import Batch, PutQueue
 from lmi_cache.remote.settings import RemoteSettings
-from lmi_cache.remote.store import Backoff, RemoteStore, StoreError
-from lmi_cache.remote.value_codec import DecodedChunk, MissReason, ValueCodec
+from lmi_cache.remote.store import Backoff, BodyAllocator, ReceivedValue, RemoteStore, StoreError
+from lmi_cache.remote.value_codec import VALUE_HEADER_BYTES, DecodedChunk, MissReason, ValueCodec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,16 +90,39 @@ class RemoteCache:
         return PendingLookup(self, future, len(keys), time.monotonic() + self.settings.lookup_timeout_ms / 1000)
 
     def get_many(self, keys: Sequence[ChunkKey]) -> list[DecodedChunk | MissReason]:
-        """Verified chunks in key order, or the reason each one is a miss."""
+        """Verified chunks in key order, or the reason each one is a miss (values in fresh memory)."""
+        return [result for result, _ in self.get_many_into(keys, _fresh_memory)]
+
+    def get_many_into(
+        self, keys: Sequence[ChunkKey], allocate: BodyAllocator
+    ) -> list[tuple[DecodedChunk | MissReason, Any]]:
+        """``get_many`` with each value received into memory from ``allocate``: (result, owner) in key order.
+
+        ``owner`` is what ``allocate`` gave for that value's body (None when nothing was
+        given); with an ``in_place`` result it holds the chunk object (chunk header and
+        payload), ready to adopt without a copy. The caller recycles every owner it does
+        not adopt. After a timeout the late reply's memory is left to the garbage collector:
+        the I/O thread may still be writing into it.
+        """
         if not keys:
             return []
         names = [self.store.key_for(k.digest) for k in keys]
-        values = self._call("get", self.store.get_many, names, self.settings.io_timeout_ms)
-        if isinstance(values, MissReason) or len(values) != len(keys):
-            reason = values if isinstance(values, MissReason) else MissReason.UNAVAILABLE
-            self._count(f"miss_{reason.value}", len(keys))
-            return [reason] * len(keys)
-        results = self._decode_all(values, keys)
+
+        def fetch(batch: Sequence[str]) -> list[ReceivedValue | None]:
+            return self.store.get_many_into(batch, VALUE_HEADER_BYTES, allocate)
+
+        received = self._call("get", fetch, names, self.settings.io_timeout_ms)
+        if isinstance(received, MissReason) or len(received) != len(keys):
+            return [(miss, None) for miss in self._all_missed(received, len(keys))]
+        results = self._counted(self._decode_all(received, keys))
+        return [(result, None if value is None else value.owner) for result, value in zip(results, received)]
+
+    def _all_missed(self, failed: object, num_keys: int) -> list[DecodedChunk | MissReason]:
+        reason = failed if isinstance(failed, MissReason) else MissReason.UNAVAILABLE
+        self._count(f"miss_{reason.value}", num_keys)
+        return [reason] * num_keys
+
+    def _counted(self, results: list[DecodedChunk | MissReason]) -> list[DecodedChunk | MissReason]:
         for result in results:  # load latency and tokens are the engine's metrics (per tier, all alike)
             if isinstance(result, DecodedChunk):
                 self._count("get_hits")
@@ -113,11 +138,13 @@ class RemoteCache:
         except Exception:  # the first real call reports it (once) and backs off
             pass
 
-    def _decode_all(self, values: Sequence[bytes | None], keys: Sequence[ChunkKey]) -> list[DecodedChunk | MissReason]:
+    def _decode_all(
+        self, values: Sequence[ReceivedValue | None], keys: Sequence[ChunkKey]
+    ) -> list[DecodedChunk | MissReason]:
         """Decode (MAC, decompression, checksum) in parallel when a batch is large: zstd and BLAKE3 drop the GIL."""
-        total_bytes = sum(len(v) for v in values if v is not None)
+        total_bytes = sum(len(v.body) for v in values if v is not None)
         if len(values) < 2 or total_bytes < _PARALLEL_DECODE_BYTES:
-            return [self.codec.decode(value, key) for value, key in zip(values, keys)]
+            return [self._decode_one(value, key) for value, key in zip(values, keys)]
         with self._decode_pool_lock:
             if self._decode_pool is None:
                 self._decode_pool = ThreadPoolExecutor(
@@ -125,9 +152,12 @@ class RemoteCache:
                 )
             pool = self._decode_pool
         try:
-            return list(pool.map(self.codec.decode, values, keys))
+            return list(pool.map(self._decode_one, values, keys))
         except RuntimeError:  # closed meanwhile: decode here (decode itself never raises)
-            return [self.codec.decode(value, key) for value, key in zip(values, keys)]
+            return [self._decode_one(value, key) for value, key in zip(values, keys)]
+
+    def _decode_one(self, value: ReceivedValue | None, key: ChunkKey) -> DecodedChunk | MissReason:
+        return MissReason.NOT_FOUND if value is None else self.codec.decode_parts(value.head, value.body, key)
 
     def _record_bad_value(self, reason: MissReason) -> None:
         if reason == MissReason.NOT_FOUND:
@@ -280,6 +310,11 @@ class RemoteCache:
         if self._decode_pool is not None:
             self._decode_pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()
+
+
+def _fresh_memory(num_bytes: int) -> tuple[bytearray, memoryview]:
+    buffer = bytearray(num_bytes)
+    return buffer, memoryview(buffer)
 
 
 class PendingLookup:

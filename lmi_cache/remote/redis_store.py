@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 from lmi_cache.errors import ConfigError
 from lmi_cache.remote.settings import PASSWORD_ENV, USERNAME_ENV, RemoteSettings, redis_client_url
-from lmi_cache.remote.store import RemoteStore, StoreError
+from lmi_cache.remote.resp_reply import BulkArrayReader
+from lmi_cache.remote.store import BodyAllocator, ReceivedValue, RemoteStore, StoreError, split_value
 
 
 def _import_redis() -> Any:
@@ -108,6 +109,40 @@ class RedisStore(RemoteStore):
             return list(values)
         except Exception as err:
             raise self._error("get", err) from None
+
+    def get_many_into(self, keys: Sequence[str], split_at: int, allocate: BodyAllocator) -> list[ReceivedValue | None]:
+        """One MGET whose reply is received straight into ``allocate``'s memory (single node).
+
+        redis-py sends the command on one of its pooled connections (auth, TLS, unix
+        sockets as configured); ``BulkArrayReader`` reads the reply from that connection's
+        socket instead of redis-py's parser, saving the parser's copies of every value.
+        A fault drops the connection (its stream position is unknown); redis-py
+        reconnects on the next use. A cluster client keeps redis-py's own path.
+        """
+        if not keys:
+            return []
+        if self._cluster:
+            return super().get_many_into(keys, split_at, allocate)
+        client = self._client(lookup=False)
+        try:
+            pool = client.connection_pool
+            conn = pool.get_connection()
+        except Exception as err:
+            raise self._error("get", err) from None
+        try:
+            conn.send_command("MGET", *keys)
+            sock = getattr(conn, "_sock", None)
+            if sock is None:  # a redis-py without a socket attribute: its own parser reads the reply
+                values = conn.read_response()
+                return [None if value is None else split_value(value, split_at, allocate) for value in values]
+            return BulkArrayReader(sock).read_values(split_at, allocate)
+        except BaseException as err:
+            conn.disconnect()
+            if isinstance(err, Exception):
+                raise self._error("get", err) from None
+            raise
+        finally:
+            pool.release(conn)
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         if not items:

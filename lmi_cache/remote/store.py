@@ -13,7 +13,8 @@ import random
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from lmi_cache.remote.value_codec import KEY_VERSION
 
@@ -24,6 +25,19 @@ class StoreError(Exception):
     def __init__(self, message: str, *, timeout: bool = False) -> None:
         super().__init__(message)
         self.timeout = timeout
+
+
+# Memory for a value's body: (owner, writable view of at least the size asked), or None when short.
+BodyAllocator = Callable[[int], "tuple[Any, memoryview] | None"]
+
+
+@dataclass
+class ReceivedValue:
+    """One value read into memory: its first bytes, and the rest in memory from the allocator."""
+
+    head: bytes  # the first ``split_at`` bytes (the whole value when it is shorter)
+    body: memoryview  # the bytes after them (empty when there are none)
+    owner: Any  # what the allocator returned for ``body``; None when it had none to give
 
 
 class RemoteStore(ABC):
@@ -45,6 +59,14 @@ class RemoteStore(ABC):
     @abstractmethod
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of the keys, None where absent (one round trip for the batch)."""
+
+    def get_many_into(self, keys: Sequence[str], split_at: int, allocate: BodyAllocator) -> list[ReceivedValue | None]:
+        """``get_many``, each value's bytes after ``split_at`` in memory from ``allocate``.
+
+        This default copies each value once; a store that can receive straight into the
+        allocator's memory (Redis) overrides it.
+        """
+        return [None if value is None else split_value(value, split_at, allocate) for value in self.get_many(keys)]
 
     @abstractmethod
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
@@ -108,3 +130,17 @@ class Backoff:
             self._delay_s = 0.0
             self._retry_at = 0.0
             return recovered
+
+
+def split_value(value: bytes | memoryview, split_at: int, allocate: BodyAllocator) -> ReceivedValue:
+    """A value already in memory as a ReceivedValue: its head, and one copy of the rest into ``allocate``'s memory."""
+    view = memoryview(value)
+    rest = view[split_at:]
+    if not len(rest):
+        return ReceivedValue(bytes(view), memoryview(b""), None)
+    given = allocate(len(rest))
+    if given is None:
+        return ReceivedValue(bytes(view[:split_at]), rest, None)
+    owner, body = given[0], given[1][: len(rest)]
+    body[:] = rest
+    return ReceivedValue(bytes(view[:split_at]), body, owner)

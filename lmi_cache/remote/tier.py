@@ -3,8 +3,9 @@
 ``put`` queues a copy of the chunk object for the store's writer (never
 waited for); ``get_many`` fetches all keys asked of it in one batched round
 trip (the engine asks it only for what the local tiers missed), verifies each
-value (header, checksum, MAC) and decodes it into host memory from the
-allocator, so the engine's promotion into the CPU tier is a reference, not a
+value (header, checksum, MAC); values are received straight into host memory
+from the allocator (an uncompressed one is then the chunk object itself, no
+copy), so the engine's promotion into the CPU tier is a reference, not a
 copy. A miss or fault of any kind is a miss, counted by ``RemoteCache``;
 nothing here raises after construction. A shared store is never cleared or
 enumerated by one of its clients: ``clear`` and ``digests`` are no-ops.
@@ -15,6 +16,7 @@ import logging
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
+import torch
 
 from lmi_cache.chunk_format import HEADER_BYTES
 from lmi_cache.chunk_hashing import ChunkKey
@@ -59,19 +61,32 @@ class RemoteTier(Tier):
         if not keys:
             return
         batch: HitBatch = []
-        for position, (key, result) in enumerate(zip(keys, self.cache.get_many(keys))):
-            if isinstance(result, DecodedChunk):
-                obj = self._to_object(key, result)
-                if obj is not None:
-                    batch.append((position, obj))
+        received = self.cache.get_many_into(keys, self._body_memory)
+        for position, (key, (result, owner)) in enumerate(zip(keys, received)):
+            if not isinstance(result, DecodedChunk):
+                if owner is not None:
+                    self._allocator.recycle(owner)
+                continue
+            obj = self._to_object(key, result, owner)  # adopts or recycles ``owner``
+            if obj is not None:
+                batch.append((position, obj))
         if batch:
             yield batch
 
-    def _to_object(self, key: ChunkKey, chunk: DecodedChunk) -> ChunkObject | None:
+    def _body_memory(self, num_bytes: int) -> tuple[torch.Tensor, memoryview] | None:
+        """Host memory a value's body (chunk header + payload) is received into (an I/O thread)."""
+        buffer = self._allocator.allocate(max(num_bytes, HEADER_BYTES))
+        return None if buffer is None else (buffer, memoryview(buffer.numpy()))
+
+    def _to_object(self, key: ChunkKey, chunk: DecodedChunk, owner: torch.Tensor | None) -> ChunkObject | None:
+        if chunk.in_place and owner is not None:
+            return ChunkObject(key, chunk.header, owner, self._allocator)  # received in place: no copy
         obj = self._allocator.new_object(key, chunk.header)
-        if obj is None:
-            return None
-        np.copyto(obj.buffer[HEADER_BYTES : chunk.header.total_bytes].numpy(), np.frombuffer(chunk.payload, dtype=np.uint8))
+        if obj is not None:
+            payload = np.frombuffer(chunk.payload, dtype=np.uint8)
+            np.copyto(obj.buffer[HEADER_BYTES : chunk.header.total_bytes].numpy(), payload)
+        if owner is not None:
+            self._allocator.recycle(owner)
         return obj
 
     def put(self, obj: ChunkObject) -> bool:

@@ -84,6 +84,9 @@ class DecodedChunk:
 
     header: ChunkHeader
     payload: memoryview
+    # The payload is the decoded body's own bytes after the chunk header (not decompressed into
+    # new memory), so the body's memory holds the whole chunk object as the tiers lay it out.
+    in_place: bool = False
 
 
 def load_secret(environ: dict[str, str] | None = None) -> bytes | None:
@@ -187,21 +190,30 @@ class ValueCodec:
         except Exception:  # the last line of defence: a decode fault is a miss, never an error
             return MissReason.CORRUPTED
 
+    def decode_parts(self, head: BytesLike, body: BytesLike, key: ChunkKey) -> DecodedChunk | MissReason:
+        """``decode`` of a value received in two parts: its first VALUE_HEADER_BYTES, and the rest."""
+        try:
+            return self._decode_parts(byte_view(head), byte_view(body), key)
+        except Exception:  # the last line of defence: a decode fault is a miss, never an error
+            return MissReason.CORRUPTED
+
     def _decode(self, view: memoryview, key: ChunkKey) -> DecodedChunk | MissReason:
-        if len(view) < VALUE_HEADER_BYTES:
-            return MissReason.FOREIGN if bytes(view[:4]) != VALUE_MAGIC[: len(view[:4])] else MissReason.TRUNCATED
-        magic, version, codec_id, flags, elem_bytes, payload_bytes, body_bytes, mac = _VALUE.unpack_from(view)
+        return self._decode_parts(view[:VALUE_HEADER_BYTES], view[VALUE_HEADER_BYTES:], key)
+
+    def _decode_parts(self, head: memoryview, body: memoryview, key: ChunkKey) -> DecodedChunk | MissReason:
+        if len(head) < VALUE_HEADER_BYTES:
+            return MissReason.FOREIGN if bytes(head[:4]) != VALUE_MAGIC[: len(head[:4])] else MissReason.TRUNCATED
+        magic, version, codec_id, flags, elem_bytes, payload_bytes, body_bytes, mac = _VALUE.unpack_from(head)
         if magic != VALUE_MAGIC or version != VALUE_VERSION or codec_id not in Codec._value2member_map_:
             return MissReason.FOREIGN
         if flags & ~FLAG_MAC:
             return MissReason.FOREIGN
         if (codec_id == Codec.ZSTD_PLANES) != (elem_bytes > 1) or (not flags & FLAG_MAC and mac != _ZERO_MAC):
             return MissReason.CORRUPTED
-        if len(view) - VALUE_HEADER_BYTES < body_bytes:
+        if len(body) < body_bytes:
             return MissReason.TRUNCATED
-        if len(view) - VALUE_HEADER_BYTES > body_bytes or body_bytes < HEADER_BYTES:
+        if len(body) > body_bytes or body_bytes < HEADER_BYTES:
             return MissReason.CORRUPTED
-        body = view[VALUE_HEADER_BYTES:]
         if self._mac_key is not None:
             if not flags & FLAG_MAC:
                 return MissReason.MAC_MISSING
@@ -229,7 +241,7 @@ class ValueCodec:
             return MissReason.FINGERPRINT
         except ChunkFormatError:
             return MissReason.CORRUPTED
-        return DecodedChunk(header, payload)
+        return DecodedChunk(header, payload, in_place=codec_id == Codec.NONE)
 
     def _decompress(self, codec: Codec, elem_bytes: int, data: memoryview, size: int) -> memoryview | MissReason:
         if codec == Codec.NONE:

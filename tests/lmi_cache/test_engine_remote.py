@@ -146,3 +146,39 @@ def test_config_refuses_a_lossy_serde_and_a_bad_store_url() -> None:
 
     settings = remote_settings(config)
     assert settings is not None and settings.lookup_timeout_ms == 20 and settings.ttl_s == 3600 and settings.cluster
+
+
+@pytest.mark.parametrize("compression", ["off", "zstd-planes"])
+def test_a_remote_hit_is_received_into_the_object_it_becomes(redis_server: RedisServer, compression: str) -> None:
+    """Uncompressed values land in the host buffer that becomes the chunk object (one allocation, no
+    copy after the socket); compressed ones are decompressed into a new object and their receive
+    buffer goes back to the pool."""
+    keys, data = keys_and_data(3, seed=7)
+    config = fleet_config(redis_server.url, f"in-place-{compression}", extra={"remote_compression": compression})
+    with CacheEngine(config) as first:
+        assert all(save(first, k, d) for k, d in zip(keys, data))
+        first.flush(10.0)
+    with CacheEngine(config) as second:
+        allocator = second.allocator
+        given: list[int] = []
+        allocate = allocator.allocate
+
+        def counting(num_bytes: int) -> torch.Tensor | None:
+            buffer = allocate(num_bytes)
+            if buffer is not None:
+                given.append(buffer.data_ptr())
+            return buffer
+
+        allocator.allocate = counting  # type: ignore[method-assign]
+        pooled_before = allocator.pooled_bytes
+        (batch,) = list(second.load(keys))
+        assert sorted(position for position, _ in batch) == [0, 1, 2]
+        for position, obj in batch:
+            assert torch.equal(obj.payload_tensor(), data[position])
+        if compression == "off":
+            assert len(given) == 3 and {obj.buffer.data_ptr() for _, obj in batch} == set(given)
+        else:
+            assert len(given) == 6  # a receive buffer, then an object, per value
+            assert allocator.pooled_bytes > pooled_before  # receive buffers went back to the pool
+        for _, obj in batch:
+            obj.release()
