@@ -4,7 +4,8 @@ Run: ``.venv/bin/python benchmarks/bench_remote.py`` (about 1-2 min; needs
 ``redis-server`` on PATH; ``--help``). It starts its own redis-server on a free
 loopback port and stops it at the end.
 
-1. Retrieve throughput: ``RemoteCache.get_many`` (one MGET per batch, every
+1. Retrieve throughput: ``RemoteCache.get_many_into`` as the remote tier calls it
+   (one MGET per batch, each reply received straight into pooled host buffers, every
    value verified: value header, chunk header, fingerprint, XXH3 payload
    checksum; with ``--mac`` rows also the BLAKE3 MAC) against a plain GET loop
    of the same values with the same redis-py client (target >= 0.9), and against
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -40,6 +42,7 @@ from lmi_cache.remote import RemoteSettings, open_remote  # noqa: E402
 from lmi_cache.devtools.redis_server import RedisServer  # noqa: E402
 from lmi_cache.remote.redis_store import RedisStore  # noqa: E402
 from lmi_cache.remote.value_codec import DecodedChunk, ValueCodec  # noqa: E402
+from lmi_cache.tiers.host_memory import HostAllocator  # noqa: E402
 
 MIB = 1 << 20
 SECRET = b"benchmark-secret-0123456789abcdef"
@@ -137,10 +140,17 @@ def bench_retrieve(args: argparse.Namespace) -> None:
                     for batch in name_batches:
                         client.mget(batch)
 
-                def ours() -> None:
+                allocator = HostAllocator(page_locked=False)
+
+                def host_memory(num_bytes: int) -> tuple[torch.Tensor, memoryview] | None:
+                    buffer = allocator.allocate(num_bytes)
+                    return None if buffer is None else (buffer, memoryview(buffer.numpy()))
+
+                def ours() -> None:  # as the remote tier reads: into pooled host buffers, freed after use
                     for batch in batches:
-                        for result in cache.get_many(batch):
+                        for result, owner in cache.get_many_into(batch, host_memory):
                             assert isinstance(result, DecodedChunk)
+                            allocator.recycle(owner)
 
                 (w_get, w_mget, w_ours), (c_get, c_mget, c_ours), (f_get, _, f_ours) = wall_and_cpu(
                     args.repeats, [plain_get_loop, plain_mget, ours])
