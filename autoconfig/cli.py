@@ -48,6 +48,25 @@ class LmiCacheGroup(click.Group):
         sys.exit(result if isinstance(result, int) else 0)
 
 
+def _with_blending(settings: Any, enabled: bool, ratios: str | None) -> Any:
+    """``plan --enable-blending [--blend-recompute-ratios R]``: the LMI options' blending, for what-if plans."""
+    if not enabled and ratios is None:
+        return settings
+    from dataclasses import replace
+
+    from lmi_cache.blend.settings import BlendSettings
+
+    if not enabled:
+        raise click.UsageError("--blend-recompute-ratios needs --enable-blending")
+    if settings.engine == "lmcache":
+        raise click.UsageError("--enable-blending plans lmi-cache's own blender; drop --engine lmcache")
+    values: dict[str, Any] = {"enable_blending": True}
+    if ratios is not None:
+        values["blend_recompute_ratios"] = ratios
+    blend = BlendSettings.from_mapping(values, "--blend-recompute-ratios")  # a bad value: one line, exit 2
+    return replace(settings, blend=blend, blend_where="--enable-blending")
+
+
 def _one_line(message: str) -> str:
     return " ".join(message.split())
 
@@ -121,12 +140,17 @@ def _parallel_options(func: Any) -> Any:
 @click.option("--disk-path", help="Override: disk tier directory (option.lmcache_local_disk).")
 @click.option("--engine", type=click.Choice(["lmi_cache", "lmcache"]), default="lmi_cache", show_default=True,
               help="lmcache: upstream LMCache's LMCacheConnectorV1.")
+@click.option("--enable-blending", is_flag=True,
+              help="Blend cached documents anywhere in the prompt (option.lmcache_enable_blending).")
+@click.option("--blend-recompute-ratios", metavar="R[,R...]",
+              help="Share of blended tokens recomputed per check layer (option.lmcache_blend_recompute_ratios).")
 @_host_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan JSON contract.")
 def plan(model: str, tp: int, pp: int, dp: int, kv_cache_dtype: str, dtype: str, gpu_memory_utilization: float,
          max_model_len: int | None, chunk_size: int | None, cpu_size_gib: float | None,
-         disk_size_gib: float | None, disk_path: str | None, engine: str, host_file: str | None,
-         instance_type: str | None, as_json: bool) -> None:
+         disk_size_gib: float | None, disk_path: str | None, engine: str, enable_blending: bool,
+         blend_recompute_ratios: str | None, host_file: str | None, instance_type: str | None,
+         as_json: bool) -> None:
     """Size the KV tiers for MODEL on this host (or a snapshot / instance type)."""
     from autoconfig.model_source import load_model_info
     from autoconfig.planner import plan_tiers
@@ -136,6 +160,7 @@ def plan(model: str, tp: int, pp: int, dp: int, kv_cache_dtype: str, dtype: str,
                                max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                                engine=engine, overrides=TierOverrides(chunk_size=chunk_size, cpu_size_gib=cpu_size_gib,
                                                               disk_size_gib=disk_size_gib, disk_path=disk_path))
+    settings = _with_blending(settings, enable_blending, blend_recompute_ratios)
     info = load_model_info(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, allow_network=False)
     host, label, live = _load_host(host_file, instance_type, info.weights_bytes)
     space = _env_cpu_space() if live else None
@@ -187,13 +212,14 @@ def validate(ctx: click.Context, config: str, model: str, tp: int, pp: int, dp: 
     """Check a hand-written LMCache YAML against this host and MODEL (exit 1 on errors)."""
     from autoconfig.model_source import load_model_info
     from autoconfig.settings import ServingSettings
-    from autoconfig.validate import validate_config
+    from autoconfig.validate import blend_findings, validate_config
 
     settings = ServingSettings(tp=tp, pp=pp, dp=dp, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
                                gpu_memory_utilization=gpu_memory_utilization)
     info = load_model_info(model, kv_cache_dtype=kv_cache_dtype, allow_network=False)
     host, label, live = _load_host(host_file, instance_type, info.weights_bytes)
     findings = validate_config(config, info, settings, host, check_local_paths=live)
+    findings = blend_findings(config, info) + findings  # errors, listed first as validate_config lists its own
     for finding in findings:
         click.echo(str(finding))
     errors = sum(f.level == "error" for f in findings)

@@ -107,6 +107,9 @@ def configure(
         mode = "auto"
     elif props.config_file is not None:
         _check_user_config(props.config_file, props.config_where)
+        if props.settings.blend_connector:
+            _check_blend_model(props, mdir, env, model)
+            messages.append(f"note: blending on ({props.settings.blend_where}): vLLM loads LmiBlendConnector")
         run_env = {"LMCACHE_CONFIG_FILE": str(props.config_file)}
         args = render_args(None, props.settings)
         mode = "file"
@@ -147,6 +150,22 @@ def _plan(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapp
     info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
                            hf_home=hf_home, allow_network=allow_network)
     return plan_tiers(host, info, props.settings, cpu_kvcache_space_gib=cpu_kvcache_space_from_env(env))
+
+
+def _check_blend_model(props: ResolvedProperties, mdir: Path, env: Mapping[str, str],
+                       model_override: str | None) -> None:
+    """With the user's YAML blending: refuse a model the blender does not cover now, when config.json is at hand."""
+    from autoconfig.model_source import hub_access_from_env, load_model_info
+    from autoconfig.plan_blend import check_blend_model
+    from autoconfig.s3_model import is_s3
+
+    model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
+    if model is None or is_s3(model):
+        return  # the blending connector checks the model when vLLM starts it
+    hf_home, allow_network = hub_access_from_env(env)
+    info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
+                           hf_home=hf_home, allow_network=allow_network)
+    check_blend_model(props.settings, info.config, info.name, info.kv.layout.num_layers)
 
 
 def resolve_fitted(mdir: Path, env: Mapping[str, str], num_gpus: int) -> ResolvedProperties:

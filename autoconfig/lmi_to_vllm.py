@@ -41,6 +41,8 @@ LMCACHE_OPTIONS = frozenset({
     "lmcache_auto_config", "lmcache_config_file", "lmcache_max_local_cpu_size",
     "lmcache_max_local_disk_size", "lmcache_local_disk", "lmcache_chunk_size", "lmcache_use_odirect",
     "lmcache_engine", "lmcache_remote_url", "lmcache_session_retention_share",
+    "lmcache_enable_blending", "lmcache_blend_special_str", "lmcache_blend_check_layers",
+    "lmcache_blend_recompute_ratios", "lmcache_blend_min_tokens",  # autoconfig.blend_options.BLEND_OPTIONS
 })
 
 # vLLM arguments that serve controls itself: a user value would break the

@@ -35,6 +35,7 @@ class ModelInfo:
     weights_bytes: int
     weights_source: str  # how weights_bytes was found (one of three phrases, see _weights)
     notes: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict, repr=False)  # config.json as read (blending checks it)
 
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -65,7 +66,7 @@ def load_model_info(
     except ModelConfigError as err:  # from the estimate, which does not know the file name
         raise ModelConfigError(f"{config_path}: {err}") from None
     return ModelInfo(name=name, config_path=str(config_path), kv=kv, weights_bytes=weights_bytes,
-                     weights_source=weights_source, notes=notes)
+                     weights_source=weights_source, notes=notes, config=dict(config))
 
 
 def hf_hub_cache_dir(hf_home: str | None = None) -> Path:

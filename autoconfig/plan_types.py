@@ -7,10 +7,13 @@ Pure data: no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from lmi_cache.errors import UserError
 from lmi_cache.kv_layout import KvLayout
+
+if TYPE_CHECKING:
+    from lmi_cache.blend.settings import BlendSettings
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -52,6 +55,7 @@ class PlanModel:
     name: str = ""
     notes: tuple[str, ...] = ()  # how the geometry/weights were resolved (shown in explanations)
     num_attention_heads: int | None = None  # query heads; None: unknown (a bare layout), not checked
+    config: Mapping[str, Any] | None = None  # config.json as read; None: unknown (a bare layout), not checked
 
     @classmethod
     def coerce(cls, model: "PlanModel | ModelInfoLike | KvLayout") -> "PlanModel":
@@ -68,6 +72,7 @@ class PlanModel:
             name=getattr(model, "name", "") or kv.layout.model_name,
             notes=tuple(getattr(kv, "notes", ()) or ()) + _weights_note(model),
             num_attention_heads=getattr(kv, "num_attention_heads", None),
+            config=getattr(model, "config", None) or None,
         )
 
 
@@ -182,6 +187,7 @@ class TierPlan:
     warnings: list[str] = field(default_factory=list)
     explanation: list[str] = field(default_factory=list)
     remote_url: str | None = None  # the fleet's shared store behind the local tiers (None: no remote tier)
+    blend: BlendSettings | None = None  # blending wired through LmiBlendConnector (None: off or not ours)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``plan --json`` contract (issue 2); byte counts are ints; ``remote`` only with a remote tier."""
@@ -191,6 +197,8 @@ class TierPlan:
 
             data["tiers"]["remote"] = {"url": redact_url(self.remote_url),
                                        "chunk_bytes_per_rank": self.kv_bytes_per_token_per_rank * self.chunk_size}
+        if self.blend is not None:  # only when on: plans without blending keep their documented shape
+            data["blending"] = {"connector": "LmiBlendConnector", **self.blend.to_lmcache_dict()}
         return data
 
     def _to_dict(self) -> dict[str, Any]:

@@ -49,6 +49,7 @@ def plan_tiers(
     ``cpu_kvcache_space_gib`` is VLLM_CPU_KVCACHE_SPACE when already set by the
     user (CPU backend only); None lets the planner choose it.
     """
+    from autoconfig.plan_blend import plan_blending
     from autoconfig.render.lmcache_yaml import lmcache_dict
     from autoconfig.render.vllm_args import vllm_args
 
@@ -84,6 +85,7 @@ def plan_tiers(
     remote_url = settings.overrides.remote_url
     if remote_url:
         why.append(_remote_text(remote_url, bpt_rank * chunk, settings.engine))
+    blend = plan_blending(m, settings, why, warn)
     plan = TierPlan(
         remote_url=remote_url,
         model_name=m.name, kv_dtype=m.layout.kv_dtype, kv_bytes_per_token=bpt,
@@ -91,7 +93,7 @@ def plan_tiers(
         max_model_len=max_model_len, tp=tp, pp=pp, dp=settings.dp, ranks_per_host=ranks,
         gpu=gpu, cpu=cpu, disk=disk, chunk_size=chunk, lmi_reference=ref, engine=settings.engine,
         env=_server_env(gpu, settings, why),
-        warnings=warn, explanation=why,
+        warnings=warn, explanation=why, blend=blend,
     )
     return replace(plan, lmcache_config=lmcache_dict(plan), vllm_args=vllm_args(plan, settings))
 

@@ -17,6 +17,9 @@ came from. Tier overrides the planner honours (per rank, LMCache semantics):
   valkeys://, unix:// or s3://bucket/prefix (the remote tier behind CPU and disk)
 - ``option.lmcache_engine``              ``lmi_cache`` (default) or ``lmcache`` (upstream
   LMCache's connector, when that package is installed)
+- ``option.lmcache_enable_blending``     true/false: blending (vLLM loads LmiBlendConnector); with
+  ``option.lmcache_blend_special_str``, ``_blend_check_layers``, ``_blend_recompute_ratios``,
+  ``_blend_min_tokens`` (LMCache's keys; see ``autoconfig.blend_options``)
 
 LMI's own LMCache recipe (``option.kv_transfer_config`` naming
 ``LMCacheConnectorV1`` plus ``option.lmcache_config_file`` or the
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
+from autoconfig.blend_options import resolve_blend
 from autoconfig.java_properties import parse_properties
 from autoconfig.lmi_names import LMI_VALUES, SIMPLIFIED_ENV, masked
 from autoconfig.lmi_recipe import LmcacheRecipe, find_recipe
@@ -193,6 +197,8 @@ def resolve_properties(
         devices = worker_gpus(starts[:settings.dp], tp * pp, host_gpus, str(path))
     if engine == "lmcache":
         _check_upstream_lmcache(options["lmcache_engine"].where)
+    blend, blend_where = resolve_blend(options, env, config_file, config_where or "option.lmcache_config_file", engine)
+    settings = replace(settings, blend=blend, blend_where=blend_where)
     model_id = get.value("model_id", _nonempty, None)
     others = {k: v for k, v in file_props.items() if not k.startswith("option.") and not noted(k, notes)}
     return ResolvedProperties(mdir, path, model_id, auto, config_file, settings, options, others,

@@ -136,6 +136,8 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
     if props.config_file is not None:
         findings = check_user_config(props, checked, host, env)
     findings += env_findings
+    if props.settings.blend_connector:  # lmi_cache.config's hint for the exact-prefix connector does not apply
+        findings = [f for f in findings if "blending needs the blending connector" not in f]
     secret_env, secret_files = secrets_for_vllm(mapped, props)
     result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files,
                        model=checked if is_s3(props.model_id or "") else None, resolved=props)
@@ -254,6 +256,15 @@ def _summary(props: ResolvedProperties, mode: str, model: str, port: int, mapped
 
 
 def _cache_lines(mode: str, props: ResolvedProperties, plan: object) -> list[str]:
+    lines = _tier_lines(mode, props, plan)
+    if mode != "off" and props.settings.blend_connector:
+        b = props.settings.blend
+        lines.append(f"cache: blending on ({props.settings.blend_where}): LmiBlendConnector, separator "
+                     f"{b.special_str!r}, recompute ratios {list(b.recompute_ratios)} after layers {list(b.check_layers)}")
+    return lines
+
+
+def _tier_lines(mode: str, props: ResolvedProperties, plan: object) -> list[str]:
     if mode == "file":
         return [f"cache: LMCache config from {props.config_file} (checked against this host)"]
     if mode == "off":

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lmi_cache.blend.settings import BlendSettings
+
 
 @dataclass(frozen=True)
 class TierOverrides:
@@ -37,6 +39,15 @@ class ServingSettings:
     dtype: str = "auto"  # vLLM's --dtype (model compute dtype)
     engine: str = "lmi_cache"  # "lmi_cache" or "lmcache" (upstream LMCacheConnectorV1)
     overrides: TierOverrides = TierOverrides()
+    # Blending (enable_blending and the blend_* keys) as the server will read them: LMI options, or the
+    # user's LMCache YAML, then LMCACHE_* env on top (see autoconfig.blend_options).
+    blend: BlendSettings = BlendSettings()
+    blend_where: str = ""  # the enable_blending setting that counts, for messages ("OPTION_...=true"; "": off)
+
+    @property
+    def blend_connector(self) -> bool:
+        """Whether vLLM loads LmiBlendConnector (blending on, with this project's engine)."""
+        return self.blend.enabled and self.engine == "lmi_cache"
 
     @property
     def ranks_per_host(self) -> int:

@@ -78,6 +78,35 @@ def validate_config(
     return _sorted(findings)
 
 
+def blend_findings(config_path: str, model: PlanModel | ModelInfoLike) -> list[Finding]:
+    """The file's blending keys: bad values, and a model the blender does not cover (``validate`` only).
+
+    Not part of ``validate_config``: serve checks blending with the environment applied
+    (``autoconfig.blend_options``), where LMCACHE_ENABLE_BLENDING may turn the file's setting off.
+    """
+    from lmi_cache.blend.settings import BLEND_KEYS, BlendConfigError, BlendSettings
+    from lmi_cache.blend.support import blend_refusal
+
+    data = _read(config_path)
+    keys = {k: data[k] for k in (*BLEND_KEYS, "blend_thresholds") if k in data}
+    try:
+        blend = BlendSettings.from_mapping(keys, config_path)
+    except BlendConfigError as err:
+        return [Finding("error", _key_in(str(err), keys) or "enable_blending", str(err))]
+    if not blend.enabled:
+        return []
+    m = PlanModel.coerce(model)
+    reason = blend_refusal(m.config, m.name or "the model") if m.config is not None else None
+    if reason is not None:
+        return [Finding("error", "enable_blending", f"{config_path}: enable_blending: true: {reason}; "
+                                                    "turn blending off for this model")]
+    try:
+        blend.check_model(m.layout.num_layers, m.name or "the model")
+    except BlendConfigError as err:
+        return [Finding("error", "blend_check_layers", str(err))]
+    return []
+
+
 def _read(path: str) -> dict[str, Any]:
     from lmi_cache.config import read_yaml_mapping
 

@@ -48,6 +48,31 @@ Worker series (per rank; with TP every rank holds its own part of each token's K
                                                   extra_config.session_retention_share of the tier)
 - lmi_cache_load_seconds{tier}                    latency of a successful load (histogram)
 - lmi_cache_store_seconds{tier}                   latency of a store (CPU: copy; disk: file write)
+
+Blending series (``LmiBlendConnector`` only, with ``enable_blending`` on), in the
+registry of the scheduler's or the rank's object above, so with the same labels
+and the same exporter. ``BlendSchedulerMetrics`` (scheduler, {engine}):
+
+- lmi_cache_blend_planned_requests_total{engine}  requests admitted with a blend (vLLM accepted its tokens)
+- lmi_cache_blend_planned_tokens_total{engine}    tokens those blends serve from cached segments
+- lmi_cache_blend_segment_stores_total{engine}    segment stores issued to the workers (once per segment)
+- lmi_cache_blend_bad_requests_total{engine}      requests whose blend kv_transfer_params were malformed
+
+``BlendWorkerMetrics`` (each worker rank, {engine,rank}; the worker's own
+``BlendWorkerStats`` added after every step):
+
+- lmi_cache_blend_jobs_total                      blends written into vLLM's KV cache
+- lmi_cache_blend_job_faults_total                blends given back to vLLM to recompute
+- lmi_cache_blend_segments_loaded_total           cached segments read back for blends
+- lmi_cache_blend_segment_misses_total            segments planned as cached but missing or damaged
+- lmi_cache_blend_blended_tokens_total            tokens whose KV came from cached segments
+- lmi_cache_blend_recomputed_tokens_total         of those, tokens recomputed past the check layers
+- lmi_cache_blend_segments_stored_total           segments computed alone and stored
+- lmi_cache_blend_segment_store_faults_total      segment stores that failed (a future miss)
+- lmi_cache_blend_seconds_total                   time spent blending (loads and KV writes included)
+- lmi_cache_blend_load_seconds_total              of that, reading the prefix and the segments
+- lmi_cache_blend_write_seconds_total             of that, writing every layer's KV into the paged cache
+- lmi_cache_blend_segment_store_seconds_total     time spent computing and storing segments
 """
 from __future__ import annotations
 
@@ -55,7 +80,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -190,6 +215,76 @@ class CacheMetrics:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._plain)
+
+
+class BlendSchedulerMetrics:
+    """Blend counters of one scheduler, in the registry of its ``SchedulerMetrics`` (label ``engine``)."""
+
+    def __init__(self, registry: CollectorRegistry, engine_label: str = "0") -> None:
+        self.engine_label = engine_label
+        self.registry = registry
+        labels = ["engine"]
+        self._requests = Counter("lmi_cache_blend_planned_requests", "Requests admitted with a blend", labels,
+                                 registry=registry)
+        self._tokens = Counter("lmi_cache_blend_planned_tokens", "Tokens blends serve from cached segments", labels,
+                               registry=registry)
+        self._stores = Counter("lmi_cache_blend_segment_stores", "Segment stores issued to the workers", labels,
+                               registry=registry)
+        self._bad = Counter("lmi_cache_blend_bad_requests", "Requests with malformed blend kv_transfer_params",
+                            labels, registry=registry)
+        for counter in (self._requests, self._tokens, self._stores, self._bad):
+            counter.labels(engine_label)  # present at 0 from the start: rates work before the first blend
+
+    def blended(self, num_tokens: int) -> None:
+        self._requests.labels(self.engine_label).inc()
+        self._tokens.labels(self.engine_label).inc(num_tokens)
+
+    def segment_stores(self, count: int = 1) -> None:
+        self._stores.labels(self.engine_label).inc(count)
+
+    def bad_request(self) -> None:
+        self._bad.labels(self.engine_label).inc()
+
+
+# BlendWorkerStats field -> (series name without _total, help). The worker counts in plain fields; these
+# counters follow them (BlendWorkerMetrics.follow), so blending code stays free of Prometheus.
+BLEND_WORKER_SERIES: Final = (
+    ("num_blends", "lmi_cache_blend_jobs", "Blends written into vLLM's KV cache"),
+    ("num_blend_faults", "lmi_cache_blend_job_faults", "Blends given back to vLLM to recompute"),
+    ("num_segments_loaded", "lmi_cache_blend_segments_loaded", "Cached segments read back for blends"),
+    ("num_segment_misses", "lmi_cache_blend_segment_misses", "Segments planned as cached but missing or damaged"),
+    ("num_blended_tokens", "lmi_cache_blend_blended_tokens", "Tokens whose KV came from cached segments"),
+    ("num_recomputed_tokens", "lmi_cache_blend_recomputed_tokens", "Blended tokens recomputed past the check layers"),
+    ("num_segments_stored", "lmi_cache_blend_segments_stored", "Segments computed alone and stored"),
+    ("num_segment_store_faults", "lmi_cache_blend_segment_store_faults", "Segment stores that failed"),
+    ("blend_seconds", "lmi_cache_blend_seconds", "Seconds spent blending (loads and KV writes included)"),
+    ("blend_load_seconds", "lmi_cache_blend_load_seconds", "Seconds of blending spent reading prefix and segments"),
+    ("blend_write_seconds", "lmi_cache_blend_write_seconds", "Seconds of blending spent writing KV into vLLM's cache"),
+    ("store_seconds", "lmi_cache_blend_segment_store_seconds", "Seconds spent computing and storing segments"),
+)
+
+
+class BlendWorkerMetrics:
+    """Blend counters of one worker rank, in the registry of its engine's ``CacheMetrics`` (``engine``, ``rank``)."""
+
+    def __init__(self, registry: CollectorRegistry, engine_label: str = "0", rank_label: str = "0") -> None:
+        self.registry = registry
+        self.engine_label = engine_label
+        self.rank_label = rank_label
+        self._counters = {field: Counter(name, text, ["engine", "rank"], registry=registry)
+                          for field, name, text in BLEND_WORKER_SERIES}
+        self._seen: dict[str, float] = {field: 0.0 for field in self._counters}
+        for counter in self._counters.values():
+            counter.labels(engine_label, rank_label)  # present at 0 from the start
+
+    def follow(self, stats: Any) -> None:
+        """Add what ``stats`` (a ``BlendWorkerStats``) counted since the last call."""
+        for field, counter in self._counters.items():
+            value = float(getattr(stats, field, 0) or 0)
+            delta = value - self._seen[field]
+            if delta > 0:
+                counter.labels(self.engine_label, self.rank_label).inc(delta)
+            self._seen[field] = value  # a smaller value: the stats were reset; count from there
 
 
 class RateLimitedWarner:

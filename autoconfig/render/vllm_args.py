@@ -2,7 +2,8 @@
 
 Run by ``plan``/``configure`` (container-start process); ``serve`` appends the
 rest of the engine arguments. Our connector is loaded out of tree by module
-path; ``--engine lmcache`` targets upstream LMCache's connector instead.
+path (``LmiBlendConnector`` when blending is on); ``--engine lmcache`` targets
+upstream LMCache's connector instead.
 """
 from __future__ import annotations
 
@@ -18,11 +19,19 @@ LMI_CACHE_CONNECTOR = {
     "kv_connector_module_path": "lmi_cache.vllm_connector",
     "kv_role": "kv_both",
 }
+# The exact-prefix connector plus blending (enable_blending); see lmi_cache.blend.connector.
+LMI_BLEND_CONNECTOR = {
+    "kv_connector": "LmiBlendConnector",
+    "kv_connector_module_path": "lmi_cache.blend.connector",
+    "kv_role": "kv_both",
+}
 UPSTREAM_LMCACHE_CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 
 
-def kv_transfer_config(engine: str) -> dict[str, str]:
-    return dict(UPSTREAM_LMCACHE_CONNECTOR if engine == "lmcache" else LMI_CACHE_CONNECTOR)
+def kv_transfer_config(engine: str, blend: bool = False) -> dict[str, str]:
+    if engine == "lmcache":
+        return dict(UPSTREAM_LMCACHE_CONNECTOR)
+    return dict(LMI_BLEND_CONNECTOR if blend else LMI_CACHE_CONNECTOR)
 
 
 def vllm_args(plan: "TierPlan | None", settings: "ServingSettings") -> list[str]:
@@ -30,7 +39,7 @@ def vllm_args(plan: "TierPlan | None", settings: "ServingSettings") -> list[str]
 
     ``plan`` is accepted for future plan-dependent flags; today only settings matter.
     """
-    args = ["--kv-transfer-config", json.dumps(kv_transfer_config(settings.engine))]
+    args = ["--kv-transfer-config", json.dumps(kv_transfer_config(settings.engine, settings.blend_connector))]
     if settings.tp != 1:
         args += ["--tensor-parallel-size", str(settings.tp)]
     if settings.pp != 1:

@@ -6,7 +6,11 @@ Load it out of tree with::
                            "kv_connector_module_path":"lmi_cache.blend.connector",
                            "kv_role":"kv_both"}'
 
-and ``enable_blending: true`` in the LMCache YAML (or ``LMCACHE_ENABLE_BLENDING=true``).
+and ``enable_blending: true`` in the LMCache YAML (or ``LMCACHE_ENABLE_BLENDING=true``);
+``lmi-cache configure`` / ``serve`` render both from ``option.lmcache_enable_blending``
+(see ``autoconfig.blend_options``). Counters become ``lmi_cache_blend_*`` series
+beside the base connector's (``lmi_cache.metrics``): the scheduler's as they
+happen, each rank's after every step.
 Requests without blendable segments, and every hook this class does not
 override, go to ``LmiCacheConnector`` unchanged (exact prefix chunks).
 
@@ -117,17 +121,47 @@ class LmiBlendConnector(LmiCacheConnector):
         self._blend_scheduler: BlendScheduler | None = None
         self._blend_worker: Any = None
         self._blend_failed_blocks: set[int] = set()
+        self._blend_worker_metrics: Any = None  # BlendWorkerMetrics once the engine exists; False: broken, off
         self.blend_model_source = ""  # worker: "plugin" or "search" (how the model was reached)
         if not self._blend_settings.enabled:
             return
         if role == KVConnectorRole.SCHEDULER:
             sep = _separator_ids(vllm_config, self._blend_settings.special_str)
             self._blend_scheduler = BlendScheduler(
-                self._blend_settings, sep, self._tp_size * self._pp_size, self._segment_key
+                self._blend_settings, sep, self._tp_size * self._pp_size, self._segment_key,
+                self._blend_scheduler_metrics(),
             )
             logger.info("lmi-cache: blending on (separator %r = token ids %s, check layers %s, ratios %s)",
                         self._blend_settings.special_str, list(sep), list(self._blend_settings.check_layers),
                         list(self._blend_settings.recompute_ratios))
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def _blend_scheduler_metrics(self) -> Any:
+        """lmi_cache_blend_* series beside the scheduler's lmi_cache_* ones (same registry, same ``engine``)."""
+        from lmi_cache.metrics import BlendSchedulerMetrics
+
+        base = getattr(self._scheduler, "metrics", None)
+        if base is None:
+            return None
+        return BlendSchedulerMetrics(base.registry, base.engine_label)
+
+    def _follow_blend_stats(self) -> None:
+        """Add what the blend worker counted this step to the rank's lmi_cache_blend_* series."""
+        if self._blend_worker is None or self._blend_worker_metrics is False:
+            return
+        try:
+            if self._blend_worker_metrics is None:
+                from lmi_cache.metrics import BlendWorkerMetrics
+
+                base = getattr(getattr(self._worker, "engine", None), "metrics", None)
+                if base is None:
+                    return
+                self._blend_worker_metrics = BlendWorkerMetrics(base.registry, base.engine_label, base.rank_label)
+            self._blend_worker_metrics.follow(self._blend_worker.stats)
+        except Exception as err:  # noqa: BLE001 - metrics must never break a step
+            self._blend_worker_metrics = False  # warned once; the blend counters stay plain numbers
+            logger.warning("lmi-cache: blend metrics turned off on this rank (%r)", err)
 
     # -- keys ----------------------------------------------------------------------------
 
@@ -253,6 +287,7 @@ class LmiBlendConnector(LmiCacheConnector):
         if self._blend_worker is not None and self._worker is not None and isinstance(meta, BlendConnectorMetadata) \
                 and meta.blends:
             self._blend_failed_blocks |= self._blend_worker.run_blends(meta.blends, self._worker.engine)
+            self._follow_blend_stats()
 
     def wait_for_save(self) -> None:
         super().wait_for_save()
@@ -260,6 +295,7 @@ class LmiBlendConnector(LmiCacheConnector):
         if self._blend_worker is not None and self._worker is not None and isinstance(meta, BlendConnectorMetadata) \
                 and meta.segment_stores:
             self._blend_worker.run_stores(meta.segment_stores, self._worker.engine)
+            self._follow_blend_stats()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._blend_failed_blocks = self._blend_failed_blocks, set()

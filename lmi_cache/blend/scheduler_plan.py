@@ -21,12 +21,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmi_cache.blend.jobs import BlendConnectorMetadata, BlendJob, BlendPiece, SegmentStore
 from lmi_cache.blend.segments import BlendPlan, SegmentSplit, Span, plan_blend, split_segments
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
 from lmi_cache.vllm_connector.key_index import KeyIndex
+
+if TYPE_CHECKING:
+    from lmi_cache.metrics import BlendSchedulerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,8 @@ class BlendScheduler:
     """Blend bookkeeping for one scheduler; see the module docstring."""
 
     def __init__(
-        self, settings: BlendSettings, separator_ids: Sequence[int], world_size: int, segment_key_fn: SegmentKeyFn
+        self, settings: BlendSettings, separator_ids: Sequence[int], world_size: int, segment_key_fn: SegmentKeyFn,
+        metrics: BlendSchedulerMetrics | None = None,
     ) -> None:
         self.settings = settings
         self._sep = tuple(separator_ids)
@@ -91,6 +95,12 @@ class BlendScheduler:
         self.index = KeyIndex()
         self._states: dict[str, _BlendState] = {}
         self.stats = BlendSchedulerStats()
+        self.metrics = metrics  # lmi_cache_blend_* series of this scheduler (None: plain stats only)
+
+    def _bad_request(self) -> None:
+        self.stats.num_bad_requests += 1
+        if self.metrics is not None:
+            self.metrics.bad_request()
 
     def state(self, req_id: str) -> _BlendState | None:
         return self._states.get(req_id)
@@ -107,7 +117,7 @@ class BlendScheduler:
         try:
             split = self._split(request, prompt)
         except BlendRequestError as err:
-            self.stats.num_bad_requests += 1
+            self._bad_request()
             logger.warning("lmi-cache: request %s served without blending: %s", request.request_id, err)
             return None
         if split is None:
@@ -130,7 +140,7 @@ class BlendScheduler:
                         f"request {request.request_id} kv_transfer_params",
                     ).recompute_ratios
                 except BlendConfigError as err:
-                    self.stats.num_bad_requests += 1
+                    self._bad_request()
                     logger.warning("lmi-cache: %s; using the configured ratios", err)
         return state
 
@@ -166,6 +176,8 @@ class BlendScheduler:
         state.confirmed = True
         self.stats.num_blend_plans += 1
         self.stats.num_blend_tokens += state.blend.blended_tokens
+        if self.metrics is not None:
+            self.metrics.blended(state.blend.blended_tokens)
         self.stats.requests_blended.append(req_id)
 
     def take_jobs(self, scheduler_output: Any, meta: BlendConnectorMetadata) -> None:
@@ -206,6 +218,8 @@ class BlendScheduler:
             meta.segment_stores.append(SegmentStore(req_id, tuple(state.prompt[span.start : span.end]), keys))
             self.index.mark_save_pending(keys)
             self.stats.num_segment_stores += 1
+            if self.metrics is not None:
+                self.metrics.segment_stores()
 
     @staticmethod
     def _keys_of(state: _BlendState, span: Span) -> tuple[Any, ...]:

@@ -24,8 +24,9 @@ setting it is an error rather than a silently different selection.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from lmi_cache.config_values import parse_bool, parse_int
 from lmi_cache.errors import ConfigError
@@ -61,44 +62,60 @@ class BlendSettings:
         _validate(self)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], source: str = "config") -> "BlendSettings":
+    def from_mapping(cls, values: Mapping[str, Any], source: str = "config",
+                     where_of: Callable[[str], str] | None = None) -> BlendSettings:
         """Settings from LMCache keys in ``values`` (other keys are ignored).
 
-        ``source`` names where the values came from ("lmcache.yaml", "env"), for messages.
-        Strings are accepted for every key, as environment variables give them.
+        ``source`` names where the values came from ("lmcache.yaml", "env"), for messages;
+        ``where_of(key)``, when given, names where one key's value came from instead (values
+        gathered from several places, as autoconfig does). Strings are accepted for every
+        key, as environment variables give them.
         """
+        def at(key: str) -> str:
+            return where_of(key) if where_of is not None else _where(source, key)
+
         if values.get("blend_thresholds") is not None:
             raise BlendConfigError(
                 f"{source}: key 'blend_thresholds' (threshold-based selection) is not supported; "
                 "remove it and use blend_recompute_ratios"
             )
-        enabled = parse_bool(values.get("enable_blending", False), _where(source, "enable_blending"))
+        enabled = parse_bool(values.get("enable_blending", False), at("enable_blending"))
         special = values.get("blend_special_str", DEFAULT_SPECIAL_STR)
         if not isinstance(special, str) or special == "":
             raise BlendConfigError(
-                f"{_where(source, 'blend_special_str')}: expected a non-empty string, got {special!r}"
+                f"{at('blend_special_str')}: expected a non-empty string, got {special!r}"
             )
         layers_raw = values.get("blend_check_layers")
         check_layers = (
             DEFAULT_CHECK_LAYERS
             if layers_raw is None
-            else tuple(_parse_list(layers_raw, _where(source, "blend_check_layers"), _to_layer))
+            else tuple(_parse_list(layers_raw, at("blend_check_layers"), _to_layer))
         )
         ratios_raw = values.get("blend_recompute_ratios")
         ratios = (
             DEFAULT_RECOMPUTE_RATIOS
             if ratios_raw is None
-            else tuple(_parse_list(ratios_raw, _where(source, "blend_recompute_ratios"), _to_ratio))
+            else tuple(_parse_list(ratios_raw, at("blend_recompute_ratios"), _to_ratio))
         )
         if len(ratios) == 1 and len(check_layers) > 1:
             ratios = ratios * len(check_layers)
         min_tokens = parse_int(
-            values.get("blend_min_tokens", DEFAULT_MIN_TOKENS), _where(source, "blend_min_tokens")
+            values.get("blend_min_tokens", DEFAULT_MIN_TOKENS), at("blend_min_tokens")
         )
         try:
             return cls(enabled, special, check_layers, ratios, min_tokens)
         except BlendConfigError as err:
             raise BlendConfigError(f"{source}: {err}") from None
+
+    def to_lmcache_dict(self) -> dict[str, Any]:
+        """These settings as LMCache YAML keys (what ``from_mapping`` reads back to equal settings)."""
+        return {
+            "enable_blending": self.enabled,
+            "blend_special_str": self.special_str,
+            "blend_check_layers": list(self.check_layers),
+            "blend_recompute_ratios": list(self.recompute_ratios),
+            "blend_min_tokens": self.min_tokens,
+        }
 
     def check_model(self, num_layers: int, model: str = "the model") -> None:
         """Refuse check layers the model does not have (call once the model is known)."""

@@ -1,0 +1,260 @@
+"""The lmi_cache_blend_* series: driven through BlendScheduler and LmiBlendConnector's worker hooks, read back
+from the same registries as the other lmi_cache series (and from a multiprocess directory)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from blend_models import tiny_model
+
+from lmi_cache.blend.blender import prefill
+from lmi_cache.blend.hf_adapter import HFLayerwiseModel
+from lmi_cache.blend.jobs import (
+    BlendConnectorMetadata,
+    BlendJob,
+    BlendPiece,
+    SegmentStore,
+)
+from lmi_cache.blend.paged_kv import PagedKV
+from lmi_cache.blend.scheduler_plan import BlendScheduler
+from lmi_cache.blend.settings import BlendSettings
+from lmi_cache.blend.worker_jobs import BlendWorker
+from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.metrics import (
+    BLEND_WORKER_SERIES,
+    BlendSchedulerMetrics,
+    BlendWorkerMetrics,
+    CacheMetrics,
+    SchedulerMetrics,
+)
+from lmi_cache.transfer.layouts import ExpectedGeometry, describe_kv_caches
+
+pytest.importorskip("vllm")
+from lmi_cache.blend.connector import LmiBlendConnector
+
+REPO = Path(__file__).resolve().parents[2]
+SEP = (9, 9)
+N = 16  # tokens per block
+
+
+def _sched_value(metrics: SchedulerMetrics, name: str) -> float | None:
+    return metrics.registry.get_sample_value(name, {"engine": metrics.engine_label})
+
+
+def _rank_value(metrics: CacheMetrics, name: str) -> float | None:
+    return metrics.registry.get_sample_value(name, {"engine": metrics.engine_label, "rank": metrics.rank_label})
+
+
+# -- scheduler ------------------------------------------------------------------------------
+
+
+def _key(tokens: Any, rank: int, layout: str, lora: Any, salt: Any) -> ChunkKey:
+    digest = hash((tuple(tokens), rank, layout, lora, salt)).to_bytes(16, "little", signed=True)
+    return ChunkKey(digest, 0, len(tokens), 1)
+
+
+def _request(req_id: str, prompt: list[int], params: dict[str, Any] | None = None) -> Any:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, cache_salt=None, kv_transfer_params=params,
+                           lora_request=None)
+
+
+def _output(*new: tuple[str, list[int]]) -> Any:
+    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,)) for r, b in new],
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]),
+                           finished_req_ids=set())
+
+
+def test_scheduler_series_follow_plans_stores_and_bad_requests() -> None:
+    base = SchedulerMetrics(engine_label="1")
+    fake = SimpleNamespace(_scheduler=SimpleNamespace(metrics=base))
+    blend_metrics = LmiBlendConnector._blend_scheduler_metrics(fake)  # type: ignore[arg-type]
+    assert blend_metrics.registry is base.registry and blend_metrics.engine_label == "1"
+    sched = BlendScheduler(BlendSettings(enabled=True, min_tokens=4), SEP, 1, _key, blend_metrics)
+    prompt = [1] * 10 + list(SEP) + [2] * 10 + list(SEP) + [5, 6, 7]
+    first = _request("a", prompt)
+    assert sched.plan(first, 0, 0, "L") is None  # cold: prefilled, its two segments stored
+    sched.take_jobs(_output(("a", [1, 2])), BlendConnectorMetadata())
+    assert _sched_value(base, "lmi_cache_blend_segment_stores_total") == 2
+    assert _sched_value(base, "lmi_cache_blend_planned_requests_total") == 0  # nothing blended yet
+    state = sched.state("a")
+    assert state is not None
+    sched.update_from_workers([k.digest for keys in state.segment_keys for k in keys], [])
+    second = _request("b", prompt)
+    assert sched.plan(second, 0, 0, "L") == 24
+    sched.confirm("b", 24)
+    assert _sched_value(base, "lmi_cache_blend_planned_requests_total") == 1
+    assert _sched_value(base, "lmi_cache_blend_planned_tokens_total") == 24
+    sched.plan(_request("c", prompt, {"blend_segment_ends": [5, 3]}), 0, 0, "L")  # not increasing
+    assert _sched_value(base, "lmi_cache_blend_bad_requests_total") == 1
+    assert sched.stats.num_bad_requests == 1 and sched.stats.num_blend_plans == 1
+
+
+# -- worker -----------------------------------------------------------------------------------
+
+
+class DictEngine:
+    """The engine verbs blending uses, over a dict, with the rank's CacheMetrics like CacheEngine."""
+
+    def __init__(self, metrics: CacheMetrics) -> None:
+        self.metrics = metrics
+        self.objects: dict[bytes, torch.Tensor] = {}
+
+    def store_from(self, key: ChunkKey, shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> bool:
+        out = torch.empty(shape, dtype=dtype)
+        fill(out)
+        self.objects[key.digest] = out
+        return True
+
+    def retrieve(self, key: ChunkKey, out: Any = None) -> torch.Tensor | None:
+        found = self.objects.get(key.digest)
+        return None if found is None else found.clone()
+
+
+class FakeWorkerSide:
+    """The base connector's worker side, reduced to what its hooks touch (nothing to load or save)."""
+
+    def __init__(self, engine: DictEngine) -> None:
+        self.engine = engine
+
+    def load(self, meta: Any) -> None:
+        return
+
+    def save(self, meta: Any) -> None:
+        return
+
+    def take_failed_block_ids(self) -> set[int]:
+        return set()
+
+
+def _connector(ratio: float, metrics: CacheMetrics) -> tuple[Any, HFLayerwiseModel]:
+    """An LmiBlendConnector past register_kv_caches: a real BlendWorker over a tiny Llama and CPU paged tensors."""
+    hf = tiny_model("llama")
+    model = HFLayerwiseModel(hf)
+    kv_heads, head_dim = hf.config.num_key_value_heads, model.head_dim
+    layers = [torch.zeros(32, kv_heads, N, 2 * head_dim) for _ in range(model.num_layers)]
+    layout = describe_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)},
+                                ExpectedGeometry(block_size_tokens=N, num_kv_heads=kv_heads, head_size=head_dim))
+    settings = BlendSettings(enabled=True, recompute_ratios=(ratio,), min_tokens=0)
+    connector: Any = LmiBlendConnector.__new__(LmiBlendConnector)
+    connector._blend_worker = BlendWorker(settings, model, PagedKV(layers, layout, N), rank_index=0)
+    connector._blend_worker_metrics = None
+    connector._blend_failed_blocks = set()
+    connector._worker = FakeWorkerSide(DictEngine(metrics))
+    return connector, model
+
+
+def _key_of(n: int, tag: int) -> ChunkKey:
+    return ChunkKey(bytes([tag]) * 16, 0, n, tag)
+
+
+def test_worker_series_follow_each_step_of_the_connector() -> None:
+    metrics = CacheMetrics(rank_label="3", engine_label="1")
+    connector, model = _connector(0.5, metrics)
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 256, (20,), generator=gen)
+    seg_a, seg_b = torch.randint(0, 256, (30,), generator=gen), torch.randint(0, 256, (26,), generator=gen)
+    connector._connector_metadata = BlendConnectorMetadata(segment_stores=[
+        SegmentStore("r", tuple(seg_a.tolist()), (_key_of(30, 1),)),
+        SegmentStore("r", tuple(seg_b.tolist()), (_key_of(26, 2),))])
+    connector.wait_for_save()  # the step that stores the segments
+    assert _rank_value(metrics, "lmi_cache_blend_segments_stored_total") == 2
+    assert _rank_value(metrics, "lmi_cache_blend_segment_store_seconds_total") > 0
+    assert _rank_value(metrics, "lmi_cache_blend_jobs_total") == 0  # present from the first step, at 0
+
+    block_ids = tuple(range(3, 3 + 6))
+    with torch.inference_mode():
+        prefix_kv, _ = prefill(model, prefix)
+    connector._blend_worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
+    del connector._worker.engine.objects[bytes([1]) * 16]  # segment a lost: computed in full
+    job = BlendJob("r", 20, tuple(torch.cat((seg_b, seg_a)).tolist()),
+                   (BlendPiece(20, 46, (_key_of(26, 2),)), BlendPiece(46, 76, (_key_of(30, 1),))), block_ids)
+    broken = BlendJob("s", 16, tuple(range(40)), (BlendPiece(16, 56, (_key_of(40, 4),)),), (1, 2))  # too few blocks
+    connector._connector_metadata = BlendConnectorMetadata(blends=[job, broken])
+    connector.start_load_kv(SimpleNamespace())
+    stats = connector._blend_worker.stats
+    assert stats.num_blends == 1 and stats.num_blend_faults == 1
+    assert _rank_value(metrics, "lmi_cache_blend_jobs_total") == 1
+    assert _rank_value(metrics, "lmi_cache_blend_job_faults_total") == 1
+    assert _rank_value(metrics, "lmi_cache_blend_segments_loaded_total") == 1
+    assert _rank_value(metrics, "lmi_cache_blend_segment_misses_total") == stats.num_segment_misses == 2  # a, and the broken job's
+    assert _rank_value(metrics, "lmi_cache_blend_blended_tokens_total") == stats.num_blended_tokens == 26
+    assert _rank_value(metrics, "lmi_cache_blend_recomputed_tokens_total") == stats.num_recomputed_tokens > 0
+    assert _rank_value(metrics, "lmi_cache_blend_seconds_total") == pytest.approx(stats.blend_seconds)
+    assert 0 < _rank_value(metrics, "lmi_cache_blend_write_seconds_total") <= stats.blend_seconds
+    assert connector.get_block_ids_with_load_errors() >= {2}
+    connector.start_load_kv(SimpleNamespace())  # the same jobs again: only what this step did is added
+    assert _rank_value(metrics, "lmi_cache_blend_jobs_total") == 2
+    assert _rank_value(metrics, "lmi_cache_blend_job_faults_total") == 2
+    assert _rank_value(metrics, "lmi_cache_blend_segments_stored_total") == 2
+
+
+def test_every_worker_stats_field_has_a_series() -> None:
+    from dataclasses import fields
+
+    from lmi_cache.blend.worker_jobs import BlendWorkerStats
+
+    exported = {f for f, _, _ in BLEND_WORKER_SERIES}
+    assert exported == {f.name for f in fields(BlendWorkerStats)}
+
+
+def test_a_metrics_fault_never_breaks_a_step(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[int] = []
+
+    def broken(self: Any, stats: Any) -> None:
+        calls.append(1)
+        raise ValueError("registry gone")
+
+    monkeypatch.setattr(BlendWorkerMetrics, "follow", broken)
+    connector, _ = _connector(0.0, CacheMetrics())
+    connector._connector_metadata = BlendConnectorMetadata(
+        segment_stores=[SegmentStore("r", (1, 2, 3), (_key_of(3, 5),))])
+    connector.wait_for_save()
+    assert connector._blend_worker.stats.num_segments_stored == 1  # the store itself went through
+    connector.wait_for_save()  # turned off on this rank after one warning: no second try, no error
+    assert len(calls) == 1 and connector._blend_worker_metrics is False
+    assert sum("blend metrics turned off" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_blend_series_add_up_across_processes(tmp_path: Path) -> None:
+    """With PROMETHEUS_MULTIPROC_DIR (as under lmi-cache serve) the series join vLLM's /metrics like the others."""
+    code = (
+        "from types import SimpleNamespace as S\n"
+        "from lmi_cache.metrics import BlendSchedulerMetrics, BlendWorkerMetrics, CacheMetrics, SchedulerMetrics\n"
+        "import sys\n"
+        "rank = sys.argv[1]\n"
+        "if rank == 'scheduler':\n"
+        "    BlendSchedulerMetrics(SchedulerMetrics('0').registry, '0').blended(100)\n"
+        "else:\n"
+        "    c = CacheMetrics(rank, engine_label='0')\n"
+        "    BlendWorkerMetrics(c.registry, '0', rank).follow(S(num_blends=2, num_blended_tokens=50))\n"
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    for who in ("scheduler", "0", "1"):
+        subprocess.run([sys.executable, "-c", code, who], env=env, check=True, timeout=60)
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    assert registry.get_sample_value("lmi_cache_blend_planned_tokens_total", {"engine": "0"}) == 100
+    for rank in ("0", "1"):
+        labels = {"engine": "0", "rank": rank}
+        assert registry.get_sample_value("lmi_cache_blend_jobs_total", labels) == 2
+        assert registry.get_sample_value("lmi_cache_blend_blended_tokens_total", labels) == 50
+
+
+def test_follow_counts_deltas_only() -> None:
+    metrics = CacheMetrics(rank_label="0")
+    follower = BlendWorkerMetrics(metrics.registry, "0", "0")
+    follower.follow(SimpleNamespace(num_blends=2, blend_seconds=0.5))
+    follower.follow(SimpleNamespace(num_blends=2, blend_seconds=0.75))
+    follower.follow(SimpleNamespace(num_blends=5, blend_seconds=0.75))
+    assert _rank_value(metrics, "lmi_cache_blend_jobs_total") == 5
+    assert _rank_value(metrics, "lmi_cache_blend_seconds_total") == pytest.approx(0.75)
+    assert isinstance(BlendSchedulerMetrics(SchedulerMetrics().registry), BlendSchedulerMetrics)
