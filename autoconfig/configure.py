@@ -114,6 +114,9 @@ def configure(
         args = render_args(None, props.settings)
         mode = "file"
     else:
+        if props.settings.blend.enabled and "lmcache_enable_blending" in props.options:
+            raise ConfigureError(f"{props.settings.blend_where}: blending is part of the KV cache, which is off; "
+                                 "also set option.lmcache_auto_config=true (or option.lmcache_config_file)")
         # No cache requested: still hand vLLM the parallel flags, without a connector.
         args = render_args(None, props.settings)[2:]
         mode = "off"

@@ -249,3 +249,11 @@ def test_validate_names_blending_on_an_uncovered_model(tmp_path: Path) -> None:
     assert any(ln.startswith("ERROR   enable_blending:") and "model_type 'gemma2'" in ln for ln in bad.output.splitlines())
     good = _cli(["validate", str(config), "--model", str(MODELS / "qwen2.5-7b-instruct"), "--host", host])
     assert good.exit_code == 0, good.output
+
+
+def test_the_blending_option_without_the_cache_is_an_error_not_a_silent_no(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"option.lmcache_enable_blending=true: blending is part of the KV cache, "
+                                        r"which is off; also set option.lmcache_auto_config=true"):
+        _launch(tmp_path, "option.lmcache_enable_blending=true\n")
+    off = _launch(tmp_path, "option.lmcache_enable_blending=false\n")  # saying no is fine
+    assert "--kv-transfer-config" not in off.argv
