@@ -203,6 +203,7 @@ def _report_paired(res: dict[str, Any], args: argparse.Namespace, prompts: list[
           f"prefix only / blend = {ratio('prefix_s', 'blend_s'):.2f}x; "
           f"first token as without cache: {sum(r['same_first'] for r in rows)}/{len(rows)}")
     print(f"blend worker: {res['blend_stats']}")
+    print(f"machine load (1-minute average) at start and end: {res['load_avg_1min'][0]:.1f}, {res['load_avg_1min'][1]:.1f}")
     if args.out:
         args.out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
                                         "paired": res}, indent=1, default=str))
@@ -240,7 +241,11 @@ def main() -> None:
         model = make_tiny_model(models_dir / f"tiny-{args.size}", args.size)
     warmup, prompts = _build(args, _separator(model))
     if args.paired:
-        _report_paired(_run("blend", args, model, warmup, prompts, work), args, prompts)
+        load_before = os.getloadavg()[0]
+        res = _run("blend", args, model, warmup, prompts, work)
+        # Other jobs on a shared machine slow every row; the paired ratios absorb it, the seconds do not.
+        res["load_avg_1min"] = [load_before, os.getloadavg()[0]]
+        _report_paired(res, args, prompts)
         return
     results: dict[str, Any] = {}
     # Rounds rotate through the configurations, so load from other processes on a shared

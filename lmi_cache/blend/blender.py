@@ -48,6 +48,20 @@ class LayerwiseModel(Protocol):
         """Final norm and LM head: [T, hidden] -> [T, vocab]."""
 
 
+def rotate_qk(model: LayerwiseModel, layer: int, q: torch.Tensor, k: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated to ``positions``: by the model's own RoPE kernel when it offers one (``rope_qk``), else ``apply_rope``.
+
+    vLLM's fused in-place kernel is several times faster than the tensor arithmetic and gives the
+    recomputed tokens exactly the values vLLM's own forward gives them; ``model.rope`` stays the
+    spec that cached K is re-rotated with (the same angles).
+    """
+    own = getattr(model, "rope_qk", None)
+    if own is not None:
+        return own(layer, q, k, positions)
+    return apply_rope(q, positions, model.rope), apply_rope(k, positions, model.rope)
+
+
 class LayerAttention(Protocol):
     """Attention of one layer's queries over [prefix | blended tokens]: (layer, q, positions, k, v) -> [Tq, H*D].
 
@@ -103,7 +117,7 @@ def prefill(
     new_v: list[torch.Tensor] = []
     for layer in range(model.num_layers):
         q, k, v = model.qkv(layer, hidden)
-        q, k = apply_rope(q, positions, model.rope), apply_rope(k, positions, model.rope)
+        q, k = rotate_qk(model, layer, q, k, positions)
         new_k.append(k)
         new_v.append(v)
         if attention is not None:
@@ -131,18 +145,19 @@ def rerotated_segments(model: LayerwiseModel, cached: Sequence[KVStack | None], 
     if like is None:
         raise ValueError("at least one segment must have cached KV")
     num_layers, heads, dim = like.k.shape[0], like.k.shape[2], like.k.shape[3]
-    out_k = like.k.new_zeros((num_layers, sum(lengths), heads, dim))
-    out_v = like.v.new_zeros((num_layers, sum(lengths), heads, dim))
+    out_k = like.k.new_empty((num_layers, sum(lengths), heads, dim))
+    out_v = like.v.new_empty((num_layers, sum(lengths), heads, dim))
     offset = 0
     for seg, n in zip(cached, lengths):
-        if seg is not None:
+        if seg is None:
+            out_k[:, offset : offset + n] = 0
+            out_v[:, offset : offset + n] = 0
+        else:
             if seg.num_tokens != n:
                 raise ValueError(f"cached KV holds {seg.num_tokens} tokens, its segment {n}")
             old = torch.arange(n)
-            # Every layer at once (layers folded into the head dim): the same per-element arithmetic.
-            folded = seg.k.permute(1, 0, 2, 3).reshape(n, num_layers * heads, dim)
-            moved = rerotate(folded, old, old + start + offset, model.rope)
-            out_k[:, offset : offset + n] = moved.reshape(n, num_layers, heads, dim).permute(1, 0, 2, 3)
+            # Every layer in one pass, written straight into place (no per-layer copies).
+            rerotate(seg.k, old, old + start + offset, model.rope, out=out_k[:, offset : offset + n])
             out_v[:, offset : offset + n] = seg.v
         offset += n
     return KVStack(out_k, out_v)
@@ -188,20 +203,26 @@ def blend(
                     for layer in counts if layer < model.num_layers}
     out_k, out_v = cached_kv.k, cached_kv.v
     active = torch.arange(tokens.numel())
+    everyone = True  # active is still every blended token: rows are written by slice, not by index
+    pos = positions  # one tensor per selection: the attention may plan once for all layers that share it
     hidden = model.embed(tokens)
     for layer in range(model.num_layers):
         if active.numel() == 0:
             break
         q, k, v = model.qkv(layer, hidden)
-        pos = positions[active]
-        q, k = apply_rope(q, pos, model.rope), apply_rope(k, pos, model.rope)
-        out_k[layer, active] = k
-        out_v[layer, active] = v
+        q, k = rotate_qk(model, layer, q, k, pos)
+        if everyone:
+            out_k[layer].copy_(k)
+            out_v[layer].copy_(v)
+        else:
+            out_k[layer, active] = k
+            out_v[layer, active] = v
         if layer in counts:
             keep = _select(
                 k, v, check_cached[layer], active, forced[active], counts[layer], selection, deviation, generator
             )
             active, q, hidden, pos = active[keep], q[keep], hidden[keep], pos[keep]
+            everyone = False
             if active.numel() == 0:
                 break
         if attention is not None:

@@ -11,6 +11,20 @@ each run of consecutive query positions is one "request" of the kernel whose
 sequence ends at the run's last position, all sharing the prompt's block table,
 so scattered recomputed tokens cost what decoding them would.
 
+Each isolated query streams its keys' K/V from memory for one query row, so
+15% scattered queries cost about 40% of a dense layer's attention (measured on
+8k-token prompts). Two GEMM-shaped alternatives were measured on the project's
+2-core CPU and were no faster, so they are not used: torch's flash attention
+over groups of queries (a masked tail per group, merged by log-sum-exp) ran at
+half the kernel's dense speed and paid a thread handoff per op on a busy
+machine; and this kernel itself over groups (one non-causal request per group
+for the whole blocks before it, one-token requests for the rest, the two merged
+through extra "mass" columns in a padded K/V copy) matched, not beat, the
+one-token requests once the padding and the copy were paid.
+
+After a check layer the blender passes one positions tensor to every later
+layer: the runs, block table rows and scheduler metadata are planned once.
+
 CPU only (layout kind ``cpu``); other devices use the reference attention.
 """
 from __future__ import annotations
@@ -55,6 +69,8 @@ class CpuPagedAttention:
         self._isa = getattr(first, "isa", None) or _get_attn_isa(self._dtype, block_size, head_dim, self._kv_cache_dtype)
         self._block_table: torch.Tensor | None = None
         self._block_ids: tuple[int, ...] = ()
+        self.written: set[int] = set()  # layers whose K/V the bound request's blocks already hold (``layer_attention``)
+        self._plan: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # (positions, kernel arguments)
 
     def scratch(self, num_tokens: int) -> "CpuPagedAttention":
         """The same kernel over private blocks for ``num_tokens`` tokens (a segment computed alone), bound."""
@@ -75,6 +91,8 @@ class CpuPagedAttention:
         """The request whose blocks the following calls read and write."""
         self._block_ids = tuple(block_ids)
         self._block_table = torch.tensor(self._block_ids, dtype=torch.int32)
+        self.written = set()
+        self._plan = None
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V [T, H_kv, D] as the request's tokens [start, start + T) of ``layer``."""
@@ -90,14 +108,18 @@ class CpuPagedAttention:
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention [Tq, H*D] of queries q [Tq, H, D] at ascending ``positions`` over the paged tokens before them."""
         assert self._block_table is not None, "bind() the request first"
-        query_start_loc, seq_lens = _runs(positions)
-        num_runs = int(seq_lens.numel())
-        block_table = self._block_table.expand(num_runs, -1).contiguous()
-        metadata = self._ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=num_runs, num_heads=self._num_heads, num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
-            seq_lens=seq_lens, dtype=self._dtype, query_start_loc=query_start_loc, causal=True,
-            sliding_window_size=-1, isa=self._isa, enable_kv_split=False, kv_cache_dtype=self._kv_cache_dtype,
-        )
+        if self._plan is None or self._plan[0] is not positions:
+            query_start_loc, seq_lens = _runs(positions)
+            num_runs = int(seq_lens.numel())
+            block_table = self._block_table.expand(num_runs, -1).contiguous()
+            metadata = self._ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=num_runs, num_heads=self._num_heads, num_kv_heads=self._num_kv_heads,
+                head_dim=self._head_dim, seq_lens=seq_lens, dtype=self._dtype, query_start_loc=query_start_loc,
+                causal=True, sliding_window_size=-1, isa=self._isa, enable_kv_split=False,
+                kv_cache_dtype=self._kv_cache_dtype,
+            )
+            self._plan = (positions, (query_start_loc, seq_lens, block_table, metadata))
+        query_start_loc, seq_lens, block_table, metadata = self._plan[1]
         out = torch.empty((q.shape[0], self._num_heads, self._head_dim), dtype=self._dtype)
         key_cache, value_cache = self._caches[layer]
         self._ops.cpu_attention_with_kv_cache(
@@ -114,6 +136,9 @@ class CpuPagedAttention:
         def attention(layer: int, q: torch.Tensor, positions: torch.Tensor, k_blended: torch.Tensor,
                       v_blended: torch.Tensor) -> torch.Tensor:
             self.write(layer, start, k_blended, v_blended)
+            # The layer's K/V are final once its queries attend (the blender changes a layer's
+            # rows only before its attention), so the caller need not write this layer again.
+            self.written.add(layer)
             return self.attend(layer, q, positions)
 
         return attention

@@ -8,11 +8,13 @@ them. Other types (dynamic NTK, YaRN, LongRoPE, partial rotary) are refused
 with a ``BlendConfigError``: their angles are not a fixed function of position,
 or their cached K cannot be rotated exactly.
 
-Re-rotation undoes the rotation at the positions a K was computed at and
-applies the one at its new positions, using the same float32 angle formula as
-the model, so the result equals K computed at the new positions to float32
-rounding (a single rotation by the position difference would not: the model
-rounds ``position * inv_freq``, not the difference).
+Re-rotation turns a K computed at one position to another by the composition
+of the two rotations the model would apply: undo the angle at the old position
+and apply the one at the new position, both taken from the same float32 angle
+table as the model (``position * inv_freq`` rounded as the model rounds it; a
+rotation by the rounded position *difference* would not match). The composed
+cos/sin are formed once per token and applied in one pass over every layer and
+head, so the result equals K computed at the new positions to float32 rounding.
 """
 from __future__ import annotations
 
@@ -128,27 +130,56 @@ def _llama3_inv_freq(inv: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
     return torch.where(in_between, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _half_cos_sin(spec: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin [T, head_dim // 2] at ``positions`` (the table's two halves are the same angles)."""
+    cos, sin = spec.cos_sin(positions)
+    half = spec.head_dim // 2
+    return cos[:, :half], sin[:, :half]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = x [..., T, heads, D] turned per (i, i + D/2) pair by the angles of ``cos``/``sin`` [T, D/2].
+
+    Two multiply(-add) passes per half written straight into ``out`` (which may be a view):
+    the rotate-half form (x * cos + rotate_half(x) * sin) with no temporaries.
+    """
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_lo, x_hi = x[..., :half], x[..., half:]
+    if torch.is_grad_enabled() and x.requires_grad:  # out= ops do not record gradients
+        return out.copy_(torch.cat((x_lo * cos - x_hi * sin, x_hi * cos + x_lo * sin), dim=-1))
+    out_lo, out_hi = out[..., :half], out[..., half:]
+    torch.mul(x_lo, cos, out=out_lo)
+    out_lo.addcmul_(x_hi, sin, value=-1)
+    torch.mul(x_hi, cos, out=out_hi)
+    out_hi.addcmul_(x_lo, sin)
+    return out
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
     """Rotate ``x`` of shape [T, heads, head_dim] to ``positions`` [T]."""
-    cos, sin = spec.cos_sin(positions, x.dtype)
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    cos, sin = _half_cos_sin(spec, positions)
+    return _rotate(x, cos.to(x.dtype), sin.to(x.dtype), torch.empty_like(x))
 
 
 def rerotate(
-    k: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor, spec: RopeSpec
+    k: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor, spec: RopeSpec,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Cached K [T, kv_heads, head_dim] computed at ``from_positions``, moved to ``to_positions``.
+    """Cached K [..., T, kv_heads, head_dim] computed at ``from_positions`` [T], moved to ``to_positions``.
 
-    Computed in float32 and returned in ``k``'s dtype (bf16/fp16 caches round once, not twice).
+    Leading dims (e.g. layers) share the positions. Computed in float32 and returned in ``k``'s dtype
+    (bf16/fp16 caches round once, not twice), into ``out`` when given (same shape; may be a view).
     """
     if torch.equal(from_positions, to_positions):
-        return k  # keeps a segment cached at its own place bit for bit
-    k32 = k.to(torch.float32)
-    cos, sin = spec.cos_sin(from_positions)
-    unrotated = k32 * cos[:, None, :] - _rotate_half(k32) * sin[:, None, :]
-    return apply_rope(unrotated, to_positions, spec).to(k.dtype)
+        return k if out is None else out.copy_(k)  # keeps a segment cached at its own place bit for bit
+    cos_old, sin_old = _half_cos_sin(spec, from_positions)
+    cos_new, sin_new = _half_cos_sin(spec, to_positions)
+    # Rotation by (new - old) composed from the two tabled rotations, in float32.
+    cos = cos_new * cos_old + sin_new * sin_old
+    sin = sin_new * cos_old - cos_new * sin_old
+    if out is None:
+        out = torch.empty_like(k)
+    if k.dtype == torch.float32 and out.dtype == torch.float32:
+        return _rotate(k, cos, sin, out)
+    return out.copy_(_rotate(k.to(torch.float32), cos, sin, torch.empty(k.shape, dtype=torch.float32, device=k.device)))

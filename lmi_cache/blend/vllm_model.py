@@ -57,6 +57,19 @@ class VllmLayerwiseModel:
             q, k = attn.q_norm(q.contiguous()), attn.k_norm(k.contiguous())
         return q, k, v
 
+    def rope_qk(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, H_kv, D] rotated to ``positions`` by the layer's own vLLM rotary op (in place).
+
+        The values vLLM's forward gives the same tokens, from one fused call instead of several
+        full passes of tensor arithmetic.
+        """
+        rotary = self._layers[layer].self_attn.rotary_emb
+        num_tokens = q.shape[0]
+        q2, k2 = rotary(positions.to(device=q.device, dtype=torch.long), q.reshape(num_tokens, -1),
+                        k.reshape(num_tokens, -1))
+        return q2.reshape(q.shape), k2.reshape(k.shape)
+
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         block = self._layers[layer]
         out, _ = block.self_attn.o_proj(attn.to(hidden.dtype).contiguous())

@@ -104,6 +104,7 @@ class BlendWorker:
             cached.append(None if kv is None else KVStack(kv.k.to(prefix.k.dtype), kv.v.to(prefix.v.dtype)))
         num_cached = sum(int(t.numel()) for t, c in zip(seg_tokens, cached) if c is not None)
         self.stats.blend_load_seconds += time.perf_counter() - started
+        attention = None
         if num_cached == 0:
             new_kv, _ = prefill(self.model, tokens, prefix)  # every cached segment went missing: a plain prefill
             recomputed = tokens.numel()
@@ -112,7 +113,6 @@ class BlendWorker:
             if job.recompute_ratios is not None:
                 settings = replace(settings, recompute_ratios=job.recompute_ratios)
             counts = settings.recompute_counts(num_cached)
-            attention = None
             if self.paged_attention is not None:
                 self.paged_attention.bind(job.block_ids)
                 attention = self.paged_attention.layer_attention(job.prefix_tokens)
@@ -124,9 +124,12 @@ class BlendWorker:
             raise ValueError("blended KV is not finite")  # a fault: vLLM recomputes the blocks
         started = time.perf_counter()
         if self.paged_attention is not None:
+            # Layers the blend's attention already wrote into these blocks are final there.
+            done = self.paged_attention.written if attention is not None else set()
             self.paged_attention.bind(job.block_ids)
             for layer in range(new_kv.k.shape[0]):
-                self.paged_attention.write(layer, job.prefix_tokens, new_kv.k[layer], new_kv.v[layer])
+                if layer not in done:
+                    self.paged_attention.write(layer, job.prefix_tokens, new_kv.k[layer], new_kv.v[layer])
         else:
             self.paged.write(job.block_ids, job.prefix_tokens, new_kv.k, new_kv.v)
         self.stats.blend_write_seconds += time.perf_counter() - started

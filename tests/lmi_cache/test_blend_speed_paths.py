@@ -1,0 +1,216 @@
+"""The blend's fast paths give the reference results: RoPE written in place, vLLM's rotary op,
+re-rotation of every layer at once, the kernel plan reused across layers, and the
+worker skipping layers its attention already wrote (tiny float32 models on CPU).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from blend_models import VOCAB, tiny_model
+
+from lmi_cache.blend.attention import attend
+from lmi_cache.blend.blender import KVStack, blend, prefill, rerotated_segments, segment_kv
+from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
+from lmi_cache.blend.hf_adapter import HFLayerwiseModel
+from lmi_cache.blend.jobs import BlendJob, BlendPiece, SegmentStore
+from lmi_cache.blend.paged_kv import PagedKV
+from lmi_cache.blend.rope import RopeSpec, apply_rope, rerotate
+from lmi_cache.blend.settings import BlendSettings
+from lmi_cache.blend.worker_jobs import BlendWorker
+from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.transfer.layouts import ExpectedGeometry, describe_kv_caches
+
+N = 32  # CPU kernel block size (a multiple of 32, as vLLM's CPU platform uses)
+
+
+def _textbook_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    cos, sin = spec.cos_sin(positions)
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated_half * sin[:, None, :]
+
+
+def test_rope_in_place_form_equals_the_rotate_half_formula_and_keeps_gradients() -> None:
+    spec = RopeSpec(head_dim=32, theta=500000.0, rope_type="llama3", factor=8.0)
+    x = torch.randn(40, 3, 32, generator=torch.Generator().manual_seed(0))
+    positions = torch.randint(0, 9000, (40,), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(apply_rope(x, positions, spec), _textbook_rope(x, positions, spec))
+    leaf = x.clone().requires_grad_(True)
+    apply_rope(leaf, positions, spec).sum().backward()
+    assert leaf.grad is not None and bool(torch.isfinite(leaf.grad).all())
+
+
+def test_rerotate_moves_every_layer_at_once_into_a_view() -> None:
+    spec = RopeSpec(head_dim=16)
+    gen = torch.Generator().manual_seed(2)
+    raw = torch.randn(4, 25, 2, 16, generator=gen)  # [layers, tokens, heads, dim]
+    old, new = torch.arange(25), torch.arange(300, 325)
+    cached = torch.stack([apply_rope(layer, old, spec) for layer in raw])
+    target = torch.full((4, 40, 2, 16), float("nan"))
+    rerotate(cached, old, new, spec, out=target[:, 10:35])
+    want = torch.stack([apply_rope(layer, new, spec) for layer in raw])
+    torch.testing.assert_close(target[:, 10:35], want)
+    assert bool(target[:, :10].isnan().all()) and bool(target[:, 35:].isnan().all())  # nothing else touched
+    same = rerotate(cached, old, old, spec, out=torch.empty_like(cached))
+    assert torch.equal(same, cached)  # a segment at its own place is copied bit for bit
+
+
+def test_rerotated_segments_zero_an_uncached_segment() -> None:
+    model = HFLayerwiseModel(tiny_model("llama"))
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        kv = segment_kv(model, ids[:12])
+        out = rerotated_segments(model, [None, kv], [18, 12], start=5)
+        want, _ = prefill(model, ids[:12], KVStack(torch.zeros(4, 23, 2, 16), torch.zeros(4, 23, 2, 16)))
+    assert not bool(out.k[:, :18].any()) and not bool(out.v[:, :18].any())
+    torch.testing.assert_close(out.k[0, 18:], want.k[0])  # layer 0 K only depends on the token and its position
+    assert torch.equal(out.v[:, 18:], kv.v)
+
+
+class _OwnRope:
+    """A LayerwiseModel that brings its own RoPE (as the vLLM adapter does), counting its calls."""
+
+    def __init__(self, inner: HFLayerwiseModel) -> None:
+        self.inner = inner
+        self.num_layers, self.attn_scale, self.rope = inner.num_layers, inner.attn_scale, inner.rope
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def rope_qk(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        return _textbook_rope(q, positions, self.rope), _textbook_rope(k, positions, self.rope)
+
+
+def test_blend_uses_the_models_own_rope_when_offered() -> None:
+    inner = HFLayerwiseModel(tiny_model("llama"))
+    own = _OwnRope(inner)
+    gen = torch.Generator().manual_seed(4)
+    prefix, seg_a, seg_b = (torch.randint(0, VOCAB, (n,), generator=gen) for n in (6, 30, 25))
+    with torch.inference_mode():
+        prefix_kv, _ = prefill(inner, prefix)
+        cached = [segment_kv(inner, seg_a), segment_kv(inner, seg_b)]
+        want = blend(inner, prefix_kv, [seg_a, seg_b], cached, [1], [8])
+        got = blend(own, prefix_kv, [seg_a, seg_b], cached, [1], [8])
+    assert own.calls == inner.num_layers
+    assert torch.equal(got.recomputed, want.recomputed)
+    torch.testing.assert_close(got.kv.k, want.kv.k)
+    torch.testing.assert_close(got.kv.v, want.kv.v)
+
+
+def test_vllm_adapter_rope_equals_ours() -> None:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from lmi_cache.blend.vllm_model import VllmLayerwiseModel
+
+    with set_current_vllm_config(VllmConfig()):
+        rotary = get_rope(16, max_position=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                          is_neox_style=True)
+    attn = torch.nn.Module()
+    attn.rotary_emb, attn.head_dim, attn.q_size, attn.kv_size = rotary, 16, 64, 32
+    layer = torch.nn.Module()
+    layer.self_attn = attn
+    top = torch.nn.Module()
+    top.model = torch.nn.Module()
+    top.model.layers = torch.nn.ModuleList([layer])
+    top.model.embed_tokens = torch.nn.Embedding(8, 64)
+    adapter = VllmLayerwiseModel(top, {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2})
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(20, 128, generator=gen)  # q and k are strided views of one projection, as in vLLM
+    q, k = qkv[:, :64].view(20, 4, 16), qkv[:, 64:96].view(20, 2, 16)
+    positions = torch.arange(1000, 1020)
+    want_q, want_k = apply_rope(q, positions, adapter.rope), apply_rope(k, positions, adapter.rope)
+    got_q, got_k = adapter.rope_qk(0, q, k, positions)
+    torch.testing.assert_close(got_q, want_q)
+    torch.testing.assert_close(got_k, want_k)
+
+
+def _paged_attention(num_blocks: int, layers: int, heads: int, kv_heads: int,
+                     dim: int) -> tuple[CpuPagedAttention, list[torch.Tensor]]:
+    caches = [torch.zeros(num_blocks, kv_heads, N, 2 * dim) for _ in range(layers)]
+    return CpuPagedAttention(caches, [object()], N, heads, kv_heads, dim, dim**-0.5), caches
+
+
+def test_kernel_plan_is_reused_for_the_same_positions_only() -> None:
+    paged, _ = _paged_attention(8, 2, 4, 2, 32)
+    paged.bind(range(8))
+    gen = torch.Generator().manual_seed(6)
+    k, v = torch.randn(200, 2, 32, generator=gen), torch.randn(200, 2, 32, generator=gen)
+    for layer in range(2):
+        paged.write(layer, 0, k * (layer + 1), v)
+    scattered = torch.tensor([3, 4, 40, 41, 42, 97, 150, 199])
+    other = torch.tensor([0, 1, 2, 120])
+    q = torch.randn(8, 4, 32, generator=gen)
+    for layer in range(2):  # the same tensor for both layers: planned once
+        torch.testing.assert_close(paged.attend(layer, q, scattered),
+                                   attend(q, k * (layer + 1), v, scattered, torch.arange(200), 32**-0.5))
+    torch.testing.assert_close(paged.attend(0, q[:4], other), attend(q[:4], k, v, other, torch.arange(200), 32**-0.5))
+
+
+def test_worker_with_the_kernel_writes_each_layer_once_and_equals_a_prefill() -> None:
+    hf = tiny_model("llama", hidden_size=128)  # head dim 32: the CPU kernel's smallest
+    model = HFLayerwiseModel(hf)
+    kv_heads, dim = hf.config.num_key_value_heads, model.head_dim
+    paged_attention, caches = _paged_attention(8, model.num_layers, hf.config.num_attention_heads, kv_heads, dim)
+    layout = describe_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(caches)},
+                                ExpectedGeometry(block_size_tokens=N, num_kv_heads=kv_heads, head_size=dim))
+    settings = BlendSettings(enabled=True, recompute_ratios=(1.0,), min_tokens=0)
+    worker = BlendWorker(settings, model, PagedKV(caches, layout, N), 0, paged_attention=paged_attention)
+    writes: list[int] = []
+    original_write = paged_attention.write
+
+    def counting_write(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        writes.append(layer)
+        original_write(layer, start, k, v)
+
+    paged_attention.write = counting_write  # type: ignore[method-assign]
+    engine = _DictEngine()
+    gen = torch.Generator().manual_seed(7)
+    prefix, seg_a, seg_b = (torch.randint(0, VOCAB, (n,), generator=gen) for n in (20, 40, 35))
+    keys = (ChunkKey(b"a" * 16, 0, 40, 1), ChunkKey(b"b" * 16, 0, 35, 2))
+    worker.run_stores([SegmentStore("r", tuple(seg_a.tolist()), (keys[0],)),
+                       SegmentStore("r", tuple(seg_b.tolist()), (keys[1],))], engine)
+    with torch.inference_mode():
+        prefix_kv, _ = prefill(model, prefix)
+        want, _ = prefill(model, torch.cat((seg_b, seg_a)), prefix_kv)
+    block_ids = tuple(range(1, 5))
+    worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
+    writes.clear()
+    job = BlendJob("r", 20, tuple(torch.cat((seg_b, seg_a)).tolist()),
+                   (BlendPiece(20, 55, (keys[1],)), BlendPiece(55, 95, (keys[0],))), block_ids)
+    assert worker.run_blends([job], engine) == set()
+    assert sorted(writes) == list(range(model.num_layers))  # once per layer, not twice
+    got_k, got_v = worker.paged.read(block_ids, 20, 95)
+    torch.testing.assert_close(got_k, want.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_v, want.v, atol=1e-5, rtol=1e-5)
+
+
+class _DictEngine:
+    def __init__(self) -> None:
+        self.objects: dict[bytes, torch.Tensor] = {}
+
+    def store_from(self, key: ChunkKey, shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> bool:
+        out = torch.empty(shape, dtype=dtype)
+        fill(out)
+        self.objects[key.digest] = out
+        return True
+
+    def retrieve(self, key: ChunkKey, out: Any = None) -> torch.Tensor | None:
+        found = self.objects.get(key.digest)
+        return None if found is None else found.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_low_precision_cache_rerotates_through_float32_into_a_view(dtype: torch.dtype) -> None:
+    spec = RopeSpec(head_dim=32)
+    k = apply_rope(torch.randn(2, 8, 2, 32), torch.arange(8), spec)
+    target = torch.zeros(2, 8, 2, 32, dtype=dtype)
+    rerotate(k.to(dtype), torch.arange(8), torch.arange(500, 508), spec, out=target)
+    torch.testing.assert_close(target.float(), rerotate(k, torch.arange(8), torch.arange(500, 508), spec),
+                               rtol=2e-2, atol=2e-2)
