@@ -137,20 +137,27 @@ def _paged_attention(num_blocks: int, layers: int, heads: int, kv_heads: int,
     return CpuPagedAttention(caches, [object()], N, heads, kv_heads, dim, dim**-0.5), caches
 
 
-def test_kernel_plan_is_reused_for_the_same_positions_only() -> None:
-    paged, _ = _paged_attention(8, 2, 4, 2, 32)
+@pytest.mark.parametrize("which", ["scattered", "single", "all", "runs"])
+def test_kernel_attention_equals_the_reference_and_reuses_its_plan_for_the_same_positions(which: str) -> None:
+    paged, _ = _paged_attention(8, 2, 4, 2, 32)  # GQA: 4 query heads over 2 KV heads
     paged.bind(range(8))
     gen = torch.Generator().manual_seed(6)
     k, v = torch.randn(200, 2, 32, generator=gen), torch.randn(200, 2, 32, generator=gen)
     for layer in range(2):
         paged.write(layer, 0, k * (layer + 1), v)
-    scattered = torch.tensor([3, 4, 40, 41, 42, 97, 150, 199])
-    other = torch.tensor([0, 1, 2, 120])
-    q = torch.randn(8, 4, 32, generator=gen)
+    positions = {
+        "scattered": torch.sort(torch.randperm(200, generator=gen)[:30]).values,
+        "single": torch.tensor([137]),
+        "all": torch.arange(200),
+        "runs": torch.tensor([3, 4, 40, 41, 42, 97, 150, 199]),  # runs crossing block boundaries (32 tokens)
+    }[which]
+    q = torch.randn(positions.numel(), 4, 32, generator=gen)
     for layer in range(2):  # the same tensor for both layers: planned once
-        torch.testing.assert_close(paged.attend(layer, q, scattered),
-                                   attend(q, k * (layer + 1), v, scattered, torch.arange(200), 32**-0.5))
-    torch.testing.assert_close(paged.attend(0, q[:4], other), attend(q[:4], k, v, other, torch.arange(200), 32**-0.5))
+        torch.testing.assert_close(paged.attend(layer, q, positions),
+                                   attend(q, k * (layer + 1), v, positions, torch.arange(200), 32**-0.5))
+    other = torch.tensor([0, 1, 2, 120])  # a new positions tensor: planned anew
+    torch.testing.assert_close(paged.attend(0, q[:1].expand(4, -1, -1).contiguous(), other),
+                               attend(q[:1].expand(4, -1, -1), k, v, other, torch.arange(200), 32**-0.5))
 
 
 def test_worker_with_the_kernel_writes_each_layer_once_and_equals_a_prefill() -> None:
