@@ -9,11 +9,13 @@ prints a markdown table. Configurations:
 1. no-cache:     prefix caching off, no connector
 2. vllm-prefix:  vLLM's own prefix cache
 3. ours-cpu:     our connector, CPU tier (prefix caching off: every hit is ours)
-4. ours-disk:    warm-up in one server, query in a fresh one (CPU tier empty)
+4. ours-disk:    warm-up in one server, query in a fresh one (CPU tier empty), then
+                 the same documents again in that process (CPU-tier hits: a paired baseline)
 5. lmcache:      LMCache 0.5.6's connector from a separate venv (degraded on CPU)
 6. no-reuse throughput: unique documents with and without our connector
 7. ours-redis:   warm-up in one server, query in a fresh one with an empty CPU tier
-                 and no disk tier: every hit comes from a shared redis-server (loopback)
+                 and no disk tier: every hit comes from a shared redis-server (loopback);
+                 then the same documents again (CPU-tier hits: a paired baseline)
 8. no-reuse-redis: unique documents, our connector with the Redis tier on vs off
 """
 from __future__ import annotations
@@ -109,20 +111,23 @@ def run_config(name: str, model_dir: Path, work: Path, args: argparse.Namespace)
         yaml = connector_yaml(work / "ours-disk.yaml", disk)
         spec = ServerSpec(**base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml)
         first = run_rounds(spec, run_dir / "warmup-process", args, ("warmup",))
-        # A fresh process: its CPU tier starts empty, so query hits come from disk.
-        second = run_rounds(spec, run_dir / "query-process", args, ("query",), long_prime=True)
+        # A fresh process: its CPU tier starts empty, so query hits come from disk; the rerun
+        # round then hits the CPU tier the disk hits were promoted into (the paired baseline).
+        second = run_rounds(spec, run_dir / "query-process", args, ("query", "rerun"), long_prime=True)
         note = "query in a fresh server process"
-        return {"warmup": first["warmup"], "query": second["query"], "start_s": second["start_s"], "note": note}
+        return {"warmup": first["warmup"], "query": second["query"], "rerun": second["rerun"],
+                "start_s": second["start_s"], "note": note}
     if name == "ours-redis":
         yaml = connector_yaml(work / "ours-redis.yaml", None, args.redis_url)
         # What `lmi-cache serve` sets with a remote tier (the plan's env): malloc keeps freed memory.
         malloc = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
         spec = ServerSpec(**base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml, extra_env=malloc)
         first = run_rounds(spec, run_dir / "warmup-process", args, ("warmup",))
-        # A fresh process without a disk tier: its CPU tier starts empty, so query hits come from Redis.
-        second = run_rounds(spec, run_dir / "query-process", args, ("query",), long_prime=True)
-        return {"warmup": first["warmup"], "query": second["query"], "start_s": second["start_s"],
-                "note": "query in a fresh server process, hits from Redis"}
+        # A fresh process without a disk tier: its CPU tier starts empty, so query hits come from Redis
+        # (then the rerun round's from the CPU tier they were promoted into).
+        second = run_rounds(spec, run_dir / "query-process", args, ("query", "rerun"), long_prime=True)
+        return {"warmup": first["warmup"], "query": second["query"], "rerun": second["rerun"],
+                "start_s": second["start_s"], "note": "query in a fresh server process, hits from Redis"}
     if name == "lmcache":
         python = Path(args.lmcache_venv) / "bin" / "python"
         if not python.exists():
@@ -208,7 +213,31 @@ def model_table(size: str, results: dict[str, dict]) -> tuple[str, list[str]]:
     redis = query_ttft("ours-redis")
     if redis and ours:
         checks.append(f"{size}: ours-redis / ours-cpu query TTFT {redis / ours:.2f}x (target <= 2x on 32m)")
+    for name, tier, target in (("ours-disk", "disk", 1.3), ("ours-redis", "Redis", 2.0)):
+        paired = paired_rerun(results.get(name, {}))
+        if paired is not None:
+            checks.append(f"{size}: {tier} hit in a fresh process / CPU-tier hit of the same documents in that process "
+                          f"right after: median per-document ratio {paired[0]:.2f}x, {paired[1]} documents, "
+                          f"median TTFT {paired[2]:.3f} s vs {paired[3]:.3f} s (target <= {target:g}x)")
     return markdown_table(header, rows), checks
+
+
+def paired_rerun(outcome: dict) -> tuple[float, int, float, float] | None:
+    """(median of per-document tier-hit / CPU-hit TTFT ratios, documents, median tier TTFT, median CPU TTFT).
+
+    Both rounds run in the same process back to back, so a change of load on this shared
+    host between two server starts does not enter the ratio.
+    """
+    if "error" in outcome or "rerun" not in outcome:
+        return None
+    tier = {r.request_id.split("/", 1)[1]: r.result.ttft_s for r in query_records(outcome)}
+    cpu = {r.request_id.split("/", 1)[1]: r.result.ttft_s for r in outcome["rerun"].records}
+    docs = sorted(set(tier) & set(cpu))
+    if not docs:
+        return None
+    ratios = [tier[d] / cpu[d] for d in docs]
+    return (percentile(ratios, 50), len(docs), percentile([tier[d] for d in docs], 50),
+            percentile([cpu[d] for d in docs], 50))
 
 
 def throughput_line(size: str, results: dict[str, dict]) -> list[str] | None:
@@ -230,6 +259,10 @@ def summary_of(outcome: dict) -> dict:
     out = {"warmup": outcome["warmup"].stats.to_dict()}
     out["query"] = [item.stats.to_dict() for item in outcome.get("query", [])]
     out["query_ttft_p50_s"] = median_ttft(query_records(outcome))
+    if "rerun" in outcome:
+        out["rerun"] = outcome["rerun"].stats.to_dict()
+        paired = paired_rerun(outcome)
+        out["tier_hit_over_cpu_hit_paired"] = paired[0] if paired else None
     out["note"] = outcome.get("note", "")
     return out
 

@@ -50,6 +50,10 @@ CACHE_POLICIES = ("LRU", "FIFO")
 _FALLBACK_POLICIES = ("LFU", "MRU")
 MAX_CONFIG_FILE_BYTES = 1 << 20  # an LMCache YAML is a few hundred bytes; refuse anything absurd
 
+# The start of the warning that enable_blending is on under the exact-prefix connector (filtered by the
+# blending connector and by serve, which know better).
+BLEND_CONNECTOR_HINT = "blending needs the blending connector"
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -208,7 +212,7 @@ def _merge(
             # Read by lmi_cache.blend.settings when the blending connector runs; the exact-prefix
             # connector reuses prefixes only and says so once.
             if key == "enable_blending" and _truthy(value):
-                warnings.append(f"{where}: blending needs the blending connector (kv_connector LmiBlendConnector, "
+                warnings.append(f"{where}: {BLEND_CONNECTOR_HINT} (kv_connector LmiBlendConnector, "
                                 "kv_connector_module_path lmi_cache.blend.connector); LmiCacheConnector reuses "
                                 "exact prefixes only")
         elif key in UNSUPPORTED_FEATURES and _truthy(value):

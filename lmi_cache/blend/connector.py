@@ -105,6 +105,8 @@ def _separator_ids(vllm_config: VllmConfig, special_str: str) -> tuple[int, ...]
 class LmiBlendConnector(LmiCacheConnector):
     """``LmiCacheConnector`` that also blends cached segments at non-prefix positions."""
 
+    blends = True
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 

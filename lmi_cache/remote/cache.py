@@ -32,6 +32,7 @@ from lmi_cache.remote.put_queue import Batch, PutQueue
 from lmi_cache.remote.settings import RemoteSettings
 from lmi_cache.remote.store import Backoff, BodyAllocator, ReceivedValue, RemoteStore, StoreError
 from lmi_cache.remote.value_codec import VALUE_HEADER_BYTES, DecodedChunk, MissReason, ValueCodec
+from lmi_cache.thread_affinity import unpin_current_thread
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,7 +61,8 @@ class RemoteCache:
         self._metrics = metrics
         self._warner = warner if warner is not None else RateLimitedWarner(logger)
         self._backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s)
-        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmi-cache-remote-io")
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmi-cache-remote-io",
+                                      initializer=unpin_current_thread)
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
         self._closed = False
@@ -148,7 +150,8 @@ class RemoteCache:
         with self._decode_pool_lock:
             if self._decode_pool is None:
                 self._decode_pool = ThreadPoolExecutor(
-                    max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="lmi-cache-remote-decode"
+                    max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="lmi-cache-remote-decode",
+                    initializer=unpin_current_thread,
                 )
             pool = self._decode_pool
         try:

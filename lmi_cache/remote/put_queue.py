@@ -16,6 +16,7 @@ from typing import Callable
 
 from lmi_cache.chunk_format import BytesLike, byte_view
 from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.thread_affinity import unpin_current_thread
 
 logger = logging.getLogger(__name__)
 Batch = list[tuple[ChunkKey, bytes]]
@@ -55,6 +56,7 @@ class PutQueue:
         return None
 
     def _loop(self) -> None:
+        unpin_current_thread()
         while True:
             with self._cond:
                 while not self._queue and not self._closed:

@@ -18,6 +18,7 @@ from lmi_cache.errors import ConfigError
 from lmi_cache.remote.settings import RemoteSettings, s3_location
 from lmi_cache.remote.store import RemoteStore, StoreError
 from lmi_cache.remote.value_codec import KEY_VERSION
+from lmi_cache.thread_affinity import unpin_current_thread
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,7 +61,8 @@ class S3Store(RemoteStore):
 
         self._lookup_client = client(settings.lookup_timeout_ms / 1000)
         self._io_client = client(settings.io_timeout_ms / 1000)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmi-cache-s3")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmi-cache-s3",
+                                        initializer=unpin_current_thread)
 
     def key_for(self, digest: bytes) -> str:
         parts = [p for p in (self._prefix, self.key_prefix, KEY_VERSION, digest.hex()) if p]

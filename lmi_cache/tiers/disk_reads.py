@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 from lmi_cache.chunk_format import HEADER_BYTES, BytesLike, ChunkFormatError, ChunkHeader, FingerprintMismatch, verify_parts
 from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.thread_affinity import unpin_current_thread
 from lmi_cache.tiers import disk_io, disk_trust
 from lmi_cache.tiers.base import HitBatch
 from lmi_cache.tiers.disk_index import DiskIndex
@@ -107,7 +108,8 @@ class DiskReader:
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._num_workers, thread_name_prefix="lmi-disk-reader")
+                self._pool = ThreadPoolExecutor(self._num_workers, thread_name_prefix="lmi-disk-reader",
+                                                initializer=unpin_current_thread)
             return self._pool
 
     def close(self) -> None:

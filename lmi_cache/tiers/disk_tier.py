@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
 from lmi_cache.private_dir import UnsafeDirectoryError
+from lmi_cache.thread_affinity import unpin_current_thread
 from lmi_cache.tiers import disk_io, disk_trust
 from lmi_cache.tiers.base import HitBatch, RemoveCallback, Tier
 from lmi_cache.tiers.disk_index import DiskIndex
@@ -209,6 +210,7 @@ class DiskTier(Tier):
         return True
 
     def _work(self) -> None:
+        unpin_current_thread()
         while True:
             job = self._queue.get()
             if job is None:

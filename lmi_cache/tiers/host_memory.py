@@ -30,6 +30,7 @@ import torch
 
 from lmi_cache.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.thread_affinity import unpin_current_thread
 from lmi_cache.tiers.buffers import PAGE_BYTES, size_class_bytes, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ class HostAllocator:
         self._warm_wanted.set()
 
     def _warm_loop(self) -> None:
+        unpin_current_thread()
         try:  # below the serving threads: page faults are the kernel's work either way, just not theirs
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         except (AttributeError, OSError):

@@ -170,6 +170,15 @@ class PagedChunkCopier(TransferHandler):
                 host.copy_(staging[number], non_blocking=True)
         self._save_stream.synchronize()  # the engine reads the host buffers right after
 
+    @property
+    def overlaps_host_work(self) -> bool:
+        """Whether a copy returns before it is done (CUDA streams), so it can overlap reads still in flight.
+
+        On the CPU backend a copy is a parallel region on vLLM's OpenMP threads, one per core:
+        started while disk or network reads are running it waits for the cores they hold.
+        """
+        return self._streams is not None
+
     def scatter_many(
         self, chunks: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], block_offsets: Sequence[int]
     ) -> Any:

@@ -78,11 +78,13 @@ def _weights_identity(vllm_config: VllmConfig) -> str:
     return identity
 
 
-def _load_cache_config() -> Any:
-    from lmi_cache.config import load_config
+def _load_cache_config(blends: bool = False) -> Any:
+    from lmi_cache.config import BLEND_CONNECTOR_HINT, load_config
 
     config, warnings = load_config()
     for warning in warnings:
+        if blends and BLEND_CONNECTOR_HINT in warning:
+            continue  # it asks for the blending connector, and this is it
         logger.warning("lmi-cache: %s", warning)
     for key in ("save_unfull_chunk", "save_decode_cache"):
         if getattr(config, key):
@@ -104,13 +106,15 @@ def _check_chunk_size(chunk_size: int, block_size: int) -> None:
 class LmiCacheConnector(KVConnectorBase_V1):
     """KV connector storing prompt chunks in lmi_cache tiers (CPU RAM, disk, remote)."""
 
+    blends = False  # the blending connector (a subclass) says True
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # best-effort cache: a dropped save is only a future miss
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._config = _load_cache_config()
+        self._config = _load_cache_config(self.blends)
         block_size = int(vllm_config.cache_config.block_size)
         _check_chunk_size(self._config.chunk_size, block_size)
         self._model_id = str(vllm_config.model_config.model)

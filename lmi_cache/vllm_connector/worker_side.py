@@ -124,14 +124,24 @@ class WorkerSide:
         keys = [transfer.keys[self.rank_index] for transfer in meta.loads]
         loaded: set[int] = set()
         held: list[Any] = []  # chunk objects the copies read from: released once the copies are done
+        arrived: list[tuple[int, Any]] = []  # hits not copied yet (CPU backend: copied once, after the reads)
+        overlap = self.copier.overlaps_host_work
         try:
             # One batched call: CPU-tier hits first (straight from the tier's buffers), then disk reads
-            # as each finishes and remote hits from one round trip; each batch is scattered on arrival.
+            # as they finish and remote hits from one round trip. With CUDA each batch is scattered on
+            # arrival (asynchronous copies overlap the reads still running); on the CPU backend all hits
+            # are scattered in one call after the reads, so the copy's OpenMP threads never wait for cores
+            # that reader threads hold.
             for batch in self.engine.load(keys):
                 held.extend(obj for _, obj in batch)
-                loaded.update(self._scatter(meta, batch))
+                if overlap:
+                    loaded.update(self._scatter(meta, batch))
+                else:
+                    arrived.extend(batch)
         except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
             self._fault("chunk load failed", err)
+        if arrived:
+            loaded.update(self._scatter(meta, sorted(arrived, key=lambda item: item[0])))
         self._finish_loads(meta, keys, loaded)
         self._pending_releases.append((self._last_event, held))
         self._last_event = None

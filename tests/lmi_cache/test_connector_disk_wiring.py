@@ -107,3 +107,18 @@ def test_workers_of_a_replica_write_their_own_directory(setup: tuple[Path, Path]
     finally:
         engine.close()
     assert sorted(p.name for p in disk.iterdir()) == ["rank0-dp1"]
+
+
+def test_the_hint_to_use_the_blending_connector_is_not_given_by_the_blending_connector(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lmi_cache.blend.connector import LmiBlendConnector
+    from lmi_cache.config import BLEND_CONNECTOR_HINT
+    from lmi_cache.vllm_connector.connector import _load_cache_config
+
+    monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
+    monkeypatch.setenv("LMCACHE_ENABLE_BLENDING", "true")
+    for blends, expected in ((LmiCacheConnector.blends, 1), (LmiBlendConnector.blends, 0)):
+        caplog.clear()
+        _load_cache_config(blends)
+        assert sum(BLEND_CONNECTOR_HINT in r.getMessage() for r in caplog.records) == expected

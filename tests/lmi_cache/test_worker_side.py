@@ -99,6 +99,27 @@ def test_save_then_load_into_other_blocks() -> None:
     assert engine.outstanding == 0  # CPU copies are complete on return: every chunk object given back
 
 
+def test_cpu_backend_copies_a_steps_hits_in_one_call_after_the_reads() -> None:
+    """Hits arriving in several batches (disk reads finishing) are scattered once on the CPU backend:
+    a copy started while reads still run would wait for the cores the reader threads hold."""
+    worker, engine, layers = make_worker()
+    k = keys(2)
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2)), ChunkTransfer("r", (k[1],), (3, 4))]))
+    assert worker.copier is not None and not worker.copier.overlaps_host_work
+    calls: list[int] = []
+    scatter = worker.copier.scatter_many
+
+    def counting(chunks: list[torch.Tensor], *args: Any) -> Any:
+        calls.append(len(chunks))
+        return scatter(chunks, *args)
+
+    worker.copier.scatter_many = counting  # type: ignore[method-assign]
+    worker.load(LmiConnectorMetadata(loads=[ChunkTransfer("q", (k[0],), (5, 6)), ChunkTransfer("q", (k[1],), (7, 8))]))
+    assert calls == [2]  # the fake engine yields one batch per hit
+    assert torch.equal(layers[0][5], layers[0][1]) and torch.equal(layers[1][8], layers[1][4])
+    assert worker.stats.num_chunks_loaded == 2 and engine.outstanding == 0
+
+
 class PendingEvent:
     def __init__(self) -> None:
         self.done = False
