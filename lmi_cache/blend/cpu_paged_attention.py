@@ -29,6 +29,7 @@ CPU only (layout kind ``cpu``); other devices use the reference attention.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,6 +71,7 @@ class CpuPagedAttention:
         self._block_table: torch.Tensor | None = None
         self._block_ids: tuple[int, ...] = ()
         self.written: set[int] = set()  # layers whose K/V the bound request's blocks already hold (``layer_attention``)
+        self.write_seconds = 0.0  # time ``layer_attention`` spent writing K/V into the blocks (for the metrics)
         self._plan: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # (positions, kernel arguments)
 
     def scratch(self, num_tokens: int) -> "CpuPagedAttention":
@@ -135,7 +137,9 @@ class CpuPagedAttention:
 
         def attention(layer: int, q: torch.Tensor, positions: torch.Tensor, k_blended: torch.Tensor,
                       v_blended: torch.Tensor) -> torch.Tensor:
+            started = time.perf_counter()
             self.write(layer, start, k_blended, v_blended)
+            self.write_seconds += time.perf_counter() - started
             # The layer's K/V are final once its queries attend (the blender changes a layer's
             # rows only before its attention), so the caller need not write this layer again.
             self.written.add(layer)

@@ -46,7 +46,7 @@ class BlendWorkerStats:
     num_segment_store_faults: int = 0
     blend_seconds: float = 0.0
     blend_load_seconds: float = 0.0  # of blend_seconds: prefix read and segment loads
-    blend_write_seconds: float = 0.0  # of blend_seconds: writing every layer's KV into the paged cache
+    blend_write_seconds: float = 0.0  # of blend_seconds: writing every layer's KV into the paged cache (in the attention or after)
     store_seconds: float = 0.0
 
 
@@ -116,10 +116,13 @@ class BlendWorker:
             if self.paged_attention is not None:
                 self.paged_attention.bind(job.block_ids)
                 attention = self.paged_attention.layer_attention(job.prefix_tokens)
+                hook_writes = self.paged_attention.write_seconds
             outcome = blend(self.model, prefix, seg_tokens, cached, settings.check_layers, counts, attention=attention,
                             include_prefix=False)
             new_kv = outcome.kv
             recomputed = int(outcome.recomputed.numel())
+            if self.paged_attention is not None:
+                self.stats.blend_write_seconds += self.paged_attention.write_seconds - hook_writes
         if not _finite(new_kv):
             raise ValueError("blended KV is not finite")  # a fault: vLLM recomputes the blocks
         started = time.perf_counter()
