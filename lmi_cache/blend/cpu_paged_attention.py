@@ -12,15 +12,16 @@ sequence ends at the run's last position, all sharing the prompt's block table,
 so scattered recomputed tokens cost what decoding them would.
 
 Each isolated query streams its keys' K/V from memory for one query row, so
-15% scattered queries cost about 40% of a dense layer's attention (measured on
-8k-token prompts). Two GEMM-shaped alternatives were measured on the project's
-2-core CPU and were no faster, so they are not used: torch's flash attention
-over groups of queries (a masked tail per group, merged by log-sum-exp) ran at
-half the kernel's dense speed and paid a thread handoff per op on a busy
-machine; and this kernel itself over groups (one non-causal request per group
-for the whole blocks before it, one-token requests for the rest, the two merged
-through extra "mass" columns in a padded K/V copy) matched, not beat, the
-one-token requests once the padding and the copy were paid.
+15% scattered queries cost 36-45% of a dense layer's attention (8k-token
+prompts; the more the machine is loaded, the more). Two GEMM-shaped
+alternatives were measured on the project's 2-core CPU and are not used:
+torch's flash attention over groups of queries (a masked tail per group,
+merged by log-sum-exp) ran at half the kernel's dense speed and paid a thread
+handoff per op on a busy machine; and this kernel itself over groups (one
+non-causal request per group for the whole blocks before it, one-token
+requests for the rest, the two merged through extra "mass" columns in a padded
+K/V copy) was 13% faster on a quiet machine and no faster on a busy one, once
+the padding and the copy were paid.
 
 After a check layer the blender passes one positions tensor to every later
 layer: the runs, block table rows and scheduler metadata are planned once.
