@@ -2,6 +2,8 @@
 from the same registries as the other lmi_cache series (and from a multiprocess directory)."""
 from __future__ import annotations
 
+import logging
+
 import os
 import subprocess
 import sys
@@ -211,6 +213,11 @@ def test_a_metrics_fault_never_breaks_a_step(monkeypatch: pytest.MonkeyPatch, ca
         raise ValueError("registry gone")
 
     monkeypatch.setattr(BlendWorkerMetrics, "follow", broken)
+    # A library imported earlier in the session may configure logging with disable_existing_loggers.
+    from lmi_cache.blend import connector as blend_connector
+
+    monkeypatch.setattr(blend_connector.logger, "disabled", False)
+    caplog.set_level(logging.WARNING, logger=blend_connector.logger.name)
     connector, _ = _connector(0.0, CacheMetrics())
     connector._connector_metadata = BlendConnectorMetadata(
         segment_stores=[SegmentStore("r", (1, 2, 3), (_key_of(3, 5),))])
