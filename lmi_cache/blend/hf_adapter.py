@@ -24,6 +24,8 @@ class HFLayerwiseModel:
         self._layers = model.model.layers
         self.num_layers = len(self._layers)
         self.head_dim = self.rope.head_dim
+        self.num_heads = int(model.config.num_attention_heads)
+        self.num_kv_heads = int(getattr(model.config, "num_key_value_heads", None) or self.num_heads)
         self.attn_scale = self.head_dim**-0.5
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -33,9 +35,10 @@ class HFLayerwiseModel:
         block = self._layers[layer]
         attn = block.self_attn
         x = block.input_layernorm(hidden)
-        q = attn.q_proj(x).view(x.shape[0], -1, self.head_dim)
-        k = attn.k_proj(x).view(x.shape[0], -1, self.head_dim)
-        v = attn.v_proj(x).view(x.shape[0], -1, self.head_dim)
+        # Head counts spelled out: a view with -1 cannot size zero tokens (an empty prefix).
+        q = attn.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         return q, k, v

@@ -1,60 +1,90 @@
-"""Associative recall across documents: the synthetic task that measures blending quality on a trained model.
+"""Recall through references across documents: the synthetic task that measures blending quality on a trained model.
 
 Runs in the training script, the quality benchmark and the tests (CPU, no
-downloads). A prompt is ``[BOS] doc_1 SEP ... doc_n SEP`` followed by
-questions ``Q key value``. Each document is a list of ``key value`` pairs.
-A queried key is defined in one document; with probability
-``distractor_prob`` a later document mentions the same key again with another
-value, and the answer is still the value at the key's first mention. Telling
-a first mention from a repeat needs attention from a later document back to
-an earlier one: exactly what a document's cached KV, computed alone, lacks,
-and what blending has to restore. (Without distractors, recall with
-re-rotated RoPE needs no cross-document attention at all, so it could not
-tell good blending from none.)
+downloads). A prompt is ``SEP doc_1 ... SEP doc_n`` followed by questions
+``Q key value``. Every document token states one key: either a fact
+``key=value`` or a reference ``key=other`` ("key has the value of other"),
+where ``other`` is a key stated in an earlier document, possibly a reference
+itself. A question asks a key; the answer is its value, following references
+back to a fact.
+
+What a reference resolves to is only known by attending to an earlier
+document: exactly what a document's cached KV, computed alone, lacks, and
+what blending has to restore. The trained model keeps using it in the layers
+after blending's check layer (recomputing no token past it loses about a
+tenth of the reference questions), so the choice of tokens to recompute
+matters.
+
+Why this shape: each key and each statement is one token, so a tiny model
+learns to match them in a few CPU-minutes (a key and a value as separate
+tokens needs an induction circuit, which did not form in that time). Every
+document opens with SEP, so its first token is the same whether its KV is
+computed alone or in the prompt: a tiny model parks idle attention on a
+sequence's first token, and with a different one alone every cached token
+deviated, whether it mattered or not. A first-mention-wins rule over repeated
+keys was tried too: the model answered it from the question alone (naive
+reuse of cached KV lost nothing), so it could not tell good blending from none.
 """
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-PAD, BOS, SEP, QUERY = 0, 1, 2, 3
+from lmi_cache.blend.hf_adapter import HFLayerwiseModel
+from lmi_cache.blend.quality import BlendCase, Condition, QualityTally, run_conditions
+
+PAD, BOS, SEP, QUERY = 0, 1, 2, 3  # BOS is not used by the prompts (see above); kept for the config
 _FIRST_FREE_ID = 4
+SPLITS = ("all", "direct", "through references")
 
 
 @dataclass(frozen=True)
 class RecallTask:
-    """Shape of the task; token ids: 0-3 specials, then keys, then values."""
+    """Shape of the task; token ids: 0-3 specials, then keys, values, facts (key x value), references (key x key)."""
 
-    num_keys: int = 24
-    num_values: int = 24
+    num_keys: int = 16
+    num_values: int = 8
     num_docs: int = 4
     pairs_per_doc: int = 4
     num_questions: int = 8
-    distractor_prob: float = 0.5
+    ref_prob: float = 0.6
 
     @property
     def vocab_size(self) -> int:
-        return _FIRST_FREE_ID + self.num_keys + self.num_values
+        return _FIRST_FREE_ID + self.num_keys + self.num_values + self.num_keys * (self.num_values + self.num_keys)
 
     def key_id(self, key: int) -> int:
+        """The token a question names a key with."""
         return _FIRST_FREE_ID + key
 
     def value_id(self, value: int) -> int:
+        """The token of an answer."""
         return _FIRST_FREE_ID + self.num_keys + value
+
+    def fact_id(self, key: int, value: int) -> int:
+        """The document token ``key=value``."""
+        return _FIRST_FREE_ID + self.num_keys + self.num_values + key * self.num_values + value
+
+    def ref_id(self, key: int, other: int) -> int:
+        """The document token ``key=other`` (``key`` has the value of the earlier ``other``)."""
+        base = _FIRST_FREE_ID + self.num_keys + self.num_values + self.num_keys * self.num_values
+        return base + key * self.num_keys + other
 
 
 @dataclass(frozen=True)
 class RecallPrompt:
-    """One sample: documents (each ending with SEP) and questions (key id, answer id, has_distractor)."""
+    """One sample: documents (each opening with SEP) and questions (key id, answer id, references followed)."""
 
     docs: tuple[tuple[int, ...], ...]
-    questions: tuple[tuple[int, int, bool], ...]
+    questions: tuple[tuple[int, int, int], ...]
 
     def training_ids(self) -> tuple[list[int], list[int]]:
         """Token ids of the whole sequence and the positions whose next token is an answer."""
-        ids = [BOS] + [t for doc in self.docs for t in doc]
+        ids = [t for doc in self.docs for t in doc]
         answer_at: list[int] = []
         for key, answer, _ in self.questions:
             ids += [QUERY, key]
@@ -68,32 +98,31 @@ class RecallPrompt:
 
 
 def sample_prompt(task: RecallTask, rng: random.Random) -> RecallPrompt:
-    """Draw one prompt; every key appears once except queried keys given a later distractor."""
+    """Draw one prompt: distinct keys; in documents after the first, each is a reference with ``ref_prob``."""
     slots = task.num_docs * task.pairs_per_doc
     if slots > task.num_keys:
-        raise ValueError(f"{slots} pairs need at least as many keys, got {task.num_keys}")
+        raise ValueError(f"{slots} statements need at least as many keys, got {task.num_keys}")
+    if task.num_questions > slots:
+        raise ValueError(f"{task.num_questions} questions need as many statements, got {slots}")
     keys = rng.sample(range(task.num_keys), slots)
-    values = [rng.randrange(task.num_values) for _ in range(slots)]
-    asked = rng.sample(range(slots), task.num_questions)
-    taken = set(asked)
-    questions: list[tuple[int, int, bool]] = []
-    for slot in asked:
-        doc = slot // task.pairs_per_doc
-        later = [s for s in range((doc + 1) * task.pairs_per_doc, slots) if s not in taken]
-        distractor = bool(later) and rng.random() < task.distractor_prob
-        if distractor:
-            other = rng.choice(later)
-            taken.add(other)
-            keys[other] = keys[slot]
-            values[other] = rng.choice([v for v in range(task.num_values) if v != values[slot]])
-        questions.append((task.key_id(keys[slot]), task.value_id(values[slot]), distractor))
+    value: dict[int, int] = {}
+    hops: dict[int, int] = {}
     docs = []
     for d in range(task.num_docs):
+        earlier = list(value)  # keys of earlier documents only: every reference crosses a document boundary
         body: list[int] = []
-        for s in range(d * task.pairs_per_doc, (d + 1) * task.pairs_per_doc):
-            body += [task.key_id(keys[s]), task.value_id(values[s])]
-        docs.append(tuple(body + [SEP]))
-    return RecallPrompt(tuple(docs), tuple(questions))
+        for key in keys[d * task.pairs_per_doc : (d + 1) * task.pairs_per_doc]:
+            if earlier and rng.random() < task.ref_prob:
+                other = rng.choice(earlier)
+                value[key], hops[key] = value[other], hops[other] + 1
+                body.append(task.ref_id(key, other))
+            else:
+                value[key], hops[key] = rng.randrange(task.num_values), 0
+                body.append(task.fact_id(key, value[key]))
+        docs.append(tuple([SEP] + body))
+    asked = rng.sample(keys, task.num_questions)
+    questions = tuple((task.key_id(k), task.value_id(value[k]), hops[k]) for k in asked)
+    return RecallPrompt(tuple(docs), questions)
 
 
 def training_batch(task: RecallTask, rng: random.Random, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,3 +140,27 @@ def training_batch(task: RecallTask, rng: random.Random, batch_size: int) -> tup
         rows.append(ids)
         labels.append(label)
     return torch.tensor(rows), torch.tensor(labels)
+
+
+def measure(model: Any, task: RecallTask, num_prompts: int, seed: int, conditions: Sequence[Condition],
+            check_layers: Sequence[int] = (1,)) -> dict[str, QualityTally]:
+    """Tallies of each condition on fresh prompts, per split (``SPLITS``: all, direct facts, through references).
+
+    A prompt's documents are the blended segments (no prefix: the prompt opens with the first
+    document) and its first question without the answer is the tail. ``model``: a transformers
+    Llama; random selection draws with ``seed`` + the prompt's index.
+    """
+    adapter = HFLayerwiseModel(model)
+    rng = random.Random(seed)
+    tallies = {split: QualityTally() for split in SPLITS}
+    for i in range(num_prompts):
+        prompt = sample_prompt(task, rng)
+        case = BlendCase(
+            torch.zeros(0, dtype=torch.long), tuple(torch.tensor(d) for d in prompt.docs),
+            torch.tensor(prompt.tail_ids()),
+        )
+        logits = run_conditions(adapter, case, conditions, check_layers=check_layers, seed=seed + i)
+        _, answer, hops = prompt.questions[0]
+        tallies["all"].add(logits, answer=answer)
+        tallies["through references" if hops else "direct"].add(logits, answer=answer)
+    return tallies

@@ -1,59 +1,73 @@
-"""Blending on a trained model: answer accuracy at the default ratio stays near full prefill, above naive reuse.
+"""Blending on a trained model: the properties the committed accuracy table claims, re-measured.
 
 Uses the tiny Llama committed in tests/fixtures/blend/recall_model (trained by
-benchmarks/train_recall_model.py) on fresh prompts of the same recall task.
+benchmarks/train_recall_model.py) on the first 300 of the benchmark's 1,000
+prompts (same seed; CI budget, about 5 CPU-seconds on one thread). The bound
+on the default ratio allows for that smaller sample (see the README table).
 """
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from lmi_cache.blend.hf_adapter import HFLayerwiseModel
-from lmi_cache.blend.quality import BlendCase, Condition, QualityTally, run_conditions
-from lmi_cache.blend.recall_task import BOS, RecallTask, sample_prompt
+from lmi_cache.blend.quality import Condition, QualityTally
+from lmi_cache.blend.recall_task import RecallTask, measure
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "fixtures/blend/recall_model"
-NUM_PROMPTS = 200
+NUM_PROMPTS = 300
+BENCHMARK_SEED = 1_000_003  # benchmarks/train_recall_model.py: seed 0 + 1_000_003
+FULL = "full prefill"  # the tally's reference condition
 
 
 @pytest.fixture(scope="module")
-def measured() -> dict[str, tuple[float, float]]:
-    """(accuracy, mean KL vs full prefill) per condition."""
+def tally() -> QualityTally:
     from transformers import LlamaForCausalLM
 
     task = RecallTask(**json.loads((MODEL_DIR / "task.json").read_text()))
     model: Any = LlamaForCausalLM.from_pretrained(str(MODEL_DIR)).float().eval()
-    adapter = HFLayerwiseModel(model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: a second thread only spins (and the host is shared)
     conditions = [
-        Condition("full", "full"), Condition("naive", "naive"), Condition("blend", "blend", 0.15),
+        Condition(FULL, "full"), Condition("naive", "naive"), Condition("blend", "blend", 0.15),
         Condition("random", "blend", 0.15, "random"), Condition("blend 1", "blend", 1.0),
     ]
-    rng = random.Random(4242)  # not the training or benchmark seed
-    tally = QualityTally()
-    for i in range(NUM_PROMPTS):
-        prompt = sample_prompt(task, rng)
-        case = BlendCase(torch.tensor([BOS]), tuple(torch.tensor(d) for d in prompt.docs),
-                         torch.tensor(prompt.tail_ids()))
-        tally.add(run_conditions(adapter, case, conditions, seed=i), reference="full", answer=prompt.questions[0][1])
+    try:
+        return measure(model, task, NUM_PROMPTS, seed=BENCHMARK_SEED, conditions=conditions)["all"]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rows(tally: QualityTally) -> dict[str, tuple[float, float]]:
     return {row.condition: (float(row.accuracy or 0.0), row.mean_kl) for row in tally.rows()}
 
 
-def test_the_model_learned_more_than_chance(measured: dict[str, tuple[float, float]]) -> None:
-    task = RecallTask(**json.loads((MODEL_DIR / "task.json").read_text()))
-    in_context_values = task.num_docs * task.pairs_per_doc
-    assert measured["full"][0] > 1.5 / in_context_values  # copying any value in context scores 1/16
-    assert measured["blend 1"][0] == measured["full"][0] and measured["blend 1"][1] < 1e-9
+def test_the_model_learned_the_task(tally: QualityTally) -> None:
+    assert _rows(tally)[FULL][0] >= 0.8
 
 
-def test_default_ratio_stays_within_two_points_of_full_prefill(measured: dict[str, tuple[float, float]]) -> None:
-    assert measured["blend"][0] >= measured["full"][0] - 0.02
+def test_ratio_one_is_full_prefill_exactly(tally: QualityTally) -> None:
+    rows = _rows(tally)
+    assert tally.prompt_correct["blend 1"] == tally.prompt_correct[FULL]
+    assert rows["blend 1"][1] < 1e-9
 
 
-def test_blending_is_far_closer_to_full_prefill_than_naive_reuse(measured: dict[str, tuple[float, float]]) -> None:
-    assert measured["blend"][1] * 10 < measured["naive"][1]
-    assert measured["blend"][0] > measured["naive"][0]
+def test_default_ratio_stays_close_to_full_prefill(tally: QualityTally) -> None:
+    rows = _rows(tally)
+    assert rows["blend"][0] >= rows[FULL][0] - 0.03
+
+
+def test_blending_beats_naive_reuse_of_the_cached_kv(tally: QualityTally) -> None:
+    rows = _rows(tally)
+    assert rows["naive"][0] <= rows[FULL][0] - 0.05
+    assert rows["blend"][0] >= rows["naive"][0] + 0.1
+    assert rows["blend"][1] * 2 < rows["naive"][1]
+
+
+def test_topk_selection_beats_random_selection_of_as_many_tokens(tally: QualityTally) -> None:
+    paired = tally.compare("blend", "random")
+    assert paired.a_only_correct >= paired.b_only_correct
+    assert paired.a_lower_kl > paired.b_lower_kl and paired.kl_sign_p < 0.01
