@@ -2,7 +2,7 @@
 
 Uses the tiny Llama committed in tests/fixtures/blend/recall_model (trained by
 benchmarks/train_recall_model.py) on the first 300 of the benchmark's 1,000
-prompts (same seed; CI budget, about 5 CPU-seconds on one thread). The bound
+prompts (same seed; CI budget, about 6 CPU-seconds on one thread). The bound
 on the default ratio allows for that smaller sample (see the README table).
 """
 from __future__ import annotations
