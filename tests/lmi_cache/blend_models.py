@@ -30,3 +30,22 @@ def tiny_model(model_type: str = "llama", *, seed: int = 0, **overrides: Any) ->
     kwargs.update(overrides)
     torch.manual_seed(seed)
     return model_cls(config_cls(**kwargs)).float().eval()
+
+
+class DictEngine:
+    """The engine verbs blending uses (older names, which engine_io also accepts), over a dict;
+    ``metrics`` stands for a rank's CacheMetrics where a test needs one."""
+
+    def __init__(self, metrics: Any = None) -> None:
+        self.metrics = metrics
+        self.objects: dict[bytes, torch.Tensor] = {}
+
+    def store_from(self, key: Any, shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> bool:
+        out = torch.empty(shape, dtype=dtype)
+        fill(out)
+        self.objects[key.digest] = out
+        return True
+
+    def retrieve(self, key: Any, out: Any = None) -> torch.Tensor | None:
+        found = self.objects.get(key.digest)
+        return None if found is None else found.clone()

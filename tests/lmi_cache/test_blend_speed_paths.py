@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from blend_models import VOCAB, tiny_model
+from blend_models import VOCAB, DictEngine, tiny_model
 
 from lmi_cache.blend.attention import attend
 from lmi_cache.blend.blender import KVStack, blend, prefill, rerotated_segments, segment_kv
@@ -177,7 +177,7 @@ def test_worker_with_the_kernel_writes_each_layer_once_and_equals_a_prefill() ->
         original_write(layer, start, k, v)
 
     paged_attention.write = counting_write  # type: ignore[method-assign]
-    engine = _DictEngine()
+    engine = DictEngine()
     gen = torch.Generator().manual_seed(7)
     prefix, seg_a, seg_b = (torch.randint(0, VOCAB, (n,), generator=gen) for n in (20, 40, 35))
     keys = (ChunkKey(b"a" * 16, 0, 40, 1), ChunkKey(b"b" * 16, 0, 35, 2))
@@ -197,21 +197,6 @@ def test_worker_with_the_kernel_writes_each_layer_once_and_equals_a_prefill() ->
     got_k, got_v = worker.paged.read(block_ids, 20, 95)
     torch.testing.assert_close(got_k, want.k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_v, want.v, atol=1e-5, rtol=1e-5)
-
-
-class _DictEngine:
-    def __init__(self) -> None:
-        self.objects: dict[bytes, torch.Tensor] = {}
-
-    def store_from(self, key: ChunkKey, shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> bool:
-        out = torch.empty(shape, dtype=dtype)
-        fill(out)
-        self.objects[key.digest] = out
-        return True
-
-    def retrieve(self, key: ChunkKey, out: Any = None) -> torch.Tensor | None:
-        found = self.objects.get(key.digest)
-        return None if found is None else found.clone()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])

@@ -1,10 +1,8 @@
 """BlendWorker over a tiny HF Llama and CPU paged tensors: stores, blends, faults (no vLLM engine)."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from blend_models import tiny_model
+from blend_models import DictEngine, tiny_model
 
 from lmi_cache.blend.blender import prefill
 from lmi_cache.blend.hf_adapter import HFLayerwiseModel
@@ -17,23 +15,6 @@ from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.transfer.layouts import ExpectedGeometry, describe_kv_caches
 
 N = 16
-
-
-class DictEngine:
-    """The two engine verbs blending uses, over a dict (older verb names, as engine_io also accepts)."""
-
-    def __init__(self) -> None:
-        self.objects: dict[bytes, torch.Tensor] = {}
-
-    def store_from(self, key: ChunkKey, shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> bool:
-        out = torch.empty(shape, dtype=dtype)
-        fill(out)
-        self.objects[key.digest] = out
-        return True
-
-    def retrieve(self, key: ChunkKey, out: Any = None) -> torch.Tensor | None:
-        found = self.objects.get(key.digest)
-        return None if found is None else found.clone()
 
 
 def _worker(ratio: float) -> tuple[BlendWorker, HFLayerwiseModel, list[torch.Tensor]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from blend_models import tiny_model
+from blend_models import DictEngine, tiny_model
 
 from lmi_cache.blend.blender import prefill
 from lmi_cache.blend.hf_adapter import HFLayerwiseModel
@@ -98,24 +98,6 @@ def test_scheduler_series_follow_plans_stores_and_bad_requests() -> None:
 
 
 # -- worker -----------------------------------------------------------------------------------
-
-
-class DictEngine:
-    """The engine verbs blending uses, over a dict, with the rank's CacheMetrics like CacheEngine."""
-
-    def __init__(self, metrics: CacheMetrics) -> None:
-        self.metrics = metrics
-        self.objects: dict[bytes, torch.Tensor] = {}
-
-    def store_from(self, key: ChunkKey, shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> bool:
-        out = torch.empty(shape, dtype=dtype)
-        fill(out)
-        self.objects[key.digest] = out
-        return True
-
-    def retrieve(self, key: ChunkKey, out: Any = None) -> torch.Tensor | None:
-        found = self.objects.get(key.digest)
-        return None if found is None else found.clone()
 
 
 class FakeWorkerSide:
