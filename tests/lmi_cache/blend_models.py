@@ -49,3 +49,21 @@ class DictEngine:
     def retrieve(self, key: Any, out: Any = None) -> torch.Tensor | None:
         found = self.objects.get(key.digest)
         return None if found is None else found.clone()
+
+
+def paged_blend_worker(ratio: float, block_tokens: int = 16) -> tuple[Any, Any, list[torch.Tensor]]:
+    """(BlendWorker, HFLayerwiseModel, CPU paged KV layers) over a tiny Llama: a worker past register_kv_caches."""
+    from lmi_cache.blend.hf_adapter import HFLayerwiseModel
+    from lmi_cache.blend.paged_kv import PagedKV
+    from lmi_cache.blend.settings import BlendSettings
+    from lmi_cache.blend.worker_jobs import BlendWorker
+    from lmi_cache.transfer.layouts import ExpectedGeometry, describe_kv_caches
+
+    hf = tiny_model("llama")
+    model = HFLayerwiseModel(hf)
+    kv_heads, head_dim = hf.config.num_key_value_heads, model.head_dim
+    layers = [torch.zeros(32, kv_heads, block_tokens, 2 * head_dim) for _ in range(model.num_layers)]
+    geometry = ExpectedGeometry(block_size_tokens=block_tokens, num_kv_heads=kv_heads, head_size=head_dim)
+    layout = describe_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)}, geometry)
+    settings = BlendSettings(enabled=True, recompute_ratios=(ratio,), min_tokens=0)
+    return BlendWorker(settings, model, PagedKV(layers, layout, block_tokens), rank_index=0), model, layers

@@ -2,30 +2,20 @@
 from __future__ import annotations
 
 import torch
-from blend_models import DictEngine, tiny_model
+from blend_models import DictEngine, paged_blend_worker
 
 from lmi_cache.blend.blender import prefill
 from lmi_cache.blend.hf_adapter import HFLayerwiseModel
 from lmi_cache.blend.jobs import BlendJob, BlendPiece, SegmentStore
-from lmi_cache.blend.paged_kv import PagedKV
-from lmi_cache.blend.settings import BlendSettings
 from lmi_cache.blend.vllm_plugin import loaded_model, register, remember_model
 from lmi_cache.blend.worker_jobs import BlendWorker
 from lmi_cache.chunk_hashing import ChunkKey
-from lmi_cache.transfer.layouts import ExpectedGeometry, describe_kv_caches
 
 N = 16
 
 
 def _worker(ratio: float) -> tuple[BlendWorker, HFLayerwiseModel, list[torch.Tensor]]:
-    hf = tiny_model("llama")
-    model = HFLayerwiseModel(hf)
-    kv_heads, head_dim = hf.config.num_key_value_heads, model.head_dim
-    layers = [torch.zeros(32, kv_heads, N, 2 * head_dim) for _ in range(model.num_layers)]
-    layout = describe_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)},
-                                ExpectedGeometry(block_size_tokens=N, num_kv_heads=kv_heads, head_size=head_dim))
-    settings = BlendSettings(enabled=True, recompute_ratios=(ratio,), min_tokens=0)
-    return BlendWorker(settings, model, PagedKV(layers, layout, N), rank_index=0), model, layers
+    return paged_blend_worker(ratio, N)
 
 
 def _key(n: int, tag: int) -> ChunkKey:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from blend_models import DictEngine, tiny_model
+from blend_models import DictEngine, paged_blend_worker
 
 from lmi_cache.blend.blender import prefill
 from lmi_cache.blend.hf_adapter import HFLayerwiseModel
@@ -23,10 +23,8 @@ from lmi_cache.blend.jobs import (
     BlendPiece,
     SegmentStore,
 )
-from lmi_cache.blend.paged_kv import PagedKV
 from lmi_cache.blend.scheduler_plan import BlendScheduler
 from lmi_cache.blend.settings import BlendSettings
-from lmi_cache.blend.worker_jobs import BlendWorker
 from lmi_cache.chunk_hashing import ChunkKey
 from lmi_cache.metrics import (
     BLEND_WORKER_SERIES,
@@ -35,7 +33,6 @@ from lmi_cache.metrics import (
     CacheMetrics,
     SchedulerMetrics,
 )
-from lmi_cache.transfer.layouts import ExpectedGeometry, describe_kv_caches
 
 pytest.importorskip("vllm")
 from lmi_cache.blend.connector import LmiBlendConnector
@@ -118,15 +115,9 @@ class FakeWorkerSide:
 
 def _connector(ratio: float, metrics: CacheMetrics) -> tuple[Any, HFLayerwiseModel]:
     """An LmiBlendConnector past register_kv_caches: a real BlendWorker over a tiny Llama and CPU paged tensors."""
-    hf = tiny_model("llama")
-    model = HFLayerwiseModel(hf)
-    kv_heads, head_dim = hf.config.num_key_value_heads, model.head_dim
-    layers = [torch.zeros(32, kv_heads, N, 2 * head_dim) for _ in range(model.num_layers)]
-    layout = describe_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)},
-                                ExpectedGeometry(block_size_tokens=N, num_kv_heads=kv_heads, head_size=head_dim))
-    settings = BlendSettings(enabled=True, recompute_ratios=(ratio,), min_tokens=0)
+    worker, model, _ = paged_blend_worker(ratio, N)
     connector: Any = LmiBlendConnector.__new__(LmiBlendConnector)
-    connector._blend_worker = BlendWorker(settings, model, PagedKV(layers, layout, N), rank_index=0)
+    connector._blend_worker = worker
     connector._blend_worker_metrics = None
     connector._blend_failed_blocks = set()
     connector._worker = FakeWorkerSide(DictEngine(metrics))
