@@ -130,3 +130,17 @@ def test_lmi_lmcache_recipe_runs_our_connector_with_its_yaml(tmp_path: Path) -> 
     assert arg(launch, "--dtype") == "bfloat16" and arg(launch, "--max-num-seqs") == "32"
     assert any("LMI's LMCache recipe" in line for line in launch.summary)
     assert any("option.max_new_tokens=256 ignored" in line for line in launch.summary)
+
+
+def test_rag_blending_example_serves_the_blending_connector(tmp_path: Path) -> None:
+    import yaml
+
+    launch = serve(stage(tmp_path, "qwen2.5-7b-rag-blending", "qwen2.5-7b-instruct"), host(1, 128), tmp_path)
+    assert json.loads(arg(launch, "--kv-transfer-config"))["kv_connector"] == "LmiBlendConnector"
+    rendered = yaml.safe_load(Path(launch.env_set["LMCACHE_CONFIG_FILE"]).read_text())
+    assert rendered["enable_blending"] is True and rendered["blend_recompute_ratios"] == [0.15]
+
+
+def test_rag_blending_example_refuses_a_model_the_blender_does_not_cover(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="gemma2"):
+        serve(stage(tmp_path, "qwen2.5-7b-rag-blending", "gemma-2-9b-it"), host(1, 128), tmp_path)
