@@ -23,6 +23,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # The RoPE types lmi_cache.blend.rope re-rotates exactly (kept equal to its SUPPORTED_ROPE_TYPES by a test;
 # repeated here so that the container-start check never imports torch).
 BLENDABLE_ROPE_TYPES = ("default", "linear", "llama3")
+MISTRAL_DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig default (kept equal by a test)
 
 
 def blend_refusal(config: Mapping[str, Any], model: str = "the model") -> str | None:
@@ -31,7 +32,8 @@ def blend_refusal(config: Mapping[str, Any], model: str = "the model") -> str | 
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (f"{model} has model_type {model_type!r}; blending covers "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} only")
-    sliding = config.get("sliding_window")
+    # A Mistral config.json without the key gets transformers' default window (4096), which the worker sees.
+    sliding = config.get("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW if model_type == "mistral" else None)
     uses_sliding = config.get("use_sliding_window", model_type == "mistral") and sliding is not None
     layer_types = config.get("layer_types") or []
     if uses_sliding or any(t != "full_attention" for t in layer_types):

@@ -44,3 +44,16 @@ def test_the_start_check_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_a_mistral_config_without_a_window_gets_the_window_the_worker_sees() -> None:
+    from transformers import MistralConfig
+
+    from lmi_cache.blend.support import MISTRAL_DEFAULT_SLIDING_WINDOW
+
+    assert MistralConfig().sliding_window == MISTRAL_DEFAULT_SLIDING_WINDOW
+    raw = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+    assert "sliding-window" in (blend_refusal(raw) or "")  # transformers fills in 4096: the worker refuses it too
+    assert blend_refusal({**raw, "sliding_window": None}) is None  # explicitly none: covered
+    hf = MistralConfig(**{k: v for k, v in raw.items() if k != "model_type"}).to_dict()
+    assert (blend_refusal(raw) is None) == (blend_refusal(hf) is None)  # what container start and worker read
