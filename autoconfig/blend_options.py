@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmi_cache.blend.settings import BLEND_KEYS, BlendConfigError, BlendSettings
+from lmi_cache.blend.settings import BLEND_KEYS, BlendConfigError, BlendSettings, blend_keys_in, blend_keys_in_env
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
@@ -42,8 +42,6 @@ class BlendOptionError(UserError):
 def resolve_blend(options: Mapping[str, RawOption], env: Mapping[str, str], config_file: Path | None,
                   config_where: str, engine: str) -> tuple[BlendSettings, str]:
     """(settings as the server will read them, where ``enable_blending`` was set or "")."""
-    from lmi_cache.config_values import unquote_env
-
     given = [options[name] for name in BLEND_OPTIONS if name in options]
     if given and config_file is not None:
         raise BlendOptionError(
@@ -62,17 +60,17 @@ def resolve_blend(options: Mapping[str, RawOption], env: Mapping[str, str], conf
         values[key], where[key] = opt.value.strip(), opt.where
         if key == "enable_blending":
             shown = f"{opt.where}={opt.value.strip()}"
-    for key in (*BLEND_KEYS, "blend_thresholds"):
+    for key, value in blend_keys_in_env(env).items():
         name = f"LMCACHE_{key.upper()}"
-        if name in env:
-            values[key], where[key] = unquote_env(env[name]), f"environment variable {name}"
-            if key == "enable_blending":
-                shown = f"environment variable {name}={env[name]}"
+        values[key], where[key] = value, f"environment variable {name}"
+        if key == "enable_blending":
+            shown = f"environment variable {name}={env[name]}"
     if not values:
         return BlendSettings(), ""
     sources = sorted(set(where.values()))
     try:
-        settings = BlendSettings.from_mapping(values, " + ".join(sources), where_of=lambda key: _named(where.get(key, sources[0]), key))
+        settings = BlendSettings.from_mapping(values, " + ".join(sources),
+                                              where_of=lambda key: _named(where.get(key, sources[0]), key))
     except BlendConfigError as err:
         raise BlendOptionError(str(err)) from None
     if settings.enabled and engine == "lmcache" and where.get("enable_blending") in {o.where for o in given}:
@@ -98,4 +96,4 @@ def _yaml_blend_keys(path: Path) -> dict[str, Any]:
         data = read_yaml_mapping(str(path))
     except (UserError, OSError):
         return {}
-    return {key: data[key] for key in (*BLEND_KEYS, "blend_thresholds") if key in data}
+    return blend_keys_in(data)

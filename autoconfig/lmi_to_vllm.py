@@ -17,6 +17,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping
 
+from autoconfig.blend_options import BLEND_OPTIONS
 from autoconfig.lmi_names import (
     FRONT_OPTION_NAMES,
     LMI_IGNORED,
@@ -41,9 +42,7 @@ LMCACHE_OPTIONS = frozenset({
     "lmcache_auto_config", "lmcache_config_file", "lmcache_max_local_cpu_size",
     "lmcache_max_local_disk_size", "lmcache_local_disk", "lmcache_chunk_size", "lmcache_use_odirect",
     "lmcache_engine", "lmcache_remote_url", "lmcache_session_retention_share",
-    "lmcache_enable_blending", "lmcache_blend_special_str", "lmcache_blend_check_layers",
-    "lmcache_blend_recompute_ratios", "lmcache_blend_min_tokens",  # autoconfig.blend_options.BLEND_OPTIONS
-})
+}) | frozenset(BLEND_OPTIONS)
 
 # vLLM arguments that serve controls itself: a user value would break the
 # SageMaker contract (port 8080, /ping) or the model/cache wiring.

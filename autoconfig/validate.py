@@ -84,11 +84,11 @@ def blend_findings(config_path: str, model: PlanModel | ModelInfoLike) -> list[F
     Not part of ``validate_config``: serve checks blending with the environment applied
     (``autoconfig.blend_options``), where LMCACHE_ENABLE_BLENDING may turn the file's setting off.
     """
-    from lmi_cache.blend.settings import BLEND_KEYS, BlendConfigError, BlendSettings
+    from lmi_cache.blend.settings import BlendConfigError, BlendSettings, blend_keys_in
     from lmi_cache.blend.support import blend_refusal
 
     data = _read(config_path)
-    keys = {k: data[k] for k in (*BLEND_KEYS, "blend_thresholds") if k in data}
+    keys = blend_keys_in(data)
     try:
         blend = BlendSettings.from_mapping(keys, config_path)
     except BlendConfigError as err:

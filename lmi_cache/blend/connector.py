@@ -46,7 +46,7 @@ import torch
 
 from lmi_cache.blend.jobs import BlendConnectorMetadata
 from lmi_cache.blend.scheduler_plan import BlendScheduler
-from lmi_cache.blend.settings import BLEND_KEYS, BlendConfigError, BlendSettings
+from lmi_cache.blend.settings import BlendConfigError, BlendSettings, blend_keys_in, blend_keys_in_env
 from lmi_cache.vllm_connector.connector import LmiCacheConnector
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 
@@ -73,15 +73,9 @@ def load_blend_settings(env: Mapping[str, str] | None = None) -> BlendSettings:
     from lmi_cache.config_values import unquote_env
 
     env = os.environ if env is None else env
-    values: dict[str, Any] = {}
     path = unquote_env(env.get(CONFIG_FILE_ENV, ""))
-    if path:
-        data = read_yaml_mapping(path)
-        values.update({k: data[k] for k in (*BLEND_KEYS, "blend_thresholds") if k in data})
-    for key in (*BLEND_KEYS, "blend_thresholds"):
-        name = f"LMCACHE_{key.upper()}"
-        if name in env:
-            values[key] = unquote_env(env[name])
+    values: dict[str, Any] = blend_keys_in(read_yaml_mapping(path)) if path else {}
+    values.update(blend_keys_in_env(env))
     return BlendSettings.from_mapping(values, path or "environment")
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lmi_cache.config_values import parse_bool, parse_int
+from lmi_cache.config_values import parse_bool, parse_int, unquote_env
 from lmi_cache.errors import ConfigError
 
 BLEND_KEYS = (
@@ -38,10 +38,22 @@ BLEND_KEYS = (
     "blend_recompute_ratios",
     "blend_min_tokens",
 )
+# Every key the settings read: BLEND_KEYS, and LMCache's blend_thresholds (read only to be refused).
+READ_KEYS = (*BLEND_KEYS, "blend_thresholds")
 DEFAULT_SPECIAL_STR = " # # "
 DEFAULT_CHECK_LAYERS: tuple[int, ...] = (1,)
 DEFAULT_RECOMPUTE_RATIOS: tuple[float, ...] = (0.15,)
 DEFAULT_MIN_TOKENS = 256
+
+
+def blend_keys_in(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The blending keys of a parsed LMCache YAML."""
+    return {key: data[key] for key in READ_KEYS if key in data}
+
+
+def blend_keys_in_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The blending keys set as ``LMCACHE_<KEY>`` variables (they win over the YAML, as in LMCache)."""
+    return {key: unquote_env(env[f"LMCACHE_{key.upper()}"]) for key in READ_KEYS if f"LMCACHE_{key.upper()}" in env}
 
 
 class BlendConfigError(ConfigError):

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from lmi_cache.errors import ConfigError
 from lmi_cache.remote.settings import PASSWORD_ENV, USERNAME_ENV, RemoteSettings, redis_client_url
 from lmi_cache.remote.resp_reply import BulkArrayReader
-from lmi_cache.remote.store import BodyAllocator, ReceivedValue, RemoteStore, StoreError, split_value
+from lmi_cache.remote.store import BodyAllocator, ReceivedValue, RemoteStore, StoreError
 
 
 def _import_redis() -> Any:
@@ -130,12 +130,8 @@ class RedisStore(RemoteStore):
         except Exception as err:
             raise self._error("get", err) from None
         try:
-            conn.send_command("MGET", *keys)
-            sock = getattr(conn, "_sock", None)
-            if sock is None:  # a redis-py without a socket attribute: its own parser reads the reply
-                values = conn.read_response()
-                return [None if value is None else split_value(value, split_at, allocate) for value in values]
-            return BulkArrayReader(sock).read_values(split_at, allocate)
+            conn.send_command("MGET", *keys)  # connects first when needed, so the socket exists below
+            return BulkArrayReader(conn._sock).read_values(split_at, allocate)
         except BaseException as err:
             conn.disconnect()
             if isinstance(err, Exception):

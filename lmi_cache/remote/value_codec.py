@@ -185,10 +185,8 @@ class ValueCodec:
         """Verify ``value`` against ``key``; a DecodedChunk, or why it is a miss. Never raises."""
         if value is None:
             return MissReason.NOT_FOUND
-        try:
-            return self._decode(byte_view(value), key)
-        except Exception:  # the last line of defence: a decode fault is a miss, never an error
-            return MissReason.CORRUPTED
+        view = byte_view(value)
+        return self.decode_parts(view[:VALUE_HEADER_BYTES], view[VALUE_HEADER_BYTES:], key)
 
     def decode_parts(self, head: BytesLike, body: BytesLike, key: ChunkKey) -> DecodedChunk | MissReason:
         """``decode`` of a value received in two parts: its first VALUE_HEADER_BYTES, and the rest."""
@@ -196,9 +194,6 @@ class ValueCodec:
             return self._decode_parts(byte_view(head), byte_view(body), key)
         except Exception:  # the last line of defence: a decode fault is a miss, never an error
             return MissReason.CORRUPTED
-
-    def _decode(self, view: memoryview, key: ChunkKey) -> DecodedChunk | MissReason:
-        return self._decode_parts(view[:VALUE_HEADER_BYTES], view[VALUE_HEADER_BYTES:], key)
 
     def _decode_parts(self, head: memoryview, body: memoryview, key: ChunkKey) -> DecodedChunk | MissReason:
         if len(head) < VALUE_HEADER_BYTES:

@@ -141,7 +141,7 @@ class WorkerSide:
         except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
             self._fault("chunk load failed", err)
         if arrived:
-            loaded.update(self._scatter(meta, sorted(arrived, key=lambda item: item[0])))
+            loaded.update(self._scatter(meta, arrived))
         self._finish_loads(meta, keys, loaded)
         self._pending_releases.append((self._last_event, held))
         self._last_event = None
