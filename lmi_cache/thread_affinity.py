@@ -4,11 +4,11 @@ vLLM's CPU backend binds its OpenMP threads one per core, the worker's main
 thread included (GOMP_CPU_AFFINITY / KMP_AFFINITY), and a thread inherits the
 affinity of the thread that starts it. Our disk readers and writers, remote
 I/O and the allocator's warmer are started from that main thread, so without
-this module they all share the one core of the model's OpenMP master thread.
-Measured on a busy 2-core host: copy kernel calls that take 2-10 ms took
-170-250 ms while two disk reads ran on that core, and a fresh server's disk
-hits cost 2.15x a CPU-tier hit of the same documents (1.26x with this module
-and one copy per step after the reads).
+this module they all share the one core of the model's OpenMP master thread,
+and a copy kernel call waits for that core while disk reads run on it: on a
+busy 2-core host a fresh server's disk hits cost 2.15x a CPU-tier hit of the
+same documents, 1.26x with this module and one copy per step after the reads
+(``benchmarks/bench_connector.py --configs ours-disk``, paired rows).
 
 Our threads therefore widen their own affinity when they start: to the CPUs
 the container may use (the cgroup's effective cpuset, else all), minus the

@@ -1,0 +1,146 @@
+"""What reading one 32M-model query's chunks costs on this host: disk (page cache vs device) and Redis.
+
+Run: ``.venv/bin/python benchmarks/bench_tier_reads.py`` (about 1 minute; needs
+``redis-server`` on PATH; ``--help``). A 32M tiny model's 8,000-token query
+loads 31 chunks of 4 MiB; this script moves the same bytes without vLLM, so the
+connector benchmark's tier rows can be read against the floor the host sets.
+
+1. Disk: 31 chunk files in ``--dir`` (default: a temporary folder), read with
+   the disk tier's own reader function from the page cache and with O_DIRECT
+   (from the device, as after the page cache was reclaimed), with 1-8 threads.
+2. Redis: 31 values in a loopback redis-server of its own, read by a bare
+   socket ``recv_into`` of the MGET reply into ready buffers (the floor), by
+   redis-py's ``mget`` (its parser, hiredis when installed), and by the remote
+   tier's store (``RedisStore.get_many_into``: the reply received straight into
+   ready buffers). Rounds alternate; medians, and ratios against the floor.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lmi_cache.devtools.redis_server import RedisServer  # noqa: E402
+from lmi_cache.remote.settings import RemoteSettings  # noqa: E402
+from lmi_cache.tiers import disk_io  # noqa: E402
+
+MIB = 1 << 20
+
+
+def medians(rounds: int, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Median seconds of each function, the functions taking turns round after round."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def bench_disk(args: argparse.Namespace, payloads: list[bytes]) -> None:
+    with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+        paths = []
+        for number, payload in enumerate(payloads):
+            path = os.path.join(folder, f"{number}.lmc")
+            with open(path, "wb") as handle:
+                handle.write(payload)
+            paths.append(path)
+        os.sync()
+        buffers = [disk_io.aligned_buffer(len(p)) for p in payloads]
+        for buffer in buffers:
+            buffer[:] = 0  # touched: the reads measure the reads, not page faults
+
+        def reads(threads: int, odirect: bool) -> Callable[[], object]:
+            pool = ThreadPoolExecutor(threads)
+            return lambda: list(pool.map(lambda i: disk_io.read_file_into(paths[i], buffers[i], odirect=odirect),
+                                         range(len(paths))))
+
+        fns = {f"{'O_DIRECT' if odirect else 'page cache'}, {threads} thread(s)": reads(threads, odirect)
+               for odirect in (False, True) for threads in (1, 2, 4, 8)}
+        result = medians(args.rounds, fns)
+    total = sum(len(p) for p in payloads)
+    print(f"## Disk: {len(payloads)} files of {len(payloads[0]) // MIB} MiB ({total / MIB:.0f} MiB)\n")
+    print("| read | ms | GB/s |\n|---|---|---|")
+    for name, seconds in result.items():
+        print(f"| {name} | {seconds * 1000:.1f} | {total / seconds / 1e9:.2f} |")
+    cached = min(v for k, v in result.items() if k.startswith("page"))
+    device = min(v for k, v in result.items() if k.startswith("O_DIRECT"))
+    print(f"\nFrom the device / from the page cache (best of each): {device / cached:.1f}x\n")
+
+
+def bench_redis(args: argparse.Namespace, payloads: list[bytes]) -> None:
+    from lmi_cache.remote.redis_store import RedisStore
+
+    keys = [f"bench-reads:{number}" for number in range(len(payloads))]
+    buffers = [np.zeros(len(p), dtype=np.uint8) for p in payloads]
+    with RedisServer() as server:
+        store = RedisStore(RemoteSettings(server.url, key_prefix="bench-reads", io_timeout_ms=30_000))
+        client = store._client(lookup=False)
+        client.mset(dict(zip(keys, payloads)))
+        host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
+        command = b"*%d\r\n$4\r\nMGET\r\n" % (len(keys) + 1) + b"".join(
+            b"$%d\r\n%s\r\n" % (len(k), k.encode()) for k in keys)
+
+        expected = sum(len(p) + len(b"$%d\r\n\r\n" % len(p)) for p in payloads) + len(b"*%d\r\n" % len(keys))
+        reply = np.zeros(expected, dtype=np.uint8)  # touched once, like the other readers' buffers
+
+        def bare_socket() -> None:
+            """The MGET reply's bytes into ready memory, nothing parsed: the floor."""
+            with socket.create_connection((host, port)) as sock:
+                sock.sendall(command)
+                view, got = memoryview(reply), 0
+                while got < expected:
+                    got += sock.recv_into(view[got:])
+
+        turn = iter(range(1 << 62))
+
+        def ready_memory(num_bytes: int) -> tuple[np.ndarray, memoryview]:
+            buffer = buffers[next(turn) % len(buffers)]
+            return buffer, memoryview(buffer)
+
+        fns = {
+            "bare socket recv_into (floor)": bare_socket,
+            "redis-py mget": lambda: client.mget(keys),
+            "remote tier's store: get_many_into": lambda: store.get_many_into(keys, 0, ready_memory),
+        }
+        result = medians(args.rounds, fns)
+        store.close()
+    total = sum(len(p) for p in payloads)
+    floor = result["bare socket recv_into (floor)"]
+    print(f"## Redis on loopback: one MGET of {len(payloads)} values of {len(payloads[0]) // MIB} MiB\n")
+    print("| read | ms | GB/s | / floor |\n|---|---|---|---|")
+    for name, seconds in result.items():
+        print(f"| {name} | {seconds * 1000:.1f} | {total / seconds / 1e9:.2f} | {seconds / floor:.2f}x |")
+    print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=31, help="chunks per query (31: a 32M model's 8k tokens)")
+    parser.add_argument("--chunk-mib", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--dir", default=None, help="folder for the disk files (default: the temp folder)")
+    parser.add_argument("--skip", choices=["disk", "redis"], action="append", default=[])
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    payloads = [rng.integers(0, 256, args.chunk_mib * MIB, dtype=np.uint8).tobytes() for _ in range(args.chunks)]
+    if "disk" not in args.skip:
+        bench_disk(args, payloads)
+    if "redis" not in args.skip:
+        bench_redis(args, payloads)
+
+
+if __name__ == "__main__":
+    main()
