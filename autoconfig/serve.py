@@ -33,7 +33,6 @@ from autoconfig.serve_checks import (
     model_argument,
     server_port,
 )
-from lmi_cache.config import BLEND_CONNECTOR_HINT
 from lmi_cache.front.options import FRONT_OPTIONS, front_launch
 from lmi_cache.metrics_settings import multiproc_env
 
@@ -137,8 +136,6 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
     if props.config_file is not None:
         findings = check_user_config(props, checked, host, env)
     findings += env_findings
-    if props.settings.blend_connector:  # lmi_cache.config's hint for the exact-prefix connector does not apply
-        findings = [f for f in findings if BLEND_CONNECTOR_HINT not in f]
     secret_env, secret_files = secrets_for_vllm(mapped, props)
     result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files,
                        model=checked if is_s3(props.model_id or "") else None, resolved=props)

@@ -50,10 +50,6 @@ CACHE_POLICIES = ("LRU", "FIFO")
 _FALLBACK_POLICIES = ("LFU", "MRU")
 MAX_CONFIG_FILE_BYTES = 1 << 20  # an LMCache YAML is a few hundred bytes; refuse anything absurd
 
-# The start of the warning that enable_blending is on under the exact-prefix connector (filtered by the
-# blending connector and by serve, which know better).
-BLEND_CONNECTOR_HINT = "blending needs the blending connector"
-
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -79,6 +75,9 @@ class CacheConfig:
     disk_queue_depth: int = 64  # extra_config.disk_queue_depth: queued writes before stores drop
     # extra_config.session_retention_share: share of the CPU tier where open sessions' chunks are evicted last (0: off)
     session_retention_share: float = DEFAULT_RETENTION_SHARE
+    # LMCache's enable_blending as given: the blending connector reads it with the blend_* keys
+    # (lmi_cache.blend.settings); the exact-prefix connector only says that it does not blend.
+    enable_blending: bool = False
     # extra_config keys of the remote tier (lmi_cache.config_remote; RemoteSettings documents each).
     remote_compression: str = "off"  # off | zstd | zstd-planes (lossless)
     remote_io_timeout_ms: int = 2000  # a batched remote load or store batch gives up after this
@@ -209,12 +208,9 @@ def _merge(
         elif key == "extra_config":
             fields.update(_parse_extra(parse_mapping(value, where), where, where_of, warnings))
         elif key == "enable_blending" or key.startswith("blend_"):
-            # Read by lmi_cache.blend.settings when the blending connector runs; the exact-prefix
-            # connector reuses prefixes only and says so once.
-            if key == "enable_blending" and _truthy(value):
-                warnings.append(f"{where}: {BLEND_CONNECTOR_HINT} (kv_connector LmiBlendConnector, "
-                                "kv_connector_module_path lmi_cache.blend.connector); LmiCacheConnector reuses "
-                                "exact prefixes only")
+            # Checked by lmi_cache.blend.settings, which the blending connector and start-up read.
+            if key == "enable_blending":
+                fields[key] = _truthy(value)
         elif key in UNSUPPORTED_FEATURES and _truthy(value):
             warnings.append(f"{where}: asks for {UNSUPPORTED_FEATURES[key]}, which lmi_cache does not provide; "
                             "this server runs without it (its local tiers still serve)")
@@ -344,7 +340,7 @@ def config_to_dict(config: CacheConfig) -> dict[str, Any]:
         elif field.name == "local_disk":
             if value:
                 data[field.name] = ",".join(f"file://{p.rstrip('/')}/" for p in value)
-        elif field.name in ("remote_serde", "lookup_timeout_ms"):
+        elif field.name in ("remote_serde", "lookup_timeout_ms", "enable_blending"):
             if value != getattr(defaults, field.name):
                 data[field.name] = value
         elif value is not None:

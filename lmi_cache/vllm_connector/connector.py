@@ -79,13 +79,15 @@ def _weights_identity(vllm_config: VllmConfig) -> str:
 
 
 def _load_cache_config(blends: bool = False) -> Any:
-    from lmi_cache.config import BLEND_CONNECTOR_HINT, load_config
+    from lmi_cache.config import load_config
 
     config, warnings = load_config()
     for warning in warnings:
-        if blends and BLEND_CONNECTOR_HINT in warning:
-            continue  # it asks for the blending connector, and this is it
         logger.warning("lmi-cache: %s", warning)
+    if config.enable_blending and not blends:
+        logger.warning("lmi-cache: enable_blending is on, but blending needs the blending connector (kv_connector "
+                       "LmiBlendConnector, kv_connector_module_path lmi_cache.blend.connector); LmiCacheConnector "
+                       "reuses exact prefixes only")
     for key in ("save_unfull_chunk", "save_decode_cache"):
         if getattr(config, key):
             # The engine stores partial chunks, but vLLM's paged cache only hands
