@@ -264,27 +264,56 @@ BLEND_WORKER_SERIES: Final = (
 )
 
 
-class BlendWorkerMetrics:
-    """Blend counters of one worker rank, in the registry of its engine's ``CacheMetrics`` (``engine``, ``rank``)."""
+# WorkerStats field -> (series, help): the connector's own time on vLLM's model thread, which no tier
+# series shows (a save's gather and a load's wait for its reads and copies happen between forward passes).
+WORKER_SERIES: Final = (
+    ("save_seconds", "lmi_cache_worker_save_seconds",
+     "Seconds the model thread spent gathering and storing chunks after forward passes"),
+    ("load_seconds", "lmi_cache_worker_load_seconds",
+     "Seconds the model thread spent reading hits and copying them into vLLM's KV cache"),
+)
 
-    def __init__(self, registry: CollectorRegistry, engine_label: str = "0", rank_label: str = "0") -> None:
+
+class FollowedCounters:
+    """Counters of one worker rank that follow a plain stats object, in its engine's registry (``engine``, ``rank``).
+
+    Worker code counts in plain dataclass fields (free of Prometheus);
+    ``follow`` adds what each field grew by since the last call.
+    """
+
+    def __init__(self, series: tuple[tuple[str, str, str], ...], registry: CollectorRegistry,
+                 engine_label: str = "0", rank_label: str = "0") -> None:
         self.registry = registry
         self.engine_label = engine_label
         self.rank_label = rank_label
         self._counters = {field: Counter(name, text, ["engine", "rank"], registry=registry)
-                          for field, name, text in BLEND_WORKER_SERIES}
+                          for field, name, text in series}
         self._seen: dict[str, float] = {field: 0.0 for field in self._counters}
         for counter in self._counters.values():
             counter.labels(engine_label, rank_label)  # present at 0 from the start
 
     def follow(self, stats: Any) -> None:
-        """Add what ``stats`` (a ``BlendWorkerStats``) counted since the last call."""
+        """Add what ``stats`` counted since the last call."""
         for field, counter in self._counters.items():
             value = float(getattr(stats, field, 0) or 0)
             delta = value - self._seen[field]
             if delta > 0:
                 counter.labels(self.engine_label, self.rank_label).inc(delta)
             self._seen[field] = value  # a smaller value: the stats were reset; count from there
+
+
+class BlendWorkerMetrics(FollowedCounters):
+    """Blend counters of one worker rank (``BlendWorkerStats`` fields, ``BLEND_WORKER_SERIES``)."""
+
+    def __init__(self, registry: CollectorRegistry, engine_label: str = "0", rank_label: str = "0") -> None:
+        super().__init__(BLEND_WORKER_SERIES, registry, engine_label, rank_label)
+
+
+class WorkerMetrics(FollowedCounters):
+    """The exact-prefix connector's worker time of one rank (``WorkerStats`` fields, ``WORKER_SERIES``)."""
+
+    def __init__(self, registry: CollectorRegistry, engine_label: str = "0", rank_label: str = "0") -> None:
+        super().__init__(WORKER_SERIES, registry, engine_label, rank_label)
 
 
 class RateLimitedWarner:

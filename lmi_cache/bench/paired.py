@@ -9,7 +9,10 @@ cancels. Throughput is prompt tokens over summed request latency.
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from lmi_cache.bench.client import CompletionResult, OpenAiClient
 from lmi_cache.bench.stats import percentile
@@ -20,30 +23,59 @@ from lmi_cache.bench.workloads import LongDocQaSpec, long_doc_qa_round
 
 @dataclass(frozen=True)
 class PairedThroughput:
-    """Prompt tokens per second of A and B over the same prompts, and B/A."""
+    """Prompt tokens per second of A and B over the same prompts, and B/A.
 
-    num_requests: int
-    a_prompt_tokens_per_s: float
-    b_prompt_tokens_per_s: float
-    median_pair_ratio: float
+    Keeps the sums, so that runs on several server starts merge into one figure
+    (the spread between two starts of the same server on this host is larger
+    than the difference being measured).
+    """
+
+    a_tokens: int
+    a_seconds: float
+    b_tokens: int
+    b_seconds: float
+    pair_ratios: tuple[float, ...]  # per prompt: A latency / B latency
+    start_ratios: tuple[float, ...] = ()  # per server start: B throughput / A throughput
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.pair_ratios)
+
+    @property
+    def a_prompt_tokens_per_s(self) -> float:
+        return self.a_tokens / self.a_seconds
+
+    @property
+    def b_prompt_tokens_per_s(self) -> float:
+        return self.b_tokens / self.b_seconds
 
     @property
     def ratio(self) -> float:
         return self.b_prompt_tokens_per_s / self.a_prompt_tokens_per_s
 
-    def to_dict(self) -> dict[str, float]:
+    @property
+    def median_pair_ratio(self) -> float:
+        return percentile(list(self.pair_ratios), 50)
+
+    @classmethod
+    def merged(cls, runs: list[PairedThroughput]) -> PairedThroughput:
+        """One figure over runs on separate server starts; ``start_ratios`` keeps each start's ratio."""
+        return cls(
+            a_tokens=sum(r.a_tokens for r in runs), a_seconds=sum(r.a_seconds for r in runs),
+            b_tokens=sum(r.b_tokens for r in runs), b_seconds=sum(r.b_seconds for r in runs),
+            pair_ratios=tuple(x for r in runs for x in r.pair_ratios),
+            start_ratios=tuple(r.ratio for r in runs),
+        )
+
+    def to_dict(self) -> dict[str, object]:
         return {
             "num_requests": self.num_requests,
             "a_prompt_tokens_per_s": self.a_prompt_tokens_per_s,
             "b_prompt_tokens_per_s": self.b_prompt_tokens_per_s,
             "ratio": self.ratio,
             "median_pair_ratio": self.median_pair_ratio,
+            "start_ratios": list(self.start_ratios),
         }
-
-
-def throughput(results: list[CompletionResult]) -> float:
-    tokens = sum(r.prompt_tokens or 0 for r in results)
-    return tokens / sum(r.latency_s for r in results)
 
 
 async def paired_no_reuse(
@@ -72,10 +104,18 @@ async def paired_no_reuse(
                 results[name].append(await client.complete(request.prompt, request.max_tokens))
                 # Let the other server's OpenMP threads stop spinning before the next request.
                 await asyncio.sleep(pause_s)
-    pair_ratios = [ra.latency_s / rb.latency_s for ra, rb in zip(results["a"], results["b"])]
     return PairedThroughput(
-        num_requests=len(requests),
-        a_prompt_tokens_per_s=throughput(results["a"]),
-        b_prompt_tokens_per_s=throughput(results["b"]),
-        median_pair_ratio=percentile(pair_ratios, 50),
+        a_tokens=sum(r.prompt_tokens or 0 for r in results["a"]),
+        a_seconds=sum(r.latency_s for r in results["a"]),
+        b_tokens=sum(r.prompt_tokens or 0 for r in results["b"]),
+        b_seconds=sum(r.latency_s for r in results["b"]),
+        pair_ratios=tuple(ra.latency_s / rb.latency_s for ra, rb in zip(results["a"], results["b"])),
     )
+
+
+def scrape_total(url: str, name: str, timeout_s: float = 10.0) -> float:
+    """Sum of every sample of counter ``name`` (``..._total``) on a server's /metrics; 0.0 when absent."""
+    with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=timeout_s) as response:
+        text = response.read().decode("utf-8", errors="replace")
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == f"{name}_total")

@@ -168,10 +168,7 @@ class HostAllocator:
 
     def _warm_loop(self) -> None:
         unpin_current_thread()
-        try:  # below the serving threads: page faults are the kernel's work either way, just not theirs
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except (AttributeError, OSError):
-            pass
+        _run_only_when_idle()
         while not self._closed:
             self._warm_wanted.wait()
             while not self._closed:
@@ -227,6 +224,29 @@ class HostAllocator:
         except (RuntimeError, MemoryError, OSError) as err:
             logger.warning("host memory: cannot allocate %d bytes (%s)", class_bytes, err)
             return None
+
+
+def _run_only_when_idle() -> None:
+    """Put the calling thread below every serving thread: SCHED_IDLE where Linux offers it, else nice 10.
+
+    Touching fresh pages is a core's worth of work for tens of milliseconds per
+    buffer. At nice 10 the scheduler still hands it a slice of a core that
+    vLLM's OpenMP threads are computing on, and a parallel region waits for
+    its slowest thread: on a 2-core host that slowed every prefill with the
+    connector by several percent with no reuse at all. SCHED_IDLE runs the
+    thread only on a core nothing else wants; when the host is busy the pool
+    simply refills later, and an allocation that finds it empty faults its own
+    pages as it would without a warmer.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread on Linux
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def _huge_page_buffer(num_bytes: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import pytest
@@ -183,3 +184,21 @@ def test_keep_warm_fills_the_pool_with_touched_buffers_in_the_background() -> No
     assert all(t is not None for t in taken)
     allocator.trim()
     assert allocator.pooled_bytes == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_warmer_runs_only_on_idle_cores() -> None:
+    """Touching pages must never take a core from vLLM's OpenMP threads (it slowed every prefill)."""
+    import threading
+    import time
+
+    allocator = HostAllocator(page_locked=False, pool_limit_bytes=size_class_bytes(100_000))
+    allocator.keep_warm(100_000)
+    deadline = time.monotonic() + 10
+    while allocator.pooled_bytes == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    warmer = next(t for t in threading.enumerate() if t.name == "lmi-host-warmer")
+    assert warmer.native_id is not None
+    assert os.sched_getscheduler(warmer.native_id) == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller keeps its own policy
+    allocator.trim()

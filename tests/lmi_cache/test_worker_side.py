@@ -210,3 +210,25 @@ def test_shutdown_flushes_and_closes() -> None:
     worker, engine, _ = make_worker()
     worker.shutdown()
     assert engine.flushed and engine.closed and worker.engine is None
+
+
+def test_save_and_load_seconds_reach_the_ranks_worker_series() -> None:
+    """The connector's own time on the model thread is on /metrics (no tier series shows it)."""
+    from lmi_cache.metrics import CacheMetrics
+
+    worker, engine, _ = make_worker()
+    metrics = CacheMetrics(rank_label="0", engine_label="e")
+    metrics.errors = []  # type: ignore[attr-defined]
+    engine.metrics = metrics  # type: ignore[assignment]
+    k = keys(2)
+    labels = {"engine": "e", "rank": "0"}
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2)), ChunkTransfer("r", (k[1],), (3, 4))]))
+    worker.build_worker_meta()
+    first = metrics.registry.get_sample_value("lmi_cache_worker_save_seconds_total", labels)
+    assert first is not None and first == pytest.approx(worker.stats.save_seconds) and first > 0
+    assert metrics.registry.get_sample_value("lmi_cache_worker_load_seconds_total", labels) == 0
+    worker.load(LmiConnectorMetadata(loads=[ChunkTransfer("q", (k[0],), (7, 8))]))
+    worker.build_worker_meta()
+    assert metrics.registry.get_sample_value("lmi_cache_worker_load_seconds_total", labels) == pytest.approx(
+        worker.stats.load_seconds) and worker.stats.load_seconds > 0
+    assert metrics.registry.get_sample_value("lmi_cache_worker_save_seconds_total", labels) == pytest.approx(first)
