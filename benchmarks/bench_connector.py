@@ -74,7 +74,11 @@ def run_rounds(spec: ServerSpec, run_dir: Path, args: argparse.Namespace, rounds
     process of the CPU-tier row has; the query round then measures the tier, not the process.
     """
     started = time.monotonic()
-    out: dict = {}
+    out: dict = {"load_s": {}}
+    ours = spec.kv_transfer_config == OUR_CONNECTOR
+    if ours:  # our series on /metrics: the model thread's load seconds, round by round
+        (run_dir / "prometheus").mkdir(parents=True, exist_ok=True)
+        spec = replace(spec, extra_env={**spec.extra_env, "PROMETHEUS_MULTIPROC_DIR": str(run_dir / "prometheus")})
     with VllmServer(spec, run_dir) as server:
         out["start_s"] = time.monotonic() - started
         asyncio.run(prime(server.url))
@@ -82,8 +86,12 @@ def run_rounds(spec: ServerSpec, run_dir: Path, args: argparse.Namespace, rounds
             unrelated = argparse.Namespace(**{**vars(args), "num_documents": 1})
             asyncio.run(drive(server.url, unrelated, ("warmup",), args.seed + UNIQUE_SEED_OFFSET + 1))
             time.sleep(args.settle_s)  # its asynchronous stores land before the measured rounds start
-        qa = asyncio.run(drive(server.url, args, rounds, args.seed))
-        for item in qa.rounds:
+        for name in rounds:
+            before = load_seconds(server.url) if ours else None
+            (item,) = asyncio.run(drive(server.url, args, (name,), args.seed)).rounds
+            if before is not None:
+                after = load_seconds(server.url)
+                out["load_s"][name] = None if after is None else after - before
             if item.stats.name.startswith("query"):
                 out.setdefault("query", []).append(item)
             else:
@@ -91,6 +99,14 @@ def run_rounds(spec: ServerSpec, run_dir: Path, args: argparse.Namespace, rounds
         # Give an asynchronous store time to land before the server goes away.
         time.sleep(args.settle_s)
     return out
+
+
+def load_seconds(url: str) -> float | None:
+    """The model thread's seconds in the connector's loads so far (None when /metrics can't say)."""
+    try:
+        return scrape_total(url, "lmi_cache_worker_load_seconds")
+    except (OSError, ValueError):
+        return None
 
 
 def run_config(name: str, model_dir: Path, work: Path, args: argparse.Namespace) -> dict:
@@ -117,7 +133,7 @@ def run_config(name: str, model_dir: Path, work: Path, args: argparse.Namespace)
         second = run_rounds(spec, run_dir / "query-process", args, ("query", "rerun"), long_prime=True)
         note = "query in a fresh server process"
         return {"warmup": first["warmup"], "query": second["query"], "rerun": second["rerun"],
-                "start_s": second["start_s"], "note": note}
+                "start_s": second["start_s"], "load_s": second["load_s"], "note": note}
     if name == "ours-redis":
         yaml = connector_yaml(work / "ours-redis.yaml", None, args.redis_url)
         # What `lmi-cache serve` sets with a remote tier (the plan's env): malloc keeps freed memory.
@@ -128,7 +144,8 @@ def run_config(name: str, model_dir: Path, work: Path, args: argparse.Namespace)
         # (then the rerun round's from the CPU tier they were promoted into).
         second = run_rounds(spec, run_dir / "query-process", args, ("query", "rerun"), long_prime=True)
         return {"warmup": first["warmup"], "query": second["query"], "rerun": second["rerun"],
-                "start_s": second["start_s"], "note": "query in a fresh server process, hits from Redis"}
+                "start_s": second["start_s"], "load_s": second["load_s"],
+                "note": "query in a fresh server process, hits from Redis"}
     if name == "lmcache":
         python = Path(args.lmcache_venv) / "bin" / "python"
         if not python.exists():
@@ -233,8 +250,18 @@ def model_table(size: str, results: dict[str, dict]) -> tuple[str, list[str]]:
         if paired is not None:
             checks.append(f"{size}: {tier} hit in a fresh process / CPU-tier hit of the same documents in that process "
                           f"right after: median per-document ratio {paired[0]:.2f}x, {paired[1]} documents, "
-                          f"median TTFT {paired[2]:.3f} s vs {paired[3]:.3f} s (target <= {target:g}x)")
+                          f"median TTFT {paired[2]:.3f} s vs {paired[3]:.3f} s (target <= {target:g}x)"
+                          f"{load_time_note(results[name], paired[1])}")
     return markdown_table(header, rows), checks
+
+
+def load_time_note(outcome: dict, num_documents: int) -> str:
+    """Of that TTFT, the model thread's time in the connector's loads, per document (from /metrics)."""
+    tier, cpu = (outcome.get("load_s", {}).get(name) for name in ("query", "rerun"))
+    if tier is None or cpu is None or num_documents <= 0:
+        return ""
+    return (f"; of which loading (model thread, mean per document): {1000 * tier / num_documents:.0f} ms vs "
+            f"{1000 * cpu / num_documents:.0f} ms")
 
 
 def paired_rerun(outcome: dict) -> tuple[float, int, float, float] | None:

@@ -89,7 +89,8 @@ class CacheEngine:
         self._closed = False
         # Warm free buffers (a fresh 4 MiB buffer costs ~1,000 page faults on vLLM's critical path):
         # at most 256 MiB, about a full disk write queue of 4 MiB chunks; with a CPU tier, at most a
-        # quarter of it (most buffers then live in the tier anyway).
+        # quarter of it (most buffers then live in the tier anyway), and beyond that the CPU tier's
+        # unused budget (set_headroom below): until the tier is full, its buffers come touched.
         cpu_bytes = config.cpu_capacity_bytes
         pool_bytes = 256 << 20 if cpu_bytes <= 0 else min(256 << 20, max(cpu_bytes // 4, 32 << 20))
         self.allocator = HostAllocator(page_locked=page_locked, pool_limit_bytes=pool_bytes)
@@ -98,6 +99,11 @@ class CacheEngine:
         self.tiers: list[Tier] = []
         context = TierContext(rank_label, self.metrics, self._warner, self.allocator, self._on_evict, self._on_removed)
         build_tiers(config, context, self.tiers)
+        self.allocator.set_headroom(self._unused_buffer_budget)
+
+    def _unused_buffer_budget(self) -> int:
+        """Bytes the tiers that keep host buffers (the CPU tier) may still take."""
+        return sum(max(0, t.capacity_bytes - t.used_bytes) for t in self.tiers if t.holds_host_buffers)
 
     def expect_chunks(self, payload_bytes: int) -> None:
         """Chunks of this rank carry ``payload_bytes``: keep touched buffers of that size ready."""

@@ -22,7 +22,9 @@ in ``tiers.factory``, never a branch in the engine:
 Flags the engine reads: ``local`` (above), ``promote_hits`` (hits in tiers
 behind this one are put here: the CPU tier), ``write_through`` (every stored
 chunk is put here at once; otherwise the tier is fed by evictions from the
-tier in front of it, ``disk_feed: demote``).
+tier in front of it, ``disk_feed: demote``), ``holds_host_buffers`` (the tier
+keeps the allocator's buffers themselves, so its unused budget is host memory
+the allocator may keep warm: the CPU tier).
 
 Tier methods never raise for faults of their medium: a fault is a miss (or a
 refused put), a rate-limited warning and a metric. Callbacks (``on_remove``)
@@ -50,6 +52,7 @@ class Tier(ABC):
     local: bool = True
     promote_hits: bool = False
     write_through: bool = True
+    holds_host_buffers: bool = False
 
     @abstractmethod
     def contains(self, digest: bytes) -> bool:

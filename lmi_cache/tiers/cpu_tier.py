@@ -36,6 +36,7 @@ EvictCallback = Callable[[ChunkObject], None]
 class CpuTier(Tier):
     name = "cpu"
     promote_hits = True
+    holds_host_buffers = True
 
     def __init__(
         self,

@@ -24,6 +24,7 @@ import os
 import threading
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -115,6 +116,7 @@ class HostAllocator:
         self._pool: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._pooled_bytes = 0
         self._warm_class = 0  # the size class keep_warm keeps ready (0: none)
+        self._headroom: Callable[[], int] | None = None  # budget reserved for buffers and not used yet
         self._warm_wanted = threading.Event()
         self._warmer: threading.Thread | None = None
         self._closed = False
@@ -126,6 +128,35 @@ class HostAllocator:
     @property
     def page_locked(self) -> bool:
         return self._page_locked
+
+    def set_headroom(self, headroom: Callable[[], int]) -> None:
+        """Let the pool grow past its limit into host memory already budgeted for buffers but unused.
+
+        ``headroom()`` is what the tiers that keep buffers (the CPU tier) may still
+        take. Until the CPU tier is full, every chunk a save gathers, a disk read
+        lands or a remote reply is received into is fresh memory, faulted in on
+        vLLM's critical path (a Redis hit of 31 x 4 MiB: 150-220 ms into fresh
+        buffers, 80-100 ms into touched ones, 32M model on this 2-core host). With
+        headroom the warmer touches the tier's whole budget ahead of demand (the
+        memory plan counts it already), and buffers freed while the tier has room
+        stay warm. The bound is unchanged: tier bytes + pool bytes stay within the
+        larger of the tier's budget and tier bytes + the pool limit.
+
+        Page-locked allocators (CUDA hosts) keep their fixed limit: page-locking
+        a CPU tier's whole budget in the background holds the CUDA driver, and
+        that has not been measured against serving on a GPU.
+        """
+        if not self._page_locked:
+            self._headroom = headroom
+
+    def _limit(self) -> int:
+        """Bytes the pool may hold now (call with the lock held)."""
+        if self._headroom is None:
+            return self._pool_limit
+        try:
+            return max(self._pool_limit, int(self._headroom()))
+        except Exception:  # noqa: BLE001 - a tier's accounting must never break an allocation
+            return self._pool_limit
 
     def new_object(self, key: ChunkKey, header: ChunkHeader) -> ChunkObject | None:
         """A fresh object for ``header`` (header bytes written, payload unspecified); None if memory is short."""
@@ -178,7 +209,7 @@ class HostAllocator:
                     continue
                 with self._lock:
                     size = self._warm_class
-                    if self._pooled_bytes + size > self._pool_limit:
+                    if self._pooled_bytes + size > self._limit():
                         break
                 buffer = self._fresh(size)
                 if buffer is None:
@@ -196,7 +227,7 @@ class HostAllocator:
     def recycle(self, buffer: torch.Tensor) -> None:
         size = int(buffer.numel())
         with self._lock:
-            if not self._closed and self._pooled_bytes + size <= self._pool_limit:
+            if not self._closed and self._pooled_bytes + size <= self._limit():
                 self._pool[size].append(buffer)
                 self._pooled_bytes += size
 

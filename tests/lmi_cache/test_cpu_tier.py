@@ -186,6 +186,77 @@ def test_keep_warm_fills_the_pool_with_touched_buffers_in_the_background() -> No
     assert allocator.pooled_bytes == 0
 
 
+def _wait_for_pool(allocator: HostAllocator, num_bytes: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 30  # the warmer runs only on idle cores: give a busy machine time
+    while allocator.pooled_bytes < num_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_headroom_lets_the_warmer_touch_the_tiers_unused_budget() -> None:
+    """Until the CPU tier is full its buffers come touched, not faulted in on vLLM's critical path."""
+    size = size_class_bytes(100_000)
+    budget = [6 * size]
+    allocator = HostAllocator(page_locked=False, pool_limit_bytes=size)
+    allocator.set_headroom(lambda: budget[0])
+    allocator.keep_warm(100_000)
+    _wait_for_pool(allocator, 6 * size)
+    assert allocator.pooled_bytes == 6 * size  # the budget, past the fixed limit, and no more
+    taken = [allocator.allocate(100_000) for _ in range(4)]
+    budget[0] = 2 * size  # the tier took four buffers and now has room for two more
+    for buffer in taken:
+        assert buffer is not None
+        allocator.recycle(buffer)  # kept only while pool + tier stay within the budget
+    assert allocator.pooled_bytes == 2 * size
+    budget[0] = 0  # the tier is full: back to the fixed limit
+    allocator.allocate(100_000)
+    allocator.allocate(100_000)
+    spare = allocator.allocate(100_000)
+    assert spare is not None and allocator.pooled_bytes == 0
+    allocator.recycle(spare)
+    _wait_for_pool(allocator, size)
+    assert allocator.pooled_bytes == size
+    allocator.trim()
+
+
+def test_a_failing_headroom_falls_back_to_the_fixed_limit() -> None:
+    size = size_class_bytes(100_000)
+    allocator = HostAllocator(page_locked=False, pool_limit_bytes=size)
+
+    def broken() -> int:
+        raise RuntimeError("tier gone")
+
+    allocator.set_headroom(broken)
+    buffers = [allocator.allocate(100_000) for _ in range(3)]
+    for buffer in buffers:
+        assert buffer is not None
+        allocator.recycle(buffer)
+    assert allocator.pooled_bytes == size
+    allocator.trim()
+
+
+def test_page_locked_pools_keep_their_fixed_limit() -> None:
+    allocator = HostAllocator(page_locked=True, pool_limit_bytes=4096)
+    allocator.set_headroom(lambda: 1 << 30)
+    assert allocator._limit() == 4096
+    allocator.trim()
+
+
+def test_an_engines_cpu_tier_budget_is_kept_warm() -> None:
+    from lmi_cache.config import CacheConfig
+    from lmi_cache.engine import CacheEngine
+
+    payload = 100_000
+    with CacheEngine(CacheConfig(chunk_size=16, max_local_cpu_size=40 / 1024)) as engine:  # 40 MiB
+        engine.expect_chunks(payload)
+        size = size_class_bytes(HEADER_BYTES + payload)
+        capacity = engine.tiers[0].capacity_bytes
+        _wait_for_pool(engine.allocator, capacity - size)
+        assert capacity - size < engine.allocator.pooled_bytes <= capacity
+        assert capacity > 32 << 20  # more than the engine's fixed pool limit for this tier
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 def test_the_warmer_runs_only_on_idle_cores() -> None:
     """Touching pages must never take a core from vLLM's OpenMP threads (it slowed every prefill)."""
