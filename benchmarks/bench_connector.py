@@ -17,6 +17,8 @@ prints a markdown table. Configurations:
                  and no disk tier: every hit comes from a shared redis-server (loopback);
                  then the same documents again (CPU-tier hits: a paired baseline)
 8. no-reuse-redis: unique documents, our connector with the Redis tier on vs off
+9. no-reuse-control: the no-reuse run with no connector on either side: how far two
+                 starts of the same server differ here (the noise floor of rows 6 and 8)
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ from lmi_cache.bench.workloads import LongDocQaSpec
 from lmi_cache.bench.tokens import ServerTokenCounter
 from lmi_cache.bench.vllm_server import LMCACHE_CONNECTOR, OUR_CONNECTOR, ServerSpec, VllmServer
 
-CONFIGS = ("no-cache", "vllm-prefix", "ours-cpu", "ours-disk", "lmcache", "no-reuse", "ours-redis", "no-reuse-redis")
+CONFIGS = ("no-cache", "vllm-prefix", "ours-cpu", "ours-disk", "lmcache", "no-reuse", "ours-redis", "no-reuse-redis",
+           "no-reuse-control")
 UNIQUE_SEED_OFFSET = 1000  # documents of the no-reuse rounds share nothing with the QA ones
 
 
@@ -158,10 +161,12 @@ def run_config(name: str, model_dir: Path, work: Path, args: argparse.Namespace)
         if "degraded mode" in log:
             outcome["note"] = "LMCache logged 'degraded mode' (no CPU connector)"
         return outcome
-    if name in ("no-reuse", "no-reuse-redis"):
+    if name in ("no-reuse", "no-reuse-redis", "no-reuse-control"):
         # Both servers up at once, requests alternating: see lmi_cache.bench.paired.
         yaml = connector_yaml(work / "no-reuse.yaml", None)
         ours = ServerSpec(**base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml)
+        if name == "no-reuse-control":  # the same server twice
+            ours = ServerSpec(**base)
         if name == "no-reuse-redis":  # a: our connector without the remote tier, b: with it
             base = dict(base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml)
             ours = ServerSpec(**dict(base, lmcache_config_file=connector_yaml(
@@ -172,7 +177,8 @@ def run_config(name: str, model_dir: Path, work: Path, args: argparse.Namespace)
         # And several server starts: two starts of the same server differ by more than the connector costs.
         runs, save_s = [], 0.0
         for start in range(args.no_reuse_starts):
-            folders = [run_dir / f"start{start}" / side for side in ("no-connector", "ours")]
+            # Short names: vLLM's IPC socket paths under them must fit in 107 bytes.
+            folders = [run_dir / f"s{start}" / side for side in ("a", "b")]
             for folder in folders:  # where each server's processes put their metrics (vLLM's and ours)
                 (folder / "prometheus").mkdir(parents=True, exist_ok=True)
             spec_a, spec_b = (replace(spec, extra_env={**spec.extra_env, "PROMETHEUS_MULTIPROC_DIR": str(folder / "prometheus")})
@@ -370,6 +376,9 @@ def main() -> int:
             if line:
                 throughput.append(line)
             line = throughput_row(f"{size}, Redis tier on vs off", results.get("no-reuse-redis", {}))
+            if line:
+                throughput.append(line)
+            line = throughput_row(f"{size}, control: no connector on either side", results.get("no-reuse-control", {}))
             if line:
                 throughput.append(line)
             summary[size] = {name: summary_of(r) for name, r in results.items()}

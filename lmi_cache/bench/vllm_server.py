@@ -64,6 +64,8 @@ def first_error(path: Path) -> str:
     except OSError:
         return ""
     for line in lines:
+        if re.search(r"\] (INFO|WARNING|DEBUG) ", line) or re.search(r"\b(INFO|WARNING|DEBUG) \d\d-\d\d ", line):
+            continue  # a log line that merely mentions an error (vLLM's ulimit warning names OSError)
         match = re.search(r"\b(\w+(Error|Exception)): .*", line)
         if match:
             return match.group(0).strip()

@@ -47,3 +47,15 @@ def test_first_error_is_the_root_cause(tmp_path: Path) -> None:
     assert first_error(log) == "NameError: name 'Foo' is not defined"
     log.write_text("INFO all good\n")
     assert first_error(log) == ""
+
+
+def test_first_error_skips_warnings_that_name_an_error(tmp_path: Path) -> None:
+    from lmi_cache.bench.vllm_server import first_error
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(APIServer pid=1) WARNING 12-01 06:48:37 [system_utils.py:255] Found ulimit of 20000 ... "
+        "fd limit errors like `OSError: [Errno 24] Too many open files`.\n"
+        'zmq.error.ZMQError: ipc path "/tmp/x" is longer than 107 characters\n'
+    )
+    assert first_error(log) == 'ZMQError: ipc path "/tmp/x" is longer than 107 characters'
