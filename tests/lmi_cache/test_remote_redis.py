@@ -56,7 +56,8 @@ def test_round_trip_and_batching(redis_server: RedisServer, compression: str) ->
         assert payloads(results) == [payload_of(o) for o in objs] + [None] * 3
         assert results[-1] == MissReason.NOT_FOUND
         stats = client.info("commandstats")
-        assert stats["cmdstat_mget"]["calls"] == 1  # the whole batch in one MGET
+        # One key first (the value size is not known yet), then the rest in one MGET of under 8 MiB.
+        assert stats["cmdstat_mget"]["calls"] == 2
         assert stats["cmdstat_exists"]["calls"] == 15  # pipelined: one EXISTS per key
         assert cache.stats()["puts_stored"] == 12 and cache.stats()["get_hits"] == 12
         assert metrics.snapshot()["redis_stored_chunks"] == 12
@@ -202,6 +203,30 @@ def test_large_batch_is_decoded_in_parallel_and_still_verified(redis_server: Red
         assert results[1] == MissReason.MAC_INVALID
         assert payloads(results)[:1] + payloads(results)[2:] == [payload_of(o) for o in objs[:1] + objs[2:]]
         assert any(t.name.startswith("lmi-cache-remote-decode") for t in threading.enumerate())
+    finally:
+        cache.close()
+
+
+def test_large_values_come_in_mgets_of_about_8_mib(redis_server: RedisServer) -> None:
+    """redis-server sends a reply of tens of MiB far slower than several smaller ones."""
+    from lmi_cache.remote.redis_store import MGET_REPLY_BYTES
+
+    cache = open_remote(redis_settings(redis_server.url, "mget-size", io_timeout_ms=10000))
+    try:
+        keys, objs = fill(cache, 9, size=3 << 20)
+        missing = make_keys(2, seed=77)
+        client = redis.Redis.from_url(redis_server.url)
+        client.config_resetstat()
+        batch = keys[:4] + missing[:1] + keys[4:] + missing[1:]
+        results = cache.get_many(batch)
+        expected = [payload_of(o) for o in objs]
+        assert payloads(results) == expected[:4] + [None] + expected[4:] + [None]
+        per_mget = MGET_REPLY_BYTES // (3 << 20)
+        assert per_mget == 2
+        # 1 key, then 10 more in MGETs of 2; a second batch knows the size from the start.
+        assert client.info("commandstats")["cmdstat_mget"]["calls"] == 1 + 5
+        assert payloads(cache.get_many(keys[:4])) == expected[:4]
+        assert client.info("commandstats")["cmdstat_mget"]["calls"] == 6 + 2
     finally:
         cache.close()
 
