@@ -19,6 +19,9 @@ prints a markdown table. Configurations:
 8. no-reuse-redis: unique documents, our connector with the Redis tier on vs off
 9. no-reuse-control: the no-reuse run with no connector on either side: how far two
                  starts of the same server differ here (the noise floor of rows 6 and 8)
+10. ours-cpu-paired: one server with vLLM's prefix cache and our connector: each document's
+                 question from vLLM's prefix cache, then (that cache emptied) from our CPU tier,
+                 then from vLLM's again: the CPU-tier row paired with vLLM's hit
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,7 +46,7 @@ from lmi_cache.bench.workloads import LongDocQaSpec
 from lmi_cache.bench.tokens import ServerTokenCounter
 from lmi_cache.bench.vllm_server import LMCACHE_CONNECTOR, OUR_CONNECTOR, ServerSpec, VllmServer
 
-CONFIGS = ("no-cache", "vllm-prefix", "ours-cpu", "ours-disk", "lmcache", "no-reuse", "ours-redis", "no-reuse-redis",
+CONFIGS = ("no-cache", "vllm-prefix", "ours-cpu", "ours-cpu-paired", "ours-disk", "lmcache", "no-reuse", "ours-redis", "no-reuse-redis",
            "no-reuse-control")
 UNIQUE_SEED_OFFSET = 1000  # documents of the no-reuse rounds share nothing with the QA ones
 
@@ -69,12 +74,13 @@ async def drive(url: str, args: argparse.Namespace, rounds: tuple[str, ...], see
 
 
 def run_rounds(spec: ServerSpec, run_dir: Path, args: argparse.Namespace, rounds: tuple[str, ...],
-               long_prime: bool = False) -> dict:
+               long_prime: bool = False, before: dict[str, Callable[[str], None]] | None = None) -> dict:
     """Start a server, run ``rounds``, stop it: ``warmup`` and the list of ``query`` rounds.
 
     ``long_prime``: before measuring, serve one unrelated document of the same length (nothing
     it computes is reused), so a fresh process has paid vLLM's first-long-prompt costs, as the
     process of the CPU-tier row has; the query round then measures the tier, not the process.
+    ``before``: an action on the server's URL to run before the round of that name.
     """
     started = time.monotonic()
     out: dict = {"load_s": {}}
@@ -90,11 +96,13 @@ def run_rounds(spec: ServerSpec, run_dir: Path, args: argparse.Namespace, rounds
             asyncio.run(drive(server.url, unrelated, ("warmup",), args.seed + UNIQUE_SEED_OFFSET + 1))
             time.sleep(args.settle_s)  # its asynchronous stores land before the measured rounds start
         for name in rounds:
-            before = load_seconds(server.url) if ours else None
+            if before and name in before:
+                before[name](server.url)
+            loaded = load_seconds(server.url) if ours else None
             (item,) = asyncio.run(drive(server.url, args, (name,), args.seed)).rounds
-            if before is not None:
+            if loaded is not None:
                 after = load_seconds(server.url)
-                out["load_s"][name] = None if after is None else after - before
+                out["load_s"][name] = None if after is None else after - loaded
             if item.stats.name.startswith("query"):
                 out.setdefault("query", []).append(item)
             else:
@@ -102,6 +110,13 @@ def run_rounds(spec: ServerSpec, run_dir: Path, args: argparse.Namespace, rounds
         # Give an asynchronous store time to land before the server goes away.
         time.sleep(args.settle_s)
     return out
+
+
+def reset_prefix_cache(url: str) -> None:
+    """Empty vLLM's own prefix cache (a dev-mode endpoint: VLLM_SERVER_DEV_MODE=1)."""
+    request = urllib.request.Request(f"{url.rstrip('/')}/reset_prefix_cache", method="POST")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()
 
 
 def load_seconds(url: str) -> float | None:
@@ -126,6 +141,16 @@ def run_config(name: str, model_dir: Path, work: Path, args: argparse.Namespace)
         yaml = connector_yaml(work / "ours-cpu.yaml", None)
         spec = ServerSpec(**base, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml)
         return run_rounds(spec, run_dir, args, both)
+    if name == "ours-cpu-paired":
+        # One server with vLLM's prefix cache and our connector: each document's question is served by
+        # vLLM's prefix cache ("query"), then, with that cache emptied, by our CPU tier ("rerun"), then by
+        # vLLM's prefix cache again ("query2", the blocks the rerun loaded): both hits at the same moment.
+        yaml = connector_yaml(work / "ours-cpu-paired.yaml", None)
+        spec = ServerSpec(**base, prefix_caching=True, kv_transfer_config=OUR_CONNECTOR, lmcache_config_file=yaml,
+                          extra_env={"VLLM_SERVER_DEV_MODE": "1"})
+        out = run_rounds(spec, run_dir, args, ("warmup", "query", "rerun", "query2"),
+                         before={"rerun": reset_prefix_cache})
+        return {**out, "note": "vLLM prefix hits (query rounds) and our CPU-tier hits (rerun) in one server"}
     if name == "ours-disk":
         disk = work / "ours-disk-store"
         yaml = connector_yaml(work / "ours-disk.yaml", disk)
@@ -251,6 +276,12 @@ def model_table(size: str, results: dict[str, dict]) -> tuple[str, list[str]]:
     redis = query_ttft("ours-redis")
     if redis and ours:
         checks.append(f"{size}: ours-redis / ours-cpu query TTFT {redis / ours:.2f}x (target <= 2x on 32m)")
+    paired_cpu = paired_against_vllm(results.get("ours-cpu-paired", {}))
+    if paired_cpu is not None:
+        checks.append(f"{size}: CPU-tier hit / vLLM prefix hit of the same documents in one server: median "
+                      f"per-document ratio {paired_cpu[0]:.2f}x, {paired_cpu[1]} documents, median TTFT "
+                      f"{paired_cpu[2]:.3f} s vs {paired_cpu[3]:.3f} s (target <= 1.0x)"
+                      f"{load_time_note(results['ours-cpu-paired'], paired_cpu[1], ('rerun', 'query'))}")
     for name, tier, target in (("ours-disk", "disk", 1.3), ("ours-redis", "Redis", 2.0)):
         paired = paired_rerun(results.get(name, {}))
         if paired is not None:
@@ -261,13 +292,30 @@ def model_table(size: str, results: dict[str, dict]) -> tuple[str, list[str]]:
     return markdown_table(header, rows), checks
 
 
-def load_time_note(outcome: dict, num_documents: int) -> str:
+def load_time_note(outcome: dict, num_documents: int, rounds: tuple[str, str] = ("query", "rerun")) -> str:
     """Of that TTFT, the model thread's time in the connector's loads, per document (from /metrics)."""
-    tier, cpu = (outcome.get("load_s", {}).get(name) for name in ("query", "rerun"))
+    tier, cpu = (outcome.get("load_s", {}).get(name) for name in rounds)
     if tier is None or cpu is None or num_documents <= 0:
         return ""
     return (f"; of which loading (model thread, mean per document): {1000 * tier / num_documents:.0f} ms vs "
             f"{1000 * cpu / num_documents:.0f} ms")
+
+
+def paired_against_vllm(outcome: dict) -> tuple[float, int, float, float] | None:
+    """(median per-document ratio of our CPU-tier hit to the mean of the two vLLM prefix hits around it,
+    documents, median of ours, median of vLLM's) for the ``ours-cpu-paired`` rounds."""
+    if "error" in outcome or "rerun" not in outcome:
+        return None
+    ours = {r.request_id.split("/", 1)[1]: r.result.ttft_s for r in outcome["rerun"].records}
+    vllm: dict[str, list[float]] = {}
+    for record in query_records(outcome):
+        vllm.setdefault(record.request_id.split("/", 1)[1], []).append(record.result.ttft_s)
+    docs = sorted(set(ours) & set(vllm))
+    if not docs:
+        return None
+    theirs = {d: sum(vllm[d]) / len(vllm[d]) for d in docs}
+    return (percentile([ours[d] / theirs[d] for d in docs], 50), len(docs),
+            percentile([ours[d] for d in docs], 50), percentile([theirs[d] for d in docs], 50))
 
 
 def paired_rerun(outcome: dict) -> tuple[float, int, float, float] | None:
