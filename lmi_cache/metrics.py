@@ -80,9 +80,12 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # Several processes write one gauge name; each (engine, rank, tier) is written by one process.
@@ -309,11 +312,43 @@ class BlendWorkerMetrics(FollowedCounters):
         super().__init__(BLEND_WORKER_SERIES, registry, engine_label, rank_label)
 
 
-class WorkerMetrics(FollowedCounters):
-    """The exact-prefix connector's worker time of one rank (``WorkerStats`` fields, ``WORKER_SERIES``)."""
+class StatsFollower:
+    """A worker's plain stats followed into counters of its engine's registry, once per step.
 
-    def __init__(self, registry: CollectorRegistry, engine_label: str = "0", rank_label: str = "0") -> None:
-        super().__init__(WORKER_SERIES, registry, engine_label, rank_label)
+    The counters are made on the first ``follow`` that finds the engine's metrics
+    (``CacheMetrics``: registry and labels); the first fault turns the follower off
+    with one warning naming ``what``, since metrics must never break a step.
+    """
+
+    def __init__(self, make: Callable[[Any], FollowedCounters], what: str) -> None:
+        self._make = make  # engine metrics -> counters
+        self._what = what
+        self._counters: FollowedCounters | None = None
+        self.off = False
+
+    def follow(self, engine_metrics: Any, stats: Any) -> None:
+        if self.off:
+            return
+        try:
+            if self._counters is None:
+                if getattr(engine_metrics, "registry", None) is None:
+                    return  # no engine (or a stand-in without metrics) yet: try again next step
+                self._counters = self._make(engine_metrics)
+            self._counters.follow(stats)
+        except Exception as err:  # noqa: BLE001 - metrics must never break a step
+            self.off = True  # warned once; the counts stay in the plain stats
+            logger.warning("lmi-cache: %s turned off on this rank (%r)", self._what, err)
+
+
+def worker_stats_follower() -> StatsFollower:
+    """The exact-prefix connector's worker seconds (``WorkerStats`` fields, ``WORKER_SERIES``)."""
+    return StatsFollower(lambda m: FollowedCounters(WORKER_SERIES, m.registry, m.engine_label, m.rank_label),
+                         "worker metrics")
+
+
+def blend_stats_follower() -> StatsFollower:
+    """The blend worker's counters (``BlendWorkerStats`` fields, ``BLEND_WORKER_SERIES``)."""
+    return StatsFollower(lambda m: BlendWorkerMetrics(m.registry, m.engine_label, m.rank_label), "blend metrics")
 
 
 class RateLimitedWarner:

@@ -47,6 +47,7 @@ import torch
 from lmi_cache.blend.jobs import BlendConnectorMetadata
 from lmi_cache.blend.scheduler_plan import BlendScheduler
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings, blend_keys_in, blend_keys_in_env
+from lmi_cache.metrics import blend_stats_follower
 from lmi_cache.vllm_connector.connector import LmiCacheConnector
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 
@@ -117,7 +118,7 @@ class LmiBlendConnector(LmiCacheConnector):
         self._blend_scheduler: BlendScheduler | None = None
         self._blend_worker: Any = None
         self._blend_failed_blocks: set[int] = set()
-        self._blend_worker_metrics: Any = None  # BlendWorkerMetrics once the engine exists; False: broken, off
+        self._blend_worker_metrics = blend_stats_follower()  # this rank's lmi_cache_blend_* worker series
         self.blend_model_source = ""  # worker: "plugin" or "search" (how the model was reached)
         if not self._blend_settings.enabled:
             return
@@ -144,20 +145,9 @@ class LmiBlendConnector(LmiCacheConnector):
 
     def _follow_blend_stats(self) -> None:
         """Add what the blend worker counted this step to the rank's lmi_cache_blend_* series."""
-        if self._blend_worker is None or self._blend_worker_metrics is False:
-            return
-        try:
-            if self._blend_worker_metrics is None:
-                from lmi_cache.metrics import BlendWorkerMetrics
-
-                base = getattr(getattr(self._worker, "engine", None), "metrics", None)
-                if base is None:
-                    return
-                self._blend_worker_metrics = BlendWorkerMetrics(base.registry, base.engine_label, base.rank_label)
-            self._blend_worker_metrics.follow(self._blend_worker.stats)
-        except Exception as err:  # noqa: BLE001 - metrics must never break a step
-            self._blend_worker_metrics = False  # warned once; the blend counters stay plain numbers
-            logger.warning("lmi-cache: blend metrics turned off on this rank (%r)", err)
+        if self._blend_worker is not None:
+            engine = getattr(self._worker, "engine", None)
+            self._blend_worker_metrics.follow(getattr(engine, "metrics", None), self._blend_worker.stats)
 
     # -- keys ----------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lmi_cache.metrics import worker_stats_follower
 from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
@@ -75,7 +76,7 @@ class WorkerSide:
         self.layout: LayoutDescriptor | None = None
         self.copier: PagedChunkCopier | None = None
         self.stats = WorkerStats()
-        self._metrics: Any = None  # WorkerMetrics once the engine exists; False: broken, off
+        self._metrics = worker_stats_follower()  # this rank's lmi_cache_worker_* series
         self._failed_block_ids: set[int] = set()
         self._failed_req_ids: set[str] = set()
         self._removed_digests: list[bytes] = []
@@ -255,30 +256,13 @@ class WorkerSide:
         except Exception as err:  # noqa: BLE001
             self._fault("could not drain engine events", err, op="events")
         faults, self._num_new_faults = self._num_new_faults, 0
-        self._follow_stats()
+        self._metrics.follow(getattr(self.engine, "metrics", None), self.stats)
         return LmiWorkerMeta(
             layout_tags={self.rank_index: self.layout.tag},
             stored_digests={self.rank_index: stored} if stored else {},
             removed_digests={self.rank_index: removed} if removed else {},
             num_load_faults=faults,
         )
-
-    def _follow_stats(self) -> None:
-        """Add this step's save and load seconds to the rank's lmi_cache_worker_* series."""
-        if self._metrics is False:
-            return
-        try:
-            if self._metrics is None:
-                from lmi_cache.metrics import WorkerMetrics
-
-                base = getattr(self.engine, "metrics", None)
-                if getattr(base, "registry", None) is None:
-                    return
-                self._metrics = WorkerMetrics(base.registry, base.engine_label, base.rank_label)
-            self._metrics.follow(self.stats)
-        except Exception as err:  # noqa: BLE001 - metrics must never break a step
-            self._metrics = False  # warned once; the seconds stay in the stats logged at shutdown
-            logger.warning("lmi-cache: worker metrics turned off on rank %d (%r)", self.rank_index, err)
 
     def shutdown(self) -> None:
         if self.engine is None:

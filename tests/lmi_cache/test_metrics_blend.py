@@ -32,6 +32,7 @@ from lmi_cache.metrics import (
     BlendWorkerMetrics,
     CacheMetrics,
     SchedulerMetrics,
+    blend_stats_follower,
 )
 
 pytest.importorskip("vllm")
@@ -118,7 +119,7 @@ def _connector(ratio: float, metrics: CacheMetrics) -> tuple[Any, HFLayerwiseMod
     worker, model, _ = paged_blend_worker(ratio, N)
     connector: Any = LmiBlendConnector.__new__(LmiBlendConnector)
     connector._blend_worker = worker
-    connector._blend_worker_metrics = None
+    connector._blend_worker_metrics = blend_stats_follower()
     connector._blend_failed_blocks = set()
     connector._worker = FakeWorkerSide(DictEngine(metrics))
     return connector, model
@@ -187,17 +188,17 @@ def test_a_metrics_fault_never_breaks_a_step(monkeypatch: pytest.MonkeyPatch, ca
 
     monkeypatch.setattr(BlendWorkerMetrics, "follow", broken)
     # A library imported earlier in the session may configure logging with disable_existing_loggers.
-    from lmi_cache.blend import connector as blend_connector
+    from lmi_cache import metrics as metrics_module
 
-    monkeypatch.setattr(blend_connector.logger, "disabled", False)
-    caplog.set_level(logging.WARNING, logger=blend_connector.logger.name)
+    monkeypatch.setattr(metrics_module.logger, "disabled", False)
+    caplog.set_level(logging.WARNING, logger=metrics_module.logger.name)
     connector, _ = _connector(0.0, CacheMetrics())
     connector._connector_metadata = BlendConnectorMetadata(
         segment_stores=[SegmentStore("r", (1, 2, 3), (_key_of(3, 5),))])
     connector.wait_for_save()
     assert connector._blend_worker.stats.num_segments_stored == 1  # the store itself went through
     connector.wait_for_save()  # turned off on this rank after one warning: no second try, no error
-    assert len(calls) == 1 and connector._blend_worker_metrics is False
+    assert len(calls) == 1 and connector._blend_worker_metrics.off
     assert sum("blend metrics turned off" in r.getMessage() for r in caplog.records) == 1
 
 
