@@ -19,22 +19,36 @@ if TYPE_CHECKING:
     from lmi_cache.blend.settings import BlendSettings
 
 
+def blend_model_problem(blend: BlendSettings, config: Mapping[str, Any] | None, name: str,
+                        num_layers: int | None) -> tuple[str, str] | None:
+    """Why ``blend`` cannot run on this model: (the key to change, one line), or None.
+
+    ``enable_blending``: the model type is not covered (the line says what, without where
+    blending was turned on); ``blend_check_layers``: a check layer past the model's layers.
+    """
+    from lmi_cache.blend.settings import BlendConfigError
+    from lmi_cache.blend.support import blend_refusal
+
+    reason = blend_refusal(config, name or "the model") if config is not None else None
+    if reason is not None:
+        return "enable_blending", f"{reason}; turn blending off for this model"
+    if num_layers is not None:
+        try:
+            blend.check_model(num_layers, name or "the model")
+        except BlendConfigError as err:
+            return "blend_check_layers", str(err)
+    return None
+
+
 def check_blend_model(s: ServingSettings, config: Mapping[str, Any] | None, name: str,
                       num_layers: int | None = None) -> None:
     """PlanError when blending is wired and the model (its config.json) cannot be blended."""
     if not s.blend_connector or config is None:
         return
-    from lmi_cache.blend.settings import BlendConfigError
-    from lmi_cache.blend.support import blend_refusal
-
-    reason = blend_refusal(config, name or "the model")
-    if reason is not None:
-        raise PlanError(f"{s.blend_where}: {reason}; turn blending off for this model")
-    if num_layers is not None:
-        try:
-            s.blend.check_model(num_layers, name or "the model")
-        except BlendConfigError as err:
-            raise PlanError(str(err)) from None
+    problem = blend_model_problem(s.blend, config, name, num_layers)
+    if problem is not None:
+        key, line = problem
+        raise PlanError(f"{s.blend_where}: {line}" if key == "enable_blending" else line)
 
 
 def plan_blending(m: PlanModel, s: ServingSettings, why: list[str], warn: list[str]) -> BlendSettings | None:

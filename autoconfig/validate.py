@@ -84,8 +84,8 @@ def blend_findings(config_path: str, model: PlanModel | ModelInfoLike) -> list[F
     Not part of ``validate_config``: serve checks blending with the environment applied
     (``autoconfig.blend_options``), where LMCACHE_ENABLE_BLENDING may turn the file's setting off.
     """
+    from autoconfig.plan_blend import blend_model_problem
     from lmi_cache.blend.settings import BlendConfigError, BlendSettings, blend_keys_in
-    from lmi_cache.blend.support import blend_refusal
 
     data = _read(config_path)
     keys = blend_keys_in(data)
@@ -96,15 +96,11 @@ def blend_findings(config_path: str, model: PlanModel | ModelInfoLike) -> list[F
     if not blend.enabled:
         return []
     m = PlanModel.coerce(model)
-    reason = blend_refusal(m.config, m.name or "the model") if m.config is not None else None
-    if reason is not None:
-        return [Finding("error", "enable_blending", f"{config_path}: enable_blending: true: {reason}; "
-                                                    "turn blending off for this model")]
-    try:
-        blend.check_model(m.layout.num_layers, m.name or "the model")
-    except BlendConfigError as err:
-        return [Finding("error", "blend_check_layers", str(err))]
-    return []
+    problem = blend_model_problem(blend, m.config, m.name, m.layout.num_layers)
+    if problem is None:
+        return []
+    key, line = problem
+    return [Finding("error", key, f"{config_path}: enable_blending: true: {line}" if key == "enable_blending" else line)]
 
 
 def _read(path: str) -> dict[str, Any]:
