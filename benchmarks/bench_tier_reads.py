@@ -16,6 +16,10 @@ connector benchmark's tier rows can be read against the floor the host sets.
    (``RedisStore.get_many_into``: consecutive MGETs, each reply received
    straight into ready buffers). Rounds alternate; medians, and ratios
    against the floor.
+3. MGET sizes (``--skip sizes`` to leave out): the same 124 MiB as 4 MiB,
+   1 MiB and 256 KiB values, read by a bare socket as one MGET, a GET loop,
+   all GETs pipelined, and consecutive MGETs of 2 to 64 values: why the
+   remote tier reads a batch as MGETs of about ``MGET_REPLY_BYTES``.
 """
 from __future__ import annotations
 
@@ -83,8 +87,8 @@ def bench_disk(args: argparse.Namespace, payloads: list[bytes]) -> None:
     print(f"\nFrom the device / from the page cache (best of each): {device / cached:.1f}x\n")
 
 
-def mget_command(keys: list[str]) -> bytes:
-    return b"*%d\r\n$4\r\nMGET\r\n" % (len(keys) + 1) + b"".join(
+def mget_command(keys: list[str], name: bytes = b"MGET") -> bytes:
+    return b"*%d\r\n$%d\r\n%s\r\n" % (len(keys) + 1, len(name), name) + b"".join(
         b"$%d\r\n%s\r\n" % (len(k), k.encode()) for k in keys)
 
 
@@ -151,13 +155,66 @@ def bench_redis(args: argparse.Namespace, payloads: list[bytes]) -> None:
     print()
 
 
+def bench_mget_sizes(args: argparse.Namespace) -> None:
+    """Bare-socket reads of 124 MiB as one MGET, GETs, and consecutive MGETs of a few values."""
+    groups = (2, 4, 8, 16, 64)
+    print("## Redis on loopback: the same 124 MiB in replies of different sizes (bare socket, ms)\n")
+    print("| values | one MGET | GET loop | all GETs pipelined | " + " | ".join(f"MGETs of {g}" for g in groups)
+          + " |\n|---|---|---|---|" + "---|" * len(groups))
+    with RedisServer() as server:
+        host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
+        for size in (4 * MIB, MIB, MIB // 4):
+            count = (124 * MIB) // size
+            rng = np.random.default_rng(size)
+            payloads = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(count)]
+            keys = [f"bench-sizes:{size}:{n}" for n in range(count)]
+            with socket.create_connection((host, port)) as sock:
+                sock.sendall(b"".join(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k.encode(), size)
+                                      + p + b"\r\n" for k, p in zip(keys, payloads)))
+                reply = np.zeros(reply_bytes(payloads) + 64, dtype=np.uint8)
+                receive(sock, reply, len(b"+OK\r\n") * count)
+
+                def exchanges(parts: list[tuple[list[str], list[bytes]]], pipelined: bool = False) -> Callable[[], None]:
+                    commands = [(b"".join(mget_command([k], b"GET") for k in ks) if name == "GETs"
+                                 else mget_command(ks), expected) for name, ks, expected in parts]
+
+                    def run() -> None:
+                        if pipelined:
+                            sock.sendall(b"".join(c for c, _ in commands))
+                            receive(sock, reply, sum(e for _, e in commands))
+                            return
+                        for command, expected in commands:
+                            sock.sendall(command)
+                            receive(sock, reply, expected)
+                    return run
+
+                def split(per: int) -> list[tuple[str, list[str], int]]:
+                    return [("MGET", keys[i : i + per], reply_bytes(payloads[i : i + per]))
+                            for i in range(0, count, per)]
+
+                single = [("GETs", [k], reply_bytes([p]) - len(b"*1\r\n")) for k, p in zip(keys, payloads)]
+                fns = {"one MGET": exchanges(split(count)), "GET loop": exchanges(single),
+                       "pipelined": exchanges(single, pipelined=True)}
+                fns.update({f"of {g}": exchanges(split(g)) for g in groups})
+                result = medians(args.rounds, fns)
+            cells = " | ".join(f"{result[name] * 1000:.1f}" for name in fns)
+            print(f"| {count} x {size / MIB:g} MiB | {cells} |")
+    print()
+
+
+def receive(sock: socket.socket, buffer: np.ndarray, num_bytes: int) -> None:
+    view, got = memoryview(buffer), 0
+    while got < num_bytes:
+        got += sock.recv_into(view[got:num_bytes])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=31, help="chunks per query (31: a 32M model's 8k tokens)")
     parser.add_argument("--chunk-mib", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--dir", default=None, help="folder for the disk files (default: the temp folder)")
-    parser.add_argument("--skip", choices=["disk", "redis"], action="append", default=[])
+    parser.add_argument("--skip", choices=["disk", "redis", "sizes"], action="append", default=[])
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     payloads = [rng.integers(0, 256, args.chunk_mib * MIB, dtype=np.uint8).tobytes() for _ in range(args.chunks)]
@@ -165,6 +222,8 @@ def main() -> None:
         bench_disk(args, payloads)
     if "redis" not in args.skip:
         bench_redis(args, payloads)
+    if "sizes" not in args.skip:
+        bench_mget_sizes(args)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def _import_redis() -> Any:
 # another on one connection. redis-server 7.0 sends a reply of tens of MiB far slower than several
 # smaller ones (loopback, 124 MiB per batch: one MGET of 31 x 4 MiB values 74 ms, MGETs of 2 of them
 # 29 ms; 1 MiB values 79 ms vs 27 ms in MGETs of 8; 256 KiB values 93 ms vs 42-45 ms in MGETs of
-# 16-64), and pipelining the MGETs brings the one big reply back. ``benchmarks/bench_tier_reads.py``.
+# 16-64), and pipelining the MGETs brings the one big reply back: ``benchmarks/bench_tier_reads.py``
+# (its MGET sizes table).
 MGET_REPLY_BYTES = 8 << 20
 
 

@@ -135,8 +135,8 @@ class HostAllocator:
         ``headroom()`` is what the tiers that keep buffers (the CPU tier) may still
         take. Until the CPU tier is full, every chunk a save gathers, a disk read
         lands or a remote reply is received into is fresh memory, faulted in on
-        vLLM's critical path (a Redis hit of 31 x 4 MiB: 150-220 ms into fresh
-        buffers, 80-100 ms into touched ones, 32M model on this 2-core host). With
+        vLLM's critical path (a 32M Redis hit's load on the model thread: 152 ms
+        per document with fresh buffers, 103-113 ms with this; bench_connector). With
         headroom the warmer touches the tier's whole budget ahead of demand (the
         memory plan counts it already), and buffers freed while the tier has room
         stay warm. The bound is unchanged: tier bytes + pool bytes stay within the
@@ -263,11 +263,11 @@ def _run_only_when_idle() -> None:
     Touching fresh pages is a core's worth of work for tens of milliseconds per
     buffer. At nice 10 the scheduler still hands it a slice of a core that
     vLLM's OpenMP threads are computing on, and a parallel region waits for
-    its slowest thread: on a 2-core host that slowed every prefill with the
-    connector by several percent with no reuse at all. SCHED_IDLE runs the
-    thread only on a core nothing else wants; when the host is busy the pool
-    simply refills later, and an allocation that finds it empty faults its own
-    pages as it would without a warmer.
+    its slowest thread (a precaution: the no-reuse benchmark cannot resolve
+    the difference on this host). SCHED_IDLE runs the thread only on a core
+    nothing else wants; when the host is busy the pool simply refills later,
+    and an allocation that finds it empty faults its own pages as it would
+    without a warmer.
     """
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread on Linux
