@@ -67,10 +67,12 @@ async def prime(url: str) -> None:
         await client.complete("hello there", 2)
 
 
-async def drive(url: str, args: argparse.Namespace, rounds: tuple[str, ...], seed: int) -> BenchResult:
+async def drive(url: str, args: argparse.Namespace, rounds: tuple[str, ...], seed: int,
+                before_round: Callable[[str], None] | None = None) -> BenchResult:
     spec = LongDocQaSpec(args.num_documents, args.document_tokens, args.query_tokens, args.output_tokens, seed)
     async with OpenAiClient(url, "tiny", timeout_s=600, extra_body={"ignore_eos": True}) as client:
-        return await run_long_doc_qa(client, spec, ServerTokenCounter(client), 1, round_names=rounds)
+        return await run_long_doc_qa(client, spec, ServerTokenCounter(client), 1, round_names=rounds,
+                                     before_round=before_round)
 
 
 def run_rounds(spec: ServerSpec, run_dir: Path, args: argparse.Namespace, rounds: tuple[str, ...],
@@ -95,14 +97,19 @@ def run_rounds(spec: ServerSpec, run_dir: Path, args: argparse.Namespace, rounds
             unrelated = argparse.Namespace(**{**vars(args), "num_documents": 1})
             asyncio.run(drive(server.url, unrelated, ("warmup",), args.seed + UNIQUE_SEED_OFFSET + 1))
             time.sleep(args.settle_s)  # its asynchronous stores land before the measured rounds start
-        for name in rounds:
+        marks: list[float | None] = []  # the model thread's load seconds so far, before each round
+
+        def before_round(name: str) -> None:
             if before and name in before:
                 before[name](server.url)
-            loaded = load_seconds(server.url) if ours else None
-            (item,) = asyncio.run(drive(server.url, args, (name,), args.seed)).rounds
-            if loaded is not None:
-                after = load_seconds(server.url)
-                out["load_s"][name] = None if after is None else after - loaded
+            marks.append(load_seconds(server.url) if ours else None)
+
+        qa = asyncio.run(drive(server.url, args, rounds, args.seed, before_round))
+        marks.append(load_seconds(server.url) if ours else None)
+        for name, start, end in zip(rounds, marks, marks[1:]):
+            if start is not None and end is not None:
+                out["load_s"][name] = end - start
+        for item in qa.rounds:
             if item.stats.name.startswith("query"):
                 out.setdefault("query", []).append(item)
             else:

@@ -12,7 +12,7 @@ import asyncio
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from lmi_cache.bench.client import CompletionResult, OpenAiClient
 from lmi_cache.bench.stats import RoundStats, ratio, round_stats
@@ -145,8 +145,12 @@ async def run_long_doc_qa(
     concurrency: int,
     *,
     round_names: Sequence[str] = ("warmup", "query"),
+    before_round: Callable[[str], None] | None = None,
 ) -> BenchResult:
-    """Warm-up round (each document with a question), then the query round."""
+    """Warm-up round (each document with a question), then the query round.
+
+    ``before_round(name)`` runs before each round (between rounds nothing is in flight).
+    """
     document_words, document_tokens = await fit_document_words(spec, counter)
     query_words = await fit_query_words(spec.seed, spec.query_tokens, counter)
     result = BenchResult(
@@ -164,6 +168,8 @@ async def run_long_doc_qa(
         },
     )
     for name in round_names:
+        if before_round is not None:
+            before_round(name)
         requests = long_doc_qa_round(spec, name, document_words, query_words)
         result.rounds.append(await run_round(client, name, requests, concurrency))
     return result

@@ -154,3 +154,23 @@ def test_registering_the_command_does_not_import_aiohttp() -> None:
     code = "import sys, lmi_cache.bench.cli; print('aiohttp' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert run.stdout.strip() == "False"
+
+
+def test_before_round_runs_before_each_rounds_requests() -> None:
+    from lmi_cache.bench.runner import run_long_doc_qa
+    from lmi_cache.bench.tokens import ServerTokenCounter
+    from lmi_cache.bench.workloads import LongDocQaSpec
+
+    state = FakeServerState()
+    seen: list[tuple[str, int]] = []  # (round, prompts the server had received by then)
+
+    async def go() -> None:
+        async with OpenAiClient(server.url, "fake-model") as client:
+            spec = LongDocQaSpec(num_documents=2, document_tokens=200, query_tokens=4, output_tokens=2, seed=1)
+            await run_long_doc_qa(client, spec, ServerTokenCounter(client), 1, round_names=("warmup", "query", "rerun"),
+                                  before_round=lambda name: seen.append((name, len(state.prompts))))
+
+    with FakeOpenAiServer(state) as server:
+        asyncio.run(go())
+    assert seen == [("warmup", 0), ("query", 2), ("rerun", 4)]
+    assert len(state.prompts) == 6
