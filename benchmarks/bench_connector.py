@@ -48,6 +48,9 @@ from lmi_cache.bench.vllm_server import LMCACHE_CONNECTOR, OUR_CONNECTOR, Server
 
 CONFIGS = ("no-cache", "vllm-prefix", "ours-cpu", "ours-cpu-paired", "ours-disk", "lmcache", "no-reuse", "ours-redis", "no-reuse-redis",
            "no-reuse-control")
+# The paired no-reuse configurations, each a row of the throughput table: (config, label after the model).
+THROUGHPUT_ROWS = (("no-reuse", ""), ("no-reuse-redis", ", Redis tier on vs off"),
+                   ("no-reuse-control", ", control: no connector on either side"))
 UNIQUE_SEED_OFFSET = 1000  # documents of the no-reuse rounds share nothing with the QA ones
 
 
@@ -343,10 +346,6 @@ def paired_rerun(outcome: dict) -> tuple[float, int, float, float] | None:
             percentile([cpu[d] for d in docs], 50))
 
 
-def throughput_line(size: str, results: dict[str, dict]) -> list[str] | None:
-    return throughput_row(size, results.get("no-reuse", {}))
-
-
 def throughput_row(size: str, outcome: dict) -> list[str] | None:
     paired: PairedThroughput | None = outcome.get("paired")
     if paired is None:
@@ -427,15 +426,10 @@ def main() -> int:
             table, model_checks = model_table(size, results)
             tables.append(f"### {size} model, {args.num_documents} documents x {args.document_tokens} tokens\n\n{table}")
             checks += model_checks
-            line = throughput_line(size, results)
-            if line:
-                throughput.append(line)
-            line = throughput_row(f"{size}, Redis tier on vs off", results.get("no-reuse-redis", {}))
-            if line:
-                throughput.append(line)
-            line = throughput_row(f"{size}, control: no connector on either side", results.get("no-reuse-control", {}))
-            if line:
-                throughput.append(line)
+            for config, label in THROUGHPUT_ROWS:
+                line = throughput_row(f"{size}{label}", results.get(config, {}))
+                if line:
+                    throughput.append(line)
             summary[size] = {name: summary_of(r) for name, r in results.items()}
     finally:
         if redis is not None:
