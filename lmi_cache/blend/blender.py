@@ -48,6 +48,22 @@ class LayerwiseModel(Protocol):
         """Final norm and LM head: [T, hidden] -> [T, vocab]."""
 
 
+# Tokens per slice when a layer's output projection and MLP run over many tokens (the first
+# layers of a blend, a segment's own prefill): the MLP's intermediate of a slice stays near
+# 10 MiB, memory the heap hands back slice after slice, instead of one buffer of hundreds of MiB
+# that glibc maps fresh and faults in on every blend. Rows are independent in these ops.
+FINISH_SLICE_TOKENS = 1024
+
+
+def finish_rows(model: LayerwiseModel, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """``model.finish_layer`` over slices of at most ``FINISH_SLICE_TOKENS`` rows."""
+    num_tokens = hidden.shape[0]
+    if num_tokens <= FINISH_SLICE_TOKENS:
+        return model.finish_layer(layer, hidden, attn)
+    return torch.cat([model.finish_layer(layer, hidden[s : s + FINISH_SLICE_TOKENS], attn[s : s + FINISH_SLICE_TOKENS])
+                      for s in range(0, num_tokens, FINISH_SLICE_TOKENS)])
+
+
 def rotate_qk(model: LayerwiseModel, layer: int, q: torch.Tensor, k: torch.Tensor,
               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k rotated to ``positions``: by the model's own RoPE kernel when it offers one (``rope_qk``), else ``apply_rope``.
@@ -126,7 +142,7 @@ def prefill(
             full_k = k if past is None else torch.cat((past.k[layer], k))
             full_v = v if past is None else torch.cat((past.v[layer], v))
             attn = attend(q, full_k, full_v, positions, all_positions, model.attn_scale)
-        hidden = model.finish_layer(layer, hidden, attn)
+        hidden = finish_rows(model, layer, hidden, attn)
     return KVStack(torch.stack(new_k), torch.stack(new_v)), hidden
 
 
@@ -231,7 +247,7 @@ def blend(
             full_k = torch.cat((prefix_kv.k[layer], out_k[layer]))
             full_v = torch.cat((prefix_kv.v[layer], out_v[layer]))
             attn = attend(q, full_k, full_v, pos, all_positions, model.attn_scale)
-        hidden = model.finish_layer(layer, hidden, attn)
+        hidden = finish_rows(model, layer, hidden, attn)
     blended = KVStack(out_k, out_v)
     return BlendOutcome(prefix_kv.cat(blended) if include_prefix else blended, active)
 

@@ -258,6 +258,9 @@ class LmiBlendConnector(LmiCacheConnector):
         paged_attention = None
         if self._worker.layout.kind == "cpu":
             from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
+            from lmi_cache.blend.host_heap import keep_large_allocations_in_heap
+
+            keep_large_allocations_in_heap()  # host tensors: reuse the blend's big temporaries across blends
 
             first_attn = model.model.layers[0].self_attn
             paged_attention = CpuPagedAttention(

@@ -207,3 +207,41 @@ def test_low_precision_cache_rerotates_through_float32_into_a_view(dtype: torch.
     rerotate(k.to(dtype), torch.arange(8), torch.arange(500, 508), spec, out=target)
     torch.testing.assert_close(target.float(), rerotate(k, torch.arange(8), torch.arange(500, 508), spec),
                                rtol=2e-2, atol=2e-2)
+
+
+class _SliceSpy:
+    """A LayerwiseModel that records how many rows each finish_layer call got."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.rows: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        self.rows.append(int(hidden.shape[0]))
+        return self._inner.finish_layer(layer, hidden, attn)
+
+
+def test_wide_layers_finish_in_slices_with_the_unsliced_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lmi_cache.blend.blender as blender
+
+    model = HFLayerwiseModel(tiny_model("llama"))
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, VOCAB, (6,), generator=gen)
+    segments = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (23, 18)]
+    with torch.inference_mode():
+        prefix_kv, _ = prefill(model, prefix, None)
+        cached = [segment_kv(model, seg) for seg in segments]
+        whole = blend(model, prefix_kv, segments, cached, [1], [9])
+        whole_prefill, _ = prefill(model, torch.cat(segments), prefix_kv)
+        monkeypatch.setattr(blender, "FINISH_SLICE_TOKENS", 7)
+        spy = _SliceSpy(model)
+        sliced = blend(spy, prefix_kv, segments, cached, [1], [9])
+        sliced_prefill, _ = prefill(spy, torch.cat(segments), prefix_kv)
+    assert max(spy.rows) <= 7 and spy.rows.count(7) >= 10, spy.rows  # the 41-token layers went in slices
+    assert torch.equal(sliced.recomputed, whole.recomputed)
+    # Row slices of a matmul may sum in another order: equal to float32 round-off.
+    for got, want in ((sliced.kv.k, whole.kv.k), (sliced.kv.v, whole.kv.v), (sliced_prefill.k, whole_prefill.k)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
