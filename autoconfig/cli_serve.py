@@ -24,10 +24,12 @@ import click
               help="Host snapshot JSON (from 'lmi-cache probe --json') instead of probing; for --dry-run what-ifs.")
 @click.option("--dry-run", is_flag=True, help="Print the summary and the vLLM command instead of starting it.")
 def serve(sagemaker_arg: str | None, model_dir: str | None, host_file: str | None, dry_run: bool) -> None:
-    """Container entrypoint: configure the KV cache, then exec vLLM's OpenAI server on :8080."""
+    """Container entrypoint: configure the KV cache, then run vLLM's OpenAI server on :8080."""
     from autoconfig.serve import run_serve
 
-    run_serve(model_dir, dry_run, host_file=host_file, echo=click.echo)
+    status = run_serve(model_dir, dry_run, host_file=host_file, echo=click.echo)
+    if status:
+        sys.exit(status)
 
 
 @click.group()

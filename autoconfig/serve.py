@@ -3,9 +3,10 @@
 Runs as PID 1's first program in the container: resolves serving.properties
 and ``OPTION_*`` env exactly as ``configure`` does, sets up the KV cache
 (auto-config, a user YAML checked against the host, or none), maps the LMI
-options to vLLM arguments, prints a short summary and then replaces itself
-with vLLM's OpenAI server (``os.execvpe``), so signals reach vLLM and its exit
-code is the container's. Everything that can be wrong with the settings is
+options to vLLM arguments, prints a short summary and then runs vLLM's
+OpenAI server as its child (``autoconfig.supervise``): signals are forwarded
+to it, its exit status becomes the container's, and a server that stops on
+its own with status 0 (what vLLM does after its engine died) exits 1. Everything that can be wrong with the settings is
 found here, before vLLM is imported or a model is loaded.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, NoReturn
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoconfig.configure import DEFAULT_MODEL_DIR, configure, default_output_dir, resolve_fitted
 from autoconfig.lmi_names import SECRET_OPTIONS, SERVER_KEYS_USED, is_secret_env, masked
@@ -39,8 +40,8 @@ from lmi_cache.metrics_settings import multiproc_env
 if TYPE_CHECKING:
     from autoconfig.host import HostSnapshot
 
-__all__ = ["DEFAULT_PORT", "PORT_ENV", "ServeError", "ServeLaunch", "exec_launch", "load_host_file",
-           "prepare_launch", "run_serve"]
+__all__ = ["DEFAULT_PORT", "PORT_ENV", "ServeError", "ServeLaunch", "load_host_file", "prepare_launch",
+           "run_launch", "run_serve"]
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM arguments that serve derives from ServingSettings through configure's
@@ -62,7 +63,7 @@ CPU_KVCACHE_DEFAULT_GIB = 4
 
 @dataclass(frozen=True)
 class ServeLaunch:
-    """What serve is about to exec: the command, its environment and the summary."""
+    """What serve is about to start: the command, its environment and the summary."""
 
     argv: list[str]
     env: dict[str, str]  # the whole environment vLLM gets
@@ -207,11 +208,13 @@ def load_host_file(path: str) -> "HostSnapshot":
     return HostSnapshot.from_dict(data, path)
 
 
-def exec_launch(launch: ServeLaunch) -> NoReturn:
-    """Replace this process with vLLM (signals and the exit code then belong to vLLM)."""
+def run_launch(launch: ServeLaunch) -> int:
+    """Run the server as this process's child until it ends; the container's exit status."""
+    from autoconfig.supervise import run_supervised
+
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(launch.argv[0], launch.argv, launch.env)
+    return run_supervised(launch.argv, launch.env, lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _probe_this_host() -> "HostSnapshot":
@@ -283,7 +286,7 @@ def _tier_lines(mode: str, props: ResolvedProperties, plan: object) -> list[str]
 
 def run_serve(model_dir: str | None, dry_run: bool, host_file: str | None = None,
               echo: Callable[[str], None] = print) -> int:
-    """The CLI body: print the summary, then exec vLLM (or, with dry_run, print the command)."""
+    """The CLI body: print the summary, then run vLLM until it ends (or, with dry_run, print the command)."""
     host = load_host_file(host_file) if host_file is not None else None
     launch = prepare_launch(model_dir, host=host, dry_run=dry_run)
     for line in launch.summary:
@@ -291,4 +294,4 @@ def run_serve(model_dir: str | None, dry_run: bool, host_file: str | None = None
     if dry_run:
         echo(f"exec: {launch.command_line()}")
         return 0
-    exec_launch(launch)
+    return run_launch(launch)

@@ -114,19 +114,19 @@ def test_prepare_launch_imports_neither_vllm_nor_torch(tmp_path: Path) -> None:
     assert proc.stdout.strip() == "[]"
 
 
-def test_exec_replaces_the_process_and_passes_the_exit_code(tmp_path: Path) -> None:
+def test_the_server_runs_as_a_child_with_serves_environment_and_passes_its_exit_code(tmp_path: Path) -> None:
     code = textwrap.dedent("""
         import os, sys
-        from autoconfig.serve import ServeLaunch, exec_launch
+        from autoconfig.serve import ServeLaunch, run_launch
         print(os.getpid(), flush=True)
-        child = "import os, sys; print(os.getpid(), os.environ['MARK']); sys.exit(7)"
-        exec_launch(ServeLaunch([sys.executable, "-c", child], {**os.environ, "MARK": "set"}, {}, "off"))
+        child = "import os, sys; print(os.getppid(), os.environ['MARK'], flush=True); sys.exit(7)"
+        sys.exit(run_launch(ServeLaunch([sys.executable, "-c", child], {**os.environ, "MARK": "set"}, {}, "off")))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 7
-    before, after = proc.stdout.split("\n")[:2]
-    assert after.split() == [before, "set"], "exec must keep the PID (signals reach vLLM) and the env"
+    serve_pid, child_line = proc.stdout.split("\n")[:2]
+    assert child_line.split() == [serve_pid, "set"], "serve is the server's parent and passes the env"
 
 
 def test_version_names_the_package_and_the_vllm_it_targets() -> None:

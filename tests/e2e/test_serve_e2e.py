@@ -5,6 +5,7 @@ pointed at the tiny model). Checks the SageMaker contract (/ping, /invocations
 for completion and chat payloads), that a repeated long prompt is loaded from
 lmi-cache (vLLM's own prefix cache is off in the example, so every reused token
 is an external hit), and that SIGTERM stops the server with exit status 0.
+A second start checks that a server whose engine dies makes serve exit 1.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -78,10 +80,9 @@ def external_hit_tokens(base_url: str) -> float:
                if line.startswith("vllm:external_prefix_cache_hits_total"))
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
-    """``tiny_model`` and ``e2e_dir`` come from tests/e2e/conftest.py."""
-    root = e2e_dir / "serve"
+@contextmanager
+def serving(tiny_model: Path, root: Path) -> Iterator[Server]:
+    """``lmi-cache serve`` of the cpu-tiny-demo example (pointed at ``tiny_model``) under ``root``, until ready."""
     root.mkdir()
     model_dir = root / "model"
     model_dir.mkdir()
@@ -107,6 +108,13 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
             yield Server(proc, f"http://127.0.0.1:{port}", log_path)
     finally:
         shutil.rmtree(root / "rpc", ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
+    """``tiny_model`` and ``e2e_dir`` come from tests/e2e/conftest.py."""
+    with serving(tiny_model, e2e_dir / "serve") as running:
+        yield running
 
 
 def test_ping_is_200_and_the_summary_was_printed(server: Server) -> None:
@@ -191,3 +199,30 @@ def test_sigterm_stops_the_server_with_exit_0(server: Server) -> None:
     except subprocess.TimeoutExpired:
         pytest.fail(f"still running 60 s after SIGTERM:\n{server.log_tail()}")
     assert returncode == 0, server.log_tail()
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+        found += [int(c) for c in children]
+        todo += [int(c) for c in children]
+    return found
+
+
+def test_an_engine_that_dies_makes_serve_exit_1(tiny_model: Path, e2e_dir: Path) -> None:
+    # vLLM's server exits 0 after its engine died; serve, its parent, turns that into a failure.
+    with serving(tiny_model, e2e_dir / "serve-engine-death") as running:
+        engines = [pid for pid in _descendants(running.proc.pid)
+                   if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+        assert engines, f"no EngineCore process under serve:\n{running.log_tail()}"
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
+        try:
+            returncode = running.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"serve still running 90 s after its engine was killed:\n{running.log_tail()}")
+        log = running.log_tail(20000)
+    assert returncode == 1, log
+    assert "lmi-cache serve: error: the server stopped on its own" in log
