@@ -9,6 +9,12 @@ builders, the finished build is moved into place with one rename, and a
 later process finds the built library and imports it without compiling. A
 failed build leaves a ``.failed`` note so other processes do not retry it;
 delete the note (or the cache directory) to retry. Only ``kernels`` calls this.
+
+Every load marks its build as used (its lock file's mtime). Each new build
+removes the builds of the same extension that no process has loaded for
+``PRUNE_UNUSED_DAYS`` (an upgrade of lmi-cache or torch otherwise leaves its
+old build behind forever); a build still mapped by a running process keeps
+working, since Linux keeps an unlinked library mapped.
 """
 from __future__ import annotations
 
@@ -29,6 +35,9 @@ from types import ModuleType
 import torch
 
 CACHE_DIR_ENV = "LMI_CACHE_KERNELS_DIR"
+PRUNE_UNUSED_DAYS = 30
+# What one build key leaves in the cache root: the build, its lock, a failure note and log, a staging dir.
+_ENTRY_SUFFIXES = ("", ".lock", ".failed", ".log", ".building")
 
 
 class NativeBuildError(RuntimeError):
@@ -132,9 +141,12 @@ def _load_or_build(name: str, sources: Sequence[Path], root: Path, key: str, wit
     final = root / f"{name}-{key}"
     library = final / f"{name}.so"
     failed = root / f"{name}-{key}.failed"
+    lock = root / f"{name}-{key}.lock"
     if library.is_file():
+        _mark_used(lock)
         return _import_library(name, library), False
-    with _exclusive(root / f"{name}-{key}.lock"):
+    with _exclusive(lock):
+        _mark_used(lock)
         if library.is_file():  # another process built it while we waited
             return _import_library(name, library), False
         if failed.is_file():
@@ -169,4 +181,54 @@ def _load_or_build(name: str, sources: Sequence[Path], root: Path, key: str, wit
                 raise NativeBuildError(failed.read_text()) from None
         shutil.rmtree(final, ignore_errors=True)  # an incomplete earlier attempt
         os.rename(staging, final)
+        prune_unused(root, name, keep=key)
         return module, True
+
+
+def _mark_used(lock: Path) -> None:
+    try:
+        lock.touch()
+    except OSError:
+        pass  # a read-only cache still loads; it is only never pruned
+
+
+def _is_key(text: str) -> bool:
+    return len(text) == 20 and all(c in "0123456789abcdef" for c in text)
+
+
+def prune_unused(root: Path, name: str, keep: str, max_age_days: float = PRUNE_UNUSED_DAYS) -> list[str]:
+    """Remove the builds of ``name`` other than ``keep`` whose files are all older than ``max_age_days``.
+
+    Returns the keys removed. Never raises: pruning is housekeeping.
+    """
+    import time
+
+    cutoff = time.time() - max_age_days * 86400
+    entries: dict[str, list[Path]] = {}
+    prefix = f"{name}-"
+    try:
+        for path in root.iterdir():
+            if not path.name.startswith(prefix):
+                continue
+            rest = path.name[len(prefix):]
+            key = next((rest[: -len(suffix)] for suffix in _ENTRY_SUFFIXES[1:] if rest.endswith(suffix)), rest)
+            if _is_key(key):  # only what build_key names; anything else in the directory is left alone
+                entries.setdefault(key, []).append(path)
+    except OSError:
+        return []
+    removed = []
+    for key, paths in entries.items():
+        if key == keep:
+            continue
+        try:
+            if max(p.stat().st_mtime for p in paths) >= cutoff:
+                continue  # loaded, built or failed recently
+            for path in paths:
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+            removed.append(key)
+        except OSError:
+            continue
+    return removed

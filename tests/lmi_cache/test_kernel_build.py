@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -117,9 +118,54 @@ def test_concurrent_first_use_compiles_once_and_every_process_loads(tmp_path: Pa
     assert sorted(r["built"] for r in results) == [False, False, True]
     assert all(r["answer"] == 42 for r in results)
     assert _build_procs(src, tmp_path / "cache", 1) == [{"built": False, "answer": 42}]
-    # A changed source is a different build, not the stale library.
+    # A changed source is a different build, not the stale library; building it prunes builds
+    # unused for PRUNE_UNUSED_DAYS (here: the first one, aged by hand), nothing recent.
+    first = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    _age(tmp_path / "cache", native_build.PRUNE_UNUSED_DAYS + 1)
     src.write_text(TINY_SOURCE.replace("ANSWER", "ANSWER + 1"))
     assert _build_procs(src, tmp_path / "cache", 1) == [{"built": True, "answer": 43}]
+    left = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert not set(first) & set(left) and any(name.endswith(".lock") for name in left), (first, left)
+
+
+def _age(root: Path, days: float) -> None:
+    old = time.time() - days * 86400
+    for path in root.iterdir():
+        os.utime(path, (old, old))
+
+
+def _fake_entry(root: Path, key: str, days_old: float) -> None:
+    (root / f"lmi_tiny-{key}").mkdir()
+    (root / f"lmi_tiny-{key}" / "lmi_tiny.so").write_bytes(b"not a library")
+    (root / f"lmi_tiny-{key}.lock").touch()
+    old = time.time() - days_old * 86400
+    for path in (root / f"lmi_tiny-{key}", root / f"lmi_tiny-{key}.lock"):
+        os.utime(path, (old, old))
+
+
+def test_pruning_removes_only_other_builds_unused_for_the_period(tmp_path: Path) -> None:
+    stale, recent, mine = "a" * 20, "b" * 20, "c" * 20
+    for key, days in ((stale, 40), (recent, 3), (mine, 40)):
+        _fake_entry(tmp_path, key, days)
+    (tmp_path / "lmi_tiny-notakey").mkdir()  # not a build key: never touched
+    os.utime(tmp_path / "lmi_tiny-notakey", (0, 0))
+    (tmp_path / f"other-{'d' * 20}").mkdir()  # another extension's build
+    assert native_build.prune_unused(tmp_path, "lmi_tiny", keep=mine) == [stale]
+    left = {p.name for p in tmp_path.iterdir()}
+    assert not any(stale in name for name in left)
+    assert {f"lmi_tiny-{recent}", f"lmi_tiny-{mine}", "lmi_tiny-notakey", f"other-{'d' * 20}"} <= left
+
+
+def test_loading_a_build_marks_it_used(tmp_path: Path) -> None:
+    src = tmp_path / "tiny.cpp"
+    src.write_text(TINY_SOURCE)
+    key = native_build.build_key("lmi_tiny", [src], ["cuda=False", "|"])
+    root = tmp_path / "cache"
+    root.mkdir()
+    _fake_entry(root, key, 40)
+    with pytest.raises(native_build.NativeBuildError):  # the fake library does not import
+        native_build.load_or_build("lmi_tiny", [src], cache_root=root)
+    assert time.time() - (root / f"lmi_tiny-{key}.lock").stat().st_mtime < 60
 
 
 @pytest.mark.slow
