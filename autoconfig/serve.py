@@ -6,8 +6,9 @@ and ``OPTION_*`` env exactly as ``configure`` does, sets up the KV cache
 options to vLLM arguments, prints a short summary and then runs vLLM's
 OpenAI server as its child (``autoconfig.supervise``): signals are forwarded
 to it, its exit status becomes the container's, and a server that stops on
-its own with status 0 (what vLLM does after its engine died) exits 1. Everything that can be wrong with the settings is
-found here, before vLLM is imported or a model is loaded.
+its own with status 0 (what vLLM does after its engine died) exits 1.
+Everything that can be wrong with the settings is found here, before vLLM is
+imported or a model is loaded.
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ import platform
 import shutil
 import sys
 import sysconfig
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -36,8 +37,8 @@ import torch
 
 CACHE_DIR_ENV = "LMI_CACHE_KERNELS_DIR"
 PRUNE_UNUSED_DAYS = 30
-# What one build key leaves in the cache root: the build, its lock, a failure note and log, a staging dir.
-_ENTRY_SUFFIXES = ("", ".lock", ".failed", ".log", ".building")
+# What one build key leaves beside its build directory: its lock, a failure note and log, a staging dir.
+_ENTRY_SUFFIXES = (".lock", ".failed", ".log", ".building")
 
 
 class NativeBuildError(RuntimeError):
@@ -201,8 +202,6 @@ def prune_unused(root: Path, name: str, keep: str, max_age_days: float = PRUNE_U
 
     Returns the keys removed. Never raises: pruning is housekeeping.
     """
-    import time
-
     cutoff = time.time() - max_age_days * 86400
     entries: dict[str, list[Path]] = {}
     prefix = f"{name}-"
@@ -211,7 +210,7 @@ def prune_unused(root: Path, name: str, keep: str, max_age_days: float = PRUNE_U
             if not path.name.startswith(prefix):
                 continue
             rest = path.name[len(prefix):]
-            key = next((rest[: -len(suffix)] for suffix in _ENTRY_SUFFIXES[1:] if rest.endswith(suffix)), rest)
+            key = next((rest[: -len(suffix)] for suffix in _ENTRY_SUFFIXES if rest.endswith(suffix)), rest)
             if _is_key(key):  # only what build_key names; anything else in the directory is left alone
                 entries.setdefault(key, []).append(path)
     except OSError:

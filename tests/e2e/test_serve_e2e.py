@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import psutil
 import pytest
 from server_process import get_status, resend_until_cached, running_server
 
@@ -201,24 +202,14 @@ def test_sigterm_stops_the_server_with_exit_0(server: Server) -> None:
     assert returncode == 0, server.log_tail()
 
 
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
-        found += [int(c) for c in children]
-        todo += [int(c) for c in children]
-    return found
-
-
 def test_an_engine_that_dies_makes_serve_exit_1(tiny_model: Path, e2e_dir: Path) -> None:
     # vLLM's server exits 0 after its engine died; serve, its parent, turns that into a failure.
     with serving(tiny_model, e2e_dir / "serve-engine-death") as running:
-        engines = [pid for pid in _descendants(running.proc.pid)
-                   if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+        engines = [p for p in psutil.Process(running.proc.pid).children(recursive=True)
+                   if "EngineCore" in " ".join(p.cmdline())]
         assert engines, f"no EngineCore process under serve:\n{running.log_tail()}"
-        for pid in engines:
-            os.kill(pid, signal.SIGKILL)
+        for engine in engines:
+            engine.kill()
         try:
             returncode = running.proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
