@@ -16,6 +16,8 @@
 #endif
 
 #include "paged_copy.h"
+#include "rotate_pairs.h"
+#include "scattered_attention.h"
 
 namespace lmi_cache {
 namespace {
@@ -170,6 +172,83 @@ void run_emulated(const std::vector<at::Tensor>& layers, const at::Tensor& table
     for (int64_t tid = 0; tid < num_threads; ++tid) lmi_copy_piece(plan.args, item, tid, num_threads);
 }
 
+
+// out = x * cos + rotate_half(x) * sin over [outer, tokens, heads, head_dim], angles per token.
+void rotate_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  for (const at::Tensor* t : {&x, static_cast<const at::Tensor*>(&out)}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4,
+                "rotate pairs: x and out must be CPU float32 tensors [outer, tokens, heads, head_dim]");
+    TORCH_CHECK(t->stride(3) == 1 && (t->size(2) == 1 || t->stride(2) == t->size(3)),
+                "rotate pairs: each token's heads must be contiguous rows");
+  }
+  TORCH_CHECK(x.sizes() == out.sizes(), "rotate pairs: out must have x's shape");
+  const int64_t dim = x.size(3), tokens = x.size(1);
+  TORCH_CHECK(dim % 2 == 0, "rotate pairs: head_dim must be even");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == tokens && t->size(1) == dim / 2,
+                "rotate pairs: cos and sin must be contiguous CPU float32 [tokens, head_dim / 2]");
+  if (x.numel() > 0 && x.data_ptr() != out.data_ptr()) {  // in place is fine; a partial overlap is not
+    auto span = [](const at::Tensor& t) {
+      int64_t last = 0;
+      for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+      const float* first = t.data_ptr<float>();
+      return std::make_pair(first, first + last + 1);
+    };
+    const auto xs = span(x), os = span(out);
+    TORCH_CHECK(xs.second <= os.first || os.second <= xs.first, "rotate pairs: out overlaps x");
+  }
+  RotatePairsArgs args{x.data_ptr<float>(), out.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                       x.size(0), tokens, x.size(2), dim, x.stride(0), x.stride(1), out.stride(0), out.stride(1)};
+  rotate_pairs_cpu(args);
+}
+
+// out[i] = causal attention of q[i] at positions[i] over the keys laid end to end from position 0.
+at::Tensor scattered_attention(const at::Tensor& q, const at::Tensor& positions, const std::vector<at::Tensor>& keys,
+                               const std::vector<at::Tensor>& values, double scale,
+                               const std::string& isa) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
+              "scattered attention: q must be a contiguous CPU float32 tensor [queries, heads, head_dim]");
+  TORCH_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong && positions.dim() == 1 &&
+                  positions.is_contiguous() && positions.size(0) == q.size(0),
+              "scattered attention: positions must be a contiguous CPU int64 tensor [queries]");
+  TORCH_CHECK(keys.size() == values.size(), "scattered attention: one value tensor per key tensor");
+  const int64_t num_heads = q.size(1), dim = q.size(2);
+  TORCH_CHECK(dim % 8 == 0 && dim > 0 && dim <= kMaxHeadDim, "scattered attention: head_dim must be a multiple of 8 up to ",
+              kMaxHeadDim, ", got ", dim);
+  std::vector<KeySegment> segments;
+  int64_t num_kv_heads = -1, total = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const at::Tensor& k = keys[i];
+    const at::Tensor& v = values[i];
+    for (const at::Tensor* t : {&k, &v}) {
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3,
+                  "scattered attention: keys and values must be CPU float32 tensors [tokens, kv_heads, head_dim]");
+      TORCH_CHECK(t->size(2) == dim && t->stride(2) == 1 && (t->size(1) == 1 || t->stride(1) == dim),
+                  "scattered attention: each token's kv heads must be contiguous rows of head_dim floats");
+    }
+    TORCH_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1), "scattered attention: keys and values differ in shape");
+    TORCH_CHECK(num_kv_heads < 0 || k.size(1) == num_kv_heads, "scattered attention: segments differ in kv heads");
+    num_kv_heads = k.size(1);
+    if (k.size(0) == 0) continue;
+    segments.push_back({k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0), total, k.size(0)});
+    total += k.size(0);
+  }
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= kRowsPerItem,
+              "scattered attention: heads must be a multiple of kv heads, at most ", kRowsPerItem, " per kv head");
+  TORCH_CHECK(total < (int64_t{1} << 31), "scattered attention: at most 2^31 keys");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < positions.size(0); ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < total, "scattered attention: position ", pos[i], " outside the ", total, " keys");
+    TORCH_CHECK(i == 0 || pos[i] > pos[i - 1], "scattered attention: positions must be strictly ascending");
+  }
+  at::Tensor out = at::empty_like(q);
+  ScatteredAttentionArgs args{q.data_ptr<float>(), pos, out.data_ptr<float>(), q.size(0), num_heads, num_kv_heads,
+                              dim, static_cast<float>(scale), segments.data(), static_cast<int64_t>(segments.size())};
+  TORCH_CHECK(scattered_attention_cpu(args, isa), "scattered attention: this CPU cannot run the '", isa, "' code");
+  return out;
+}
+
 }  // namespace
 }  // namespace lmi_cache
 
@@ -191,6 +270,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                const std::vector<at::Tensor>& chunks, int64_t num_threads) {
     run_emulated(layers, table, chunks, true, num_threads);
   });
+  m.def("scattered_attention", &lmi_cache::scattered_attention,
+        "causal attention of q [Tq, H, D] at ascending positions over keys/values [n_i, H_kv, D] laid end to end",
+        py::arg("q"), py::arg("positions"), py::arg("keys"), py::arg("values"), py::arg("scale"), py::arg("isa") = "");
+  m.def("rotate_pairs", &lmi_cache::rotate_pairs,
+        "out = x * cos + rotate_half(x) * sin for x [outer, tokens, heads, head_dim], cos/sin [tokens, head_dim / 2]");
+  m.def("scattered_attention_isas", &lmi_cache::scattered_attention_isas,
+        "vector ISAs of the scattered attention this CPU runs, widest first");
 #ifdef LMI_CACHE_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

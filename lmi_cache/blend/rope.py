@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from lmi_cache.blend.settings import BlendConfigError
+from lmi_cache.transfer import kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -156,6 +157,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Te
     return out
 
 
+def _native_rotation(k: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the native one-pass rotation takes these tensors: CPU, 3 or 4 dims, contiguous head rows."""
+    if not (k.device.type == "cpu" and out.device.type == "cpu" and k.dim() in (3, 4) and kernels.native_blend_ops()):
+        return False
+    if torch.is_grad_enabled() and k.requires_grad:
+        return False
+    for t in (k, out):
+        if t.stride(-1) != 1 or (t.shape[-2] > 1 and t.stride(-2) != t.shape[-1]):
+            return False
+    return True
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
     """Rotate ``x`` of shape [T, heads, head_dim] to ``positions`` [T]."""
     cos, sin = _half_cos_sin(spec, positions)
@@ -181,5 +194,9 @@ def rerotate(
     if out is None:
         out = torch.empty_like(k)
     if k.dtype == torch.float32 and out.dtype == torch.float32:
+        if _native_rotation(k, out):  # one pass instead of four (a sixth of a blend on the RAG benchmark)
+            kernels.rotate_pairs(k.view(-1, *k.shape[-3:]), cos.contiguous(), sin.contiguous(),
+                                 out.view(-1, *out.shape[-3:]))
+            return out
         return _rotate(k, cos, sin, out)
     return out.copy_(_rotate(k.to(torch.float32), cos, sin, torch.empty(k.shape, dtype=torch.float32, device=k.device)))

@@ -115,7 +115,7 @@ class BlendWorker:
             counts = settings.recompute_counts(num_cached)
             if self.paged_attention is not None:
                 self.paged_attention.bind(job.block_ids)
-                attention = self.paged_attention.layer_attention(job.prefix_tokens)
+                attention = self.paged_attention.layer_attention(job.prefix_tokens, prefix)
                 hook_writes = self.paged_attention.write_seconds
             outcome = blend(self.model, prefix, seg_tokens, cached, settings.check_layers, counts, attention=attention,
                             include_prefix=False)

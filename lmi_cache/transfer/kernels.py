@@ -16,6 +16,13 @@ compiled on first use into a cache directory, see ``native_build``; failing to
 load it is a start-up error), ``torch`` (``index_select``/``index_copy_``) or
 ``auto`` (default: native when it loads, else torch with one log line).
 :func:`backend` names the backend in use. No other module imports the extension.
+
+The extension also carries two ops for blending (CPU, float32):
+:func:`scattered_attention`, causal attention of a few query tokens scattered
+through a prompt, in groups that share each pass over the keys; and
+:func:`rotate_pairs`, RoPE re-rotation in one pass. Serving uses them only
+with the native backend (:func:`native_blend_ops`); otherwise blending
+uses vLLM's kernel and torch.
 """
 from __future__ import annotations
 
@@ -37,9 +44,9 @@ KERNELS_ENV = "LMI_CACHE_KERNELS"
 BACKEND_CHOICES = ("auto", "native", "torch")
 EXTENSION_NAME = "lmi_cache_kernels"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-CPU_SOURCES = ("bindings.cpp", "paged_copy_cpu.cpp")
+CPU_SOURCES = ("bindings.cpp", "paged_copy_cpu.cpp", "rotate_pairs_cpu.cpp", "scattered_attention_cpu.cpp")
 CUDA_SOURCES = ("paged_copy_cuda.cu",)
-HEADERS = ("paged_copy.h",)
+HEADERS = ("paged_copy.h", "rotate_pairs.h", "scattered_attention.h")
 
 _lock = threading.Lock()
 _backend: str | None = None
@@ -205,6 +212,39 @@ def scatter(layers: Sequence[torch.Tensor], table: torch.Tensor, chunks: Sequenc
             via: str | None = None) -> None:
     """Chunk buffers -> paged blocks for every table row; ``via`` forces ``"native"``/``"torch"``."""
     _copy(layers, table, chunks, True, via)
+
+
+def native_blend_ops() -> bool:
+    """Whether blending should use :func:`scattered_attention` and :func:`rotate_pairs` (native backend in use)."""
+    return backend() == "native" and _ext is not None and hasattr(_ext, "scattered_attention")
+
+
+def scattered_attention(q: torch.Tensor, positions: torch.Tensor, keys: Sequence[torch.Tensor],
+                        values: Sequence[torch.Tensor], scale: float, isa: str = "") -> torch.Tensor:
+    """Attention [Tq, H, D] of q [Tq, H, D] (float32, CPU) at strictly ascending ``positions``.
+
+    Query i attends to the keys at positions <= positions[i]. ``keys[s]``/``values[s]``
+    ([n_s, H_kv, D], any token stride) hold consecutive positions, laid end to end from
+    position 0. ``isa`` forces one compiled variant (tests; see :func:`scattered_attention_isas`).
+    Loads the extension whatever the backend (callers check :func:`native_blend_ops`
+    first); bad arguments raise ``RuntimeError`` naming the problem.
+    """
+    return load_extension().scattered_attention(q, positions, list(keys), list(values), float(scale), isa)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = x * cos + rotate_half(x) * sin for x [outer, T, H, D] float32 (CPU), cos/sin [T, D/2].
+
+    One pass; ``out`` (x's shape, may be a view, or x itself) is returned. Loads the extension
+    whatever the backend; bad arguments raise ``RuntimeError``.
+    """
+    load_extension().rotate_pairs(x, cos, sin, out)
+    return out
+
+
+def scattered_attention_isas() -> list[str]:
+    """The vector ISAs the scattered attention runs on this CPU, widest first."""
+    return list(load_extension().scattered_attention_isas())
 
 
 def main() -> int:

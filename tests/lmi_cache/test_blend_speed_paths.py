@@ -20,6 +20,7 @@ from lmi_cache.blend.rope import RopeSpec, apply_rope, rerotate
 from lmi_cache.blend.settings import BlendSettings
 from lmi_cache.blend.worker_jobs import BlendWorker
 from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.transfer import kernels
 from lmi_cache.transfer.layouts import ExpectedGeometry, describe_kv_caches
 
 N = 32  # CPU kernel block size (a multiple of 32, as vLLM's CPU platform uses)
@@ -245,3 +246,58 @@ def test_wide_layers_finish_in_slices_with_the_unsliced_result(monkeypatch: pyte
     # Row slices of a matmul may sum in another order: equal to float32 round-off.
     for got, want in ((sliced.kv.k, whole.kv.k), (sliced.kv.v, whole.kv.v), (sliced_prefill.k, whole_prefill.k)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_scattered_queries_use_the_native_kernel_and_a_single_run_vllms() -> None:
+    paged, _ = _paged_attention(8, 1, 4, 2, 32)
+    native = kernels.backend() == "native"  # CI builds the kernels; LMI_CACHE_KERNELS=torch turns them off
+    assert paged.native_scattered == native  # float32 and vLLM's "vec" ISA: only the backend decides
+    gen = torch.Generator().manual_seed(8)
+    prefix_k, prefix_v = torch.randn(1, 20, 2, 32, generator=gen), torch.randn(1, 20, 2, 32, generator=gen)
+    k, v = torch.randn(180, 2, 32, generator=gen), torch.randn(180, 2, 32, generator=gen)
+    paged.bind(range(8))
+    paged.write(0, 0, prefix_k[0], prefix_v[0])
+    hook = paged.layer_attention(20, KVStack(prefix_k, prefix_v))
+    all_k, all_v = torch.cat((prefix_k[0], k)), torch.cat((prefix_v[0], v))
+    for positions in (torch.sort(20 + torch.randperm(180, generator=gen)[:25]).values, torch.arange(20, 200)):
+        q = torch.randn(positions.numel(), 4, 32, generator=gen)
+        calls = paged.native_calls
+        got = hook(0, q, positions, k, v)
+        torch.testing.assert_close(got, attend(q, all_k, all_v, positions, torch.arange(200), 32**-0.5))
+        # Scattered: lmi-cache's kernel; one run (every token): vLLM's, as vLLM's own prefill.
+        assert paged.native_calls == calls + (1 if native and positions.numel() == 25 else 0)
+    without_prefix = paged.layer_attention(20)  # no prefix K/V given: vLLM's kernel for everything
+    calls = paged.native_calls
+    without_prefix(0, q[:5], torch.tensor([21, 40, 41, 90, 150]), k, v)
+    assert paged.native_calls == calls
+
+
+def test_a_blend_with_the_native_kernel_equals_one_with_vllms() -> None:
+    hf = tiny_model("llama", hidden_size=128)
+    model = HFLayerwiseModel(hf)
+    kv_heads, dim, heads = hf.config.num_key_value_heads, model.head_dim, hf.config.num_attention_heads
+    gen = torch.Generator().manual_seed(9)
+    prefix, seg_a, seg_b = (torch.randint(0, VOCAB, (n,), generator=gen) for n in (20, 90, 70))
+    keys = (ChunkKey(b"a" * 16, 0, 90, 1), ChunkKey(b"b" * 16, 0, 70, 2))
+    results = {}
+    for native in (True, False):
+        paged_attention, caches = _paged_attention(8, model.num_layers, heads, kv_heads, dim)
+        paged_attention.native_scattered = native
+        layout = describe_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(caches)},
+                                    ExpectedGeometry(block_size_tokens=N, num_kv_heads=kv_heads, head_size=dim))
+        settings = BlendSettings(enabled=True, recompute_ratios=(0.3,), min_tokens=0)
+        worker = BlendWorker(settings, model, PagedKV(caches, layout, N), 0, paged_attention=paged_attention)
+        engine = DictEngine()
+        worker.run_stores([SegmentStore("r", tuple(seg_a.tolist()), (keys[0],)),
+                           SegmentStore("r", tuple(seg_b.tolist()), (keys[1],))], engine)
+        with torch.inference_mode():
+            prefix_kv, _ = prefill(model, prefix)
+        block_ids = tuple(range(1, 7))
+        worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
+        job = BlendJob("r", 20, tuple(torch.cat((seg_b, seg_a)).tolist()),
+                       (BlendPiece(20, 90, (keys[1],)), BlendPiece(90, 180, (keys[0],))), block_ids)
+        assert worker.run_blends([job], engine) == set()
+        assert (paged_attention.native_calls > 0) == native  # scattered recomputed tokens took the native kernel
+        results[native] = worker.paged.read(block_ids, 20, 180)
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,107 @@
+"""Blending's CPU hot spots, native against what they replace, side by side in one process.
+
+* Attention of the recomputed tokens (scattered through the prompt) after the check
+  layer: lmi-cache's ``scattered_attention`` against vLLM's CPU kernel run as one
+  one-token request per run of consecutive positions (what blending used before), and
+  against vLLM's kernel over *every* token (a dense layer, for scale).
+* Re-rotating every layer's cached K to the segment's new place: ``rotate_pairs`` (one
+  pass) against the four torch passes it replaced.
+
+Runs alternate (A, B, A, B, ...) so machine load hits both alike; medians and their
+ratios are printed. Defaults are the RAG benchmark's shape: 8,111 tokens, 1,211
+recomputed (ratio 0.15 of 8,079 blended tokens), the 32M model's 8 heads over 4 KV
+heads of 64 dims, 8 layers.
+
+    .venv/bin/python benchmarks/bench_blend_attention.py
+    .venv/bin/python benchmarks/bench_blend_attention.py --heads 32 --kv-heads 8 --dim 128   # a Llama-3-8B layer
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
+from lmi_cache.blend.rope import _rotate
+from lmi_cache.transfer import kernels
+
+BLOCK = 32  # vLLM's CPU block size
+
+
+def _alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # first-call costs (plans, page faults) are not measured
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8111)
+    parser.add_argument("--prefix", type=int, default=32, help="tokens before the blended ones")
+    parser.add_argument("--queries", type=int, default=1211, help="recomputed (scattered) tokens")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=8, help="layers of cached K re-rotated")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    gen = torch.Generator().manual_seed(args.seed)
+    n, heads, kv_heads, dim = args.tokens, args.heads, args.kv_heads, args.dim
+    scale = dim**-0.5
+    k, v = torch.randn(n, kv_heads, dim, generator=gen), torch.randn(n, kv_heads, dim, generator=gen)
+    num_blocks = -(-n // BLOCK)
+    paged = CpuPagedAttention([torch.zeros(num_blocks, kv_heads, BLOCK, 2 * dim)], [object()], BLOCK, heads,
+                              kv_heads, dim, scale)
+    paged.bind(range(num_blocks))
+    paged.write(0, 0, k, v)
+    blended = torch.arange(args.prefix, n)
+    positions = torch.sort(blended[torch.randperm(blended.numel(), generator=gen)[: args.queries]]).values
+    q = torch.randn(positions.numel(), heads, dim, generator=gen)
+    dense_q, dense_positions = torch.randn(n, heads, dim, generator=gen), torch.arange(n)
+    keys, values = (k[: args.prefix], k[args.prefix :]), (v[: args.prefix], v[args.prefix :])
+
+    native = kernels.scattered_attention(q, positions, keys, values, scale).reshape(q.shape[0], -1)
+    worst = float((native - paged.attend(0, q, positions)).abs().max())
+    isa = kernels.scattered_attention_isas()[0]
+    print(f"{n} tokens, {positions.numel()} scattered queries, {heads} heads / {kv_heads} KV heads x {dim}; "
+          f"native ISA {isa}; max |native - vLLM| = {worst:.1e}; threads {torch.get_num_threads()}")
+    med = _alternate({
+        "native": lambda: kernels.scattered_attention(q, positions, keys, values, scale),
+        "vllm": lambda: paged.attend(0, q, positions),
+        "vllm_dense": lambda: paged.attend(0, dense_q, dense_positions),
+    }, args.repeats)
+    print("\n| attention of the recomputed tokens, one layer | median (ms) |\n|---|---|")
+    print(f"| lmi-cache scattered_attention | {1000 * med['native']:.1f} |")
+    print(f"| vLLM's CPU kernel, one request per run of positions | {1000 * med['vllm']:.1f} |")
+    print(f"| vLLM's CPU kernel, every token (dense layer, for scale) | {1000 * med['vllm_dense']:.1f} |")
+    print(f"\nvLLM / native = {med['vllm'] / med['native']:.2f}x; native is "
+          f"{100 * med['native'] / med['vllm_dense']:.0f}% of a dense layer for "
+          f"{100 * positions.numel() / n:.0f}% of its queries")
+
+    layers_k = torch.randn(args.layers, 2, n - args.prefix, kv_heads, dim, generator=gen)[:, 0]  # a stored segment's K
+    angles = torch.rand(n - args.prefix, dim // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    out = torch.empty(args.layers, n - args.prefix, kv_heads, dim)
+    rot = _alternate({
+        "native": lambda: kernels.rotate_pairs(layers_k, cos, sin, out),
+        "torch": lambda: _rotate(layers_k, cos, sin, out),
+    }, args.repeats)
+    print(f"\n| re-rotating {args.layers} layers of cached K ({n - args.prefix} tokens) | median (ms) |\n|---|---|")
+    print(f"| lmi-cache rotate_pairs (one pass) | {1000 * rot['native']:.1f} |")
+    print(f"| torch, four passes | {1000 * rot['torch']:.1f} |")
+    print(f"\ntorch / native = {rot['torch'] / rot['native']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
