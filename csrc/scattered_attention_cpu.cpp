@@ -44,6 +44,8 @@ constexpr int kDimBlock = 4;   // output: 4 dims x 4 row vectors (head_dim is a 
 
 #define LMI_INLINE inline __attribute__((always_inline))
 
+// GCC 12 turns this into an add of +0.0 and a register broadcast (element lists and
+// shuffles came out worse: per-lane masked broadcasts, twice as slow).
 LMI_INLINE vf splat(float x) { return vf{} + x; }
 LMI_INLINE vi splat_i(int32_t x) { return vi{} + x; }
 LMI_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }

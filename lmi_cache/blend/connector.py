@@ -258,11 +258,13 @@ class LmiBlendConnector(LmiCacheConnector):
         paged_attention = None
         if self._worker.layout.kind == "cpu":
             from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
-            from lmi_cache.blend.host_heap import keep_large_allocations_in_heap
-
-            keep_large_allocations_in_heap()  # host tensors: reuse the blend's big temporaries across blends
+            from lmi_cache.blend.host_heap import blend_heap_bytes, keep_large_allocations_in_heap, prewarm_heap
 
             first_attn = model.model.layers[0].self_attn
+            # Host tensors: the blend's big temporaries come from touched heap, reused across blends.
+            if keep_large_allocations_in_heap():
+                prewarm_heap(blend_heap_bytes(layerwise.num_layers, int(first_attn.num_kv_heads), layerwise.head_dim,
+                                              int(self._vllm_config.model_config.max_model_len)))
             paged_attention = CpuPagedAttention(
                 [kv_caches[n] for n in names], [static.get(n) for n in names], block_size,
                 int(first_attn.num_heads), int(first_attn.num_kv_heads), layerwise.head_dim, layerwise.attn_scale,
