@@ -260,6 +260,8 @@ BLEND_WORKER_SERIES: Final = (
     ("num_recomputed_tokens", "lmi_cache_blend_recomputed_tokens", "Blended tokens recomputed past the check layers"),
     ("num_segments_stored", "lmi_cache_blend_segments_stored", "Segments computed alone and stored"),
     ("num_segment_store_faults", "lmi_cache_blend_segment_store_faults", "Segment stores that failed"),
+    ("num_native_attention_layers", "lmi_cache_blend_native_attention_layers",
+     "Layers whose recomputed tokens lmi-cache's native CPU kernel attended (the rest: vLLM's kernel)"),
     ("blend_seconds", "lmi_cache_blend_seconds", "Seconds spent blending (loads and KV writes included)"),
     ("blend_load_seconds", "lmi_cache_blend_load_seconds", "Seconds of blending spent reading prefix and segments"),
     ("blend_write_seconds", "lmi_cache_blend_write_seconds", "Seconds of blending spent writing KV into vLLM's cache"),

@@ -44,6 +44,7 @@ class BlendWorkerStats:
     num_recomputed_tokens: int = 0  # of those, carried past the check layers
     num_segments_stored: int = 0
     num_segment_store_faults: int = 0
+    num_native_attention_layers: int = 0  # layers whose recomputed tokens lmi-cache's native kernel attended
     blend_seconds: float = 0.0
     blend_load_seconds: float = 0.0  # of blend_seconds: prefix read and segment loads
     blend_write_seconds: float = 0.0  # of blend_seconds: writing every layer's KV into the paged cache (in the attention or after)
@@ -117,12 +118,14 @@ class BlendWorker:
                 self.paged_attention.bind(job.block_ids)
                 attention = self.paged_attention.layer_attention(job.prefix_tokens, prefix)
                 hook_writes = self.paged_attention.write_seconds
+                native_calls = self.paged_attention.native_calls
             outcome = blend(self.model, prefix, seg_tokens, cached, settings.check_layers, counts, attention=attention,
                             include_prefix=False)
             new_kv = outcome.kv
             recomputed = int(outcome.recomputed.numel())
             if self.paged_attention is not None:
                 self.stats.blend_write_seconds += self.paged_attention.write_seconds - hook_writes
+                self.stats.num_native_attention_layers += self.paged_attention.native_calls - native_calls
         if not _finite(new_kv):
             raise ValueError("blended KV is not finite")  # a fault: vLLM recomputes the blocks
         started = time.perf_counter()

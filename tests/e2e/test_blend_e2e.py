@@ -173,6 +173,10 @@ def test_default_ratio_recomputes_a_fraction(blend_run: dict[str, Any]) -> None:
     assert got["outputs"][0]["num_cached_tokens"] == blended
     assert got["delta"]["worker.num_chunks_saved"] == 0  # nothing exact is saved from blended KV
     assert got["delta"]["blend_worker.num_blend_faults"] == 0
+    # The scattered recomputed tokens of layers 1-3 (check layer 1, 4 layers) took lmi-cache's native
+    # attention; conftest runs e2e with LMI_CACHE_KERNELS=native unless the caller chose torch.
+    native = os.environ["LMI_CACHE_KERNELS"] == "native"
+    assert got["delta"]["blend_worker.num_native_attention_layers"] == (3 if native else 0)
     # Not exact at ratio 0.15, but close: the first token (greedy, float32, fixed seeds) is the no-cache one.
     assert got["outputs"][0]["tokens"][0] == _ref(blend_run, 2)["tokens"][0]
 
