@@ -24,7 +24,18 @@ SAFETY_FRACTION = 0.10  # of usable RAM: page cache for weights, allocator slack
 MEMLOCK_CAP_MIN_BYTES = 1 << 30
 
 
-def _serving_needs(m: PlanModel, s: ServingSettings, gpu: GpuPlan, ranks: int) -> tuple[int, str]:
+def blend_heap_bytes_per_rank(m: PlanModel, s: ServingSettings, max_model_len: int) -> int:
+    """The heap a CPU worker that blends touches at start and keeps (``lmi_cache.blend.host_heap``); 0 if it does not."""
+    if not (s.blend.enabled and s.blend_connector):
+        return 0
+    from lmi_cache.blend.host_heap import blend_heap_bytes
+
+    layout = m.layout
+    return blend_heap_bytes(layout.layers_per_rank(s.pp), layout.kv_heads_per_rank(s.tp), layout.head_dim,
+                            max_model_len)
+
+
+def _serving_needs(m: PlanModel, s: ServingSettings, gpu: GpuPlan, ranks: int, max_model_len: int) -> tuple[int, str]:
     if gpu.backend == "cuda":
         need = FRONTEND_BYTES + ranks * GPU_RANK_OVERHEAD_BYTES
         text = (f"frontend {_gib(FRONTEND_BYTES)} + {ranks} x {_gib(GPU_RANK_OVERHEAD_BYTES)} per GPU worker "
@@ -33,16 +44,20 @@ def _serving_needs(m: PlanModel, s: ServingSettings, gpu: GpuPlan, ranks: int) -
     weights_rank = math.ceil(m.weights_bytes / (s.tp * s.pp))
     per_rank = CPU_RANK_OVERHEAD_BYTES + weights_rank + gpu.kv_bytes_per_rank
     text = (f"frontend {_gib(FRONTEND_BYTES)} + {ranks} x (overhead {_gib(CPU_RANK_OVERHEAD_BYTES)} + weights "
-            f"{_gib(weights_rank)} + VLLM_CPU_KVCACHE_SPACE {_gib(gpu.kv_bytes_per_rank)}) per CPU worker")
-    return FRONTEND_BYTES + ranks * per_rank, text
+            f"{_gib(weights_rank)} + VLLM_CPU_KVCACHE_SPACE {_gib(gpu.kv_bytes_per_rank)}")
+    heap = blend_heap_bytes_per_rank(m, s, max_model_len)
+    if heap:  # blending on the CPU backend keeps a prewarmed heap for its temporaries
+        per_rank += heap
+        text += f" + blend heap {_gib(heap)}"
+    return FRONTEND_BYTES + ranks * per_rank, text + ") per CPU worker"
 
 
 def cpu_tier(host: HostSnapshot, m: PlanModel, s: ServingSettings, gpu: GpuPlan, bpt_rank: int, ranks: int,
-              chunk: int, why: list[str], warn: list[str]) -> CpuTierPlan:
+              chunk: int, why: list[str], warn: list[str], max_model_len: int) -> CpuTierPlan:
     """RAM per rank: usable minus serving needs and a margin, over all ranks; on only if it beats the GPU cache."""
     mem = host.memory
     usable = mem.usable_bytes
-    need, need_text = _serving_needs(m, s, gpu, ranks)
+    need, need_text = _serving_needs(m, s, gpu, ranks, max_model_len)
     margin = int(usable * SAFETY_FRACTION)
     if need > usable:
         warn.append(f"the serving processes need about {_gib(need)} of RAM but only {_gib(usable)} is usable "

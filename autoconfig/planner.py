@@ -73,7 +73,7 @@ def plan_tiers(
     ranks = _ranks_per_host(host, settings, why, warn)
     gpu = _gpu_plan(host, m, settings, bpt_rank, ranks, max_model_len, cpu_kvcache_space_gib, why, warn)
     chunk = _chunk_size(settings, bpt_rank, gpu.block_size, max_model_len, why)
-    cpu = _with_session_retention(cpu_tier(host, m, settings, gpu, bpt_rank, ranks, chunk, why, warn),
+    cpu = _with_session_retention(cpu_tier(host, m, settings, gpu, bpt_rank, ranks, chunk, why, warn, max_model_len),
                                   settings, bpt_rank, chunk, why, warn)
     disk = disk_tier(host, settings, gpu, cpu, bpt_rank, ranks, chunk, why, warn)
     ref = lmi_reference(host, m.weights_bytes, tp)

@@ -257,3 +257,26 @@ def test_the_blending_option_without_the_cache_is_an_error_not_a_silent_no(tmp_p
         _launch(tmp_path, "option.lmcache_enable_blending=true\n")
     off = _launch(tmp_path, "option.lmcache_enable_blending=false\n")  # saying no is fine
     assert "--kv-transfer-config" not in off.argv
+
+
+def test_on_the_cpu_backend_the_plan_reserves_the_blend_heap_per_worker() -> None:
+    from autoconfig.host import load_snapshot_file
+    from autoconfig.settings import ServingSettings
+    from lmi_cache.blend.host_heap import blend_heap_bytes
+
+    import dataclasses
+
+    host = load_snapshot_file(str(REPO / "tests" / "fixtures" / "hosts" / "cpu_only_rotational.json"))
+    # The same CPU-only host with room for an 8B model's weights beside a CPU tier.
+    host = dataclasses.replace(host, memory=dataclasses.replace(host.memory, total_bytes=256 << 30,
+                                                                available_bytes=250 << 30))
+    model = load_model_info(str(MODELS / "llama-3.1-8b-instruct"))
+    off = plan_tiers(host, model, ServingSettings(max_model_len=8192))
+    on = plan_tiers(host, model, ServingSettings(max_model_len=8192, blend=BlendSettings(enabled=True)))
+    heap = blend_heap_bytes(32, 8, 128, 8192)  # 16 x 8192 tokens x 32 layers x 8 KV heads x 128 x 4 B: the cap
+    assert heap == 960 << 20
+    assert off.gpu.backend == on.gpu.backend == "cpu"
+    # The CPU tier gives the heap back (to the 0.01 GiB the plan rounds to), and the plan says why.
+    assert off.cpu.fit_bytes_per_rank - on.cpu.fit_bytes_per_rank == heap
+    assert any("blend heap" in line for line in on.explanation)
+    assert not any("blend heap" in line for line in off.explanation)
