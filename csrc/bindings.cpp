@@ -172,7 +172,6 @@ void run_emulated(const std::vector<at::Tensor>& layers, const at::Tensor& table
     for (int64_t tid = 0; tid < num_threads; ++tid) lmi_copy_piece(plan.args, item, tid, num_threads);
 }
 
-
 // out = x * cos + rotate_half(x) * sin over [outer, tokens, heads, head_dim], angles per token.
 void rotate_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   for (const at::Tensor* t : {&x, static_cast<const at::Tensor*>(&out)}) {
@@ -214,8 +213,6 @@ at::Tensor scattered_attention(const at::Tensor& q, const at::Tensor& positions,
               "scattered attention: positions must be a contiguous CPU int64 tensor [queries]");
   TORCH_CHECK(keys.size() == values.size(), "scattered attention: one value tensor per key tensor");
   const int64_t num_heads = q.size(1), dim = q.size(2);
-  TORCH_CHECK(dim % 8 == 0 && dim > 0 && dim <= kMaxHeadDim, "scattered attention: head_dim must be a multiple of 8 up to ",
-              kMaxHeadDim, ", got ", dim);
   std::vector<KeySegment> segments;
   int64_t num_kv_heads = -1, total = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -234,8 +231,9 @@ at::Tensor scattered_attention(const at::Tensor& q, const at::Tensor& positions,
     segments.push_back({k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0), total, k.size(0)});
     total += k.size(0);
   }
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= kRowsPerItem,
-              "scattered attention: heads must be a multiple of kv heads, at most ", kRowsPerItem, " per kv head");
+  const char* problem = scattered_attention_shape_problem(num_heads, num_kv_heads, dim);
+  TORCH_CHECK(problem == nullptr, "scattered attention: ", problem, " (", num_heads, " heads, ", num_kv_heads,
+              " kv heads, head_dim ", dim, ")");
   TORCH_CHECK(total < (int64_t{1} << 31), "scattered attention: at most 2^31 keys");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < positions.size(0); ++i) {
@@ -275,6 +273,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("positions"), py::arg("keys"), py::arg("values"), py::arg("scale"), py::arg("isa") = "");
   m.def("rotate_pairs", &lmi_cache::rotate_pairs,
         "out = x * cos + rotate_half(x) * sin for x [outer, tokens, heads, head_dim], cos/sin [tokens, head_dim / 2]");
+  m.def("scattered_attention_supports", [](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+    return lmi_cache::scattered_attention_shape_problem(num_heads, num_kv_heads, head_dim) == nullptr;
+  }, "whether scattered_attention takes this head geometry");
   m.def("scattered_attention_isas", &lmi_cache::scattered_attention_isas,
         "vector ISAs of the scattered attention this CPU runs, widest first");
 #ifdef LMI_CACHE_WITH_CUDA

@@ -45,6 +45,10 @@ struct ScatteredAttentionArgs {
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kRowsPerItem = 64;  // query rows (queries x heads of one kv head) per work item
 
+// Why the kernel cannot take this shape (one line), or nullptr: heads a multiple of kv heads, at
+// most kRowsPerItem per kv head; head_dim a multiple of 8, at most kMaxHeadDim.
+const char* scattered_attention_shape_problem(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+
 // Runs on ATen's intra-op threads with the code compiled for `isa` (one of
 // scattered_attention_isas(); empty: the widest). False if this CPU lacks it.
 bool scattered_attention_cpu(const ScatteredAttentionArgs& args, const std::string& isa);

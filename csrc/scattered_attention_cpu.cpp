@@ -237,6 +237,16 @@ const std::vector<Variant>& variants() {
 
 }  // namespace
 
+static_assert(kRowsPerItem == 64 && kMaxHeadDim == 256, "scattered_attention_shape_problem's lines name these");
+
+const char* scattered_attention_shape_problem(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kRowsPerItem)
+    return "heads must be a multiple of kv heads, at most 64 per kv head";
+  if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > kMaxHeadDim)
+    return "head_dim must be a multiple of 8 up to 256";
+  return nullptr;
+}
+
 std::vector<std::string> scattered_attention_isas() {
   std::vector<std::string> names;
   for (const Variant& v : variants()) names.emplace_back(v.isa);

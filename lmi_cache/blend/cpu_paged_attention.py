@@ -51,9 +51,6 @@ import torch
 
 from lmi_cache.transfer import kernels
 
-SCATTERED_ROWS_PER_ITEM = 64  # kRowsPerItem: query heads per KV head at most
-SCATTERED_MAX_HEAD_DIM = 256  # kMaxHeadDim (and head_dim a multiple of 8)
-
 
 def _runs(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Query start offsets [R+1] and sequence lengths [R] of the runs of consecutive ``positions`` (ascending)."""
@@ -95,12 +92,11 @@ class CpuPagedAttention:
         # lmi-cache's scattered-query kernel: float32 KV stored as is, and the native backend in use.
         # The prefix K/V it reads come through PagedKV, which sees the plain [token, dim] block
         # layout of vLLM's "vec" ISAs (float32 is never "amx").
-        # The kernel's shape limits (csrc/scattered_attention.h) are checked here, once, rather
-        # than failing every blend.
-        shape_ok = (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= SCATTERED_ROWS_PER_ITEM
-                    and head_dim % 8 == 0 and head_dim <= SCATTERED_MAX_HEAD_DIM)
-        self.native_scattered = (self._dtype == torch.float32 and self._kv_cache_dtype == "auto" and shape_ok
-                                 and self._isa in ("vec", "vec16") and kernels.native_blend_ops())
+        # The kernel's shape limits are asked once here (from the kernel itself) rather than
+        # failing every blend.
+        self.native_scattered = (self._dtype == torch.float32 and self._kv_cache_dtype == "auto"
+                                 and self._isa in ("vec", "vec16") and kernels.native_blend_ops()
+                                 and kernels.scattered_attention_supports(num_heads, num_kv_heads, head_dim))
         self.native_calls = 0  # layers whose queries the native kernel attended (tests, metrics)
 
     def scratch(self, num_tokens: int) -> "CpuPagedAttention":

@@ -216,7 +216,7 @@ def scatter(layers: Sequence[torch.Tensor], table: torch.Tensor, chunks: Sequenc
 
 def native_blend_ops() -> bool:
     """Whether blending should use :func:`scattered_attention` and :func:`rotate_pairs` (native backend in use)."""
-    return backend() == "native" and _ext is not None and hasattr(_ext, "scattered_attention")
+    return backend() == "native"
 
 
 def scattered_attention(q: torch.Tensor, positions: torch.Tensor, keys: Sequence[torch.Tensor],
@@ -240,6 +240,11 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
     """
     load_extension().rotate_pairs(x, cos, sin, out)
     return out
+
+
+def scattered_attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`scattered_attention` takes this head geometry (the kernel's own limits)."""
+    return bool(load_extension().scattered_attention_supports(num_heads, num_kv_heads, head_dim))
 
 
 def scattered_attention_isas() -> list[str]:

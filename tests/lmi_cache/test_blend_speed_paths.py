@@ -303,20 +303,9 @@ def test_a_blend_with_the_native_kernel_equals_one_with_vllms() -> None:
     torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 4, 36), (8, 4, 512), (130, 1, 32)])
-def test_shapes_the_native_kernel_cannot_take_stay_on_vllms(heads: int, kv_heads: int, dim: int) -> None:
-    # head_dim not a multiple of 8, above 256, or more than 64 query heads per KV head.
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "takes"),
+                         [(8, 4, 64, True), (8, 4, 36, False), (8, 4, 512, False), (130, 1, 32, False)])
+def test_shapes_the_native_kernel_cannot_take_stay_on_vllms(heads: int, kv_heads: int, dim: int, takes: bool) -> None:
+    # head_dim not a multiple of 8, above 256, or more than 64 query heads per KV head: vLLM's kernel.
     paged = CpuPagedAttention([torch.zeros(2, kv_heads, N, 2 * dim)], [object()], N, heads, kv_heads, dim, 1.0)
-    assert not paged.native_scattered
-
-
-def test_the_shape_limits_match_the_kernel_header() -> None:
-    import re
-    from pathlib import Path
-
-    from lmi_cache.blend import cpu_paged_attention
-
-    header = (Path(kernels.CSRC_DIR) / "scattered_attention.h").read_text()
-    limits = {name: int(value) for name, value in re.findall(r"constexpr int64_t (\w+) = (\d+);", header)}
-    assert limits["kRowsPerItem"] == cpu_paged_attention.SCATTERED_ROWS_PER_ITEM
-    assert limits["kMaxHeadDim"] == cpu_paged_attention.SCATTERED_MAX_HEAD_DIM
+    assert paged.native_scattered == (takes and kernels.backend() == "native")

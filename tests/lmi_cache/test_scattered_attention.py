@@ -98,8 +98,8 @@ def test_no_queries_gives_an_empty_result() -> None:
     (lambda q, p, k, v: (q, torch.tensor([5, 3]), k, v), "strictly ascending"),
     (lambda q, p, k, v: (q, torch.tensor([3, 50]), k, v), "outside the 20 keys"),
     (lambda q, p, k, v: (q.double(), p, k, v), "float32"),
-    (lambda q, p, k, v: (q[:, :, :6].contiguous(), p, [t[:, :, :6] for t in k], [t[:, :, :6] for t in v]),
-     "multiple of 8"),
+    (lambda q, p, k, v: (q[:, :, :6].contiguous(), p, [t[:, :, :6].contiguous() for t in k],
+                         [t[:, :, :6].contiguous() for t in v]), "multiple of 8"),
     (lambda q, p, k, v: (q[:, :3].contiguous(), p, k, v), "multiple of kv heads"),
     (lambda q, p, k, v: (q, p, k, v + v), "one value tensor per key tensor"),
     (lambda q, p, k, v: (q, p.int(), k, v), "int64"),
@@ -110,6 +110,20 @@ def test_bad_arguments_raise_one_clear_error(change, message: str) -> None:  # t
     args = change(q, positions, [k], [v])
     with pytest.raises(RuntimeError, match=message):
         kernels.scattered_attention(*args, 1.0)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "takes"), [
+    (8, 4, 64, True), (64, 1, 8, True), (2, 2, 256, True),
+    (8, 4, 36, False), (8, 4, 264, False), (130, 1, 32, False), (8, 3, 64, False),
+])
+def test_supports_answers_what_the_op_accepts(heads: int, kv_heads: int, dim: int, takes: bool) -> None:
+    assert kernels.scattered_attention_supports(heads, kv_heads, dim) is takes
+    q, k, v, positions = _case(20, 2, heads, kv_heads, dim, seed=10, positions=torch.tensor([3, 9]))
+    if takes:
+        kernels.scattered_attention(q, positions, [k], [v], 1.0)
+    else:
+        with pytest.raises(RuntimeError, match="scattered attention: (heads|head_dim) must"):
+            kernels.scattered_attention(q, positions, [k], [v], 1.0)
 
 
 def test_an_isa_this_cpu_lacks_or_does_not_know_is_refused() -> None:
