@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -66,14 +67,18 @@ def wanted_thresholds(env: Mapping[str, str] | None = None) -> dict[int, int]:
     return {param: max(value, _env_bytes(env, ENV_NAMES[param])) for param, value in ours.items()}
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """This process's glibc with mallopt/malloc/free typed, once (find_library runs ``ldconfig``)."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None
     try:
         libc = ctypes.CDLL(name)
-        libc.mallopt, libc.malloc, libc.free
         libc.gnu_get_libc_version  # only glibc's mallopt takes these parameters
+        libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+        libc.malloc.argtypes, libc.malloc.restype = (ctypes.c_size_t,), ctypes.c_void_p
+        libc.free.argtypes, libc.free.restype = (ctypes.c_void_p,), None
     except (OSError, AttributeError):
         return None
     return libc
@@ -81,12 +86,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 def _glibc_mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     libc = _glibc()
-    if libc is None:
-        return None
-    mallopt = libc.mallopt
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    return mallopt
+    return None if libc is None else libc.mallopt
 
 
 def blend_heap_bytes(num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int) -> int:
@@ -111,8 +111,6 @@ def prewarm_heap(num_bytes: int) -> bool:
     libc = _glibc()
     if libc is None or num_bytes <= 0 or num_bytes >= HEAP_MMAP_THRESHOLD_BYTES:
         return False
-    libc.malloc.argtypes, libc.malloc.restype = (ctypes.c_size_t,), ctypes.c_void_p
-    libc.free.argtypes, libc.free.restype = (ctypes.c_void_p,), None
     block = libc.malloc(num_bytes)
     if not block:
         logger.info("lmi-cache: could not prewarm %d MiB of heap for blending (malloc failed)", num_bytes >> 20)

@@ -37,6 +37,7 @@ import torch
 
 CACHE_DIR_ENV = "LMI_CACHE_KERNELS_DIR"
 PRUNE_UNUSED_DAYS = 30
+KEY_LENGTH = 20  # hex digits of a build key (build_key makes them; pruning recognises them)
 # What one build key leaves beside its build directory: its lock, a failure note and log, a staging dir.
 _ENTRY_SUFFIXES = (".lock", ".failed", ".log", ".building")
 
@@ -61,7 +62,7 @@ def build_key(name: str, files: Sequence[Path], flags: Sequence[str]) -> str:
         digest.update(part.encode() + b"\0")
     for path in sorted(files):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:20]
+    return digest.hexdigest()[:KEY_LENGTH]
 
 
 @contextlib.contextmanager
@@ -194,7 +195,7 @@ def _mark_used(lock: Path) -> None:
 
 
 def _is_key(text: str) -> bool:
-    return len(text) == 20 and all(c in "0123456789abcdef" for c in text)
+    return len(text) == KEY_LENGTH and all(c in "0123456789abcdef" for c in text)
 
 
 def prune_unused(root: Path, name: str, keep: str, max_age_days: float = PRUNE_UNUSED_DAYS) -> list[str]:
