@@ -18,29 +18,15 @@ heads of 64 dims, 8 layers.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from interleaved import medians  # benchmarks/, beside this script
 
 from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
 from lmi_cache.blend.rope import _rotate
 from lmi_cache.transfer import kernels
 
 BLOCK = 32  # vLLM's CPU block size
-
-
-def _alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # first-call costs (plans, page faults) are not measured
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            started = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -76,11 +62,11 @@ def main() -> None:
     isa = kernels.scattered_attention_isas()[0]
     print(f"{n} tokens, {positions.numel()} scattered queries, {heads} heads / {kv_heads} KV heads x {dim}; "
           f"native ISA {isa}; max |native - vLLM| = {worst:.1e}; threads {torch.get_num_threads()}")
-    med = _alternate({
+    med = medians(args.repeats, {
         "native": lambda: kernels.scattered_attention(q, positions, keys, values, scale),
         "vllm": lambda: paged.attend(0, q, positions),
         "vllm_dense": lambda: paged.attend(0, dense_q, dense_positions),
-    }, args.repeats)
+    }, warm_up=True)
     print("\n| attention of the recomputed tokens, one layer | median (ms) |\n|---|---|")
     print(f"| lmi-cache scattered_attention | {1000 * med['native']:.1f} |")
     print(f"| vLLM's CPU kernel, one request per run of positions | {1000 * med['vllm']:.1f} |")
@@ -93,10 +79,10 @@ def main() -> None:
     angles = torch.rand(n - args.prefix, dim // 2, generator=gen) * 6
     cos, sin = angles.cos(), angles.sin()
     out = torch.empty(args.layers, n - args.prefix, kv_heads, dim)
-    rot = _alternate({
+    rot = medians(args.repeats, {
         "native": lambda: kernels.rotate_pairs(layers_k, cos, sin, out),
         "torch": lambda: _rotate(layers_k, cos, sin, out),
-    }, args.repeats)
+    }, warm_up=True)
     print(f"\n| re-rotating {args.layers} layers of cached K ({n - args.prefix} tokens) | median (ms) |\n|---|---|")
     print(f"| lmi-cache rotate_pairs (one pass) | {1000 * rot['native']:.1f} |")
     print(f"| torch, four passes | {1000 * rot['torch']:.1f} |")

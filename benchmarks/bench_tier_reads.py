@@ -26,10 +26,8 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -42,18 +40,9 @@ from lmi_cache.devtools.redis_server import RedisServer  # noqa: E402
 from lmi_cache.remote.settings import RemoteSettings  # noqa: E402
 from lmi_cache.tiers import disk_io  # noqa: E402
 
+from interleaved import medians  # noqa: E402  (benchmarks/, beside this script)
+
 MIB = 1 << 20
-
-
-def medians(rounds: int, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Median seconds of each function, the functions taking turns round after round."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            started = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def bench_disk(args: argparse.Namespace, payloads: list[bytes]) -> None:
