@@ -21,7 +21,8 @@ Raising the thresholds is not enough on its own. The heap still grows into
 fresh pages whenever a blend's blocks do not fit the free space that other
 requests left fragmented, and on the project's VM a fresh page costs about
 10 us to fault in: in a profile of paired RAG requests (blend, then the same
-prompt with no cache and with prefix caching) one blend's first-layer
+prompt with no cache and with prefix caching; ``benchmarks/profile_blend.py
+--paired --prewarm-mib 0``) one blend's first-layer
 projections took 28,632 faults and 339 ms instead of about 300 faults and
 55 ms. ``prewarm_heap`` therefore touches a block of heap once at start and
 frees it; glibc keeps it (below the trim threshold) as touched free memory
@@ -97,7 +98,8 @@ def blend_heap_bytes(num_layers: int, num_kv_heads: int, head_dim: int, max_toke
     the first layers' activations and vLLM's own forward of the other requests scale with
     the prompt too. Measured: after six paired RAG requests on the 8-layer test model
     (8,143 tokens: 67 MB of K, so the 960 MiB cap here) glibc's heap had grown to 958 MiB; 255 MiB
-    prewarmed still left a blend with 25,229 faults, 768 MiB none over 3,400.
+    prewarmed still left a blend with 25,229 faults, 768 MiB none over 3,400
+    (``benchmarks/profile_blend.py --paired --prewarm-mib N``).
     """
     wanted = 16 * num_layers * num_kv_heads * head_dim * 4 * max(0, max_tokens)
     return max(PREWARM_MIN_BYTES, min(PREWARM_MAX_BYTES, wanted))
