@@ -59,6 +59,8 @@ def _instrument(prewarm_mib: int | None) -> None:
     paged = cpu_paged_attention.CpuPagedAttention
     paged.write = _timed("kv_write", paged.write)
     paged.attend_scattered = _timed("attend_scattered", paged.attend_scattered)
+    paged.attend_with_lse = _timed("attend_layer0_cross", paged.attend_with_lse)
+    blender.merge_attention = _timed("layer0_merge", blender.merge_attention)
     # vLLM's kernel: one run of positions is a dense layer; several are scattered tokens as runs.
     paged.attend = _timed(lambda self, layer, q, positions: "attend_dense" if _one_run(positions) else "attend_vllm_runs",
                           paged.attend)

@@ -202,10 +202,11 @@ void rotate_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   rotate_pairs_cpu(args);
 }
 
-// out[i] = causal attention of q[i] at positions[i] over the keys laid end to end from position 0.
+// out[i] = causal attention of q[i] at positions[i] over the keys laid end to end from position 0;
+// lse (optional, [queries, heads]) receives each row's log-sum-exp of the scaled scores.
 at::Tensor scattered_attention(const at::Tensor& q, const at::Tensor& positions, const std::vector<at::Tensor>& keys,
                                const std::vector<at::Tensor>& values, double scale,
-                               const std::string& isa) {
+                               const std::string& isa, const std::optional<at::Tensor>& lse) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
               "scattered attention: q must be a contiguous CPU float32 tensor [queries, heads, head_dim]");
   TORCH_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong && positions.dim() == 1 &&
@@ -238,11 +239,20 @@ at::Tensor scattered_attention(const at::Tensor& q, const at::Tensor& positions,
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < positions.size(0); ++i) {
     TORCH_CHECK(pos[i] >= 0 && pos[i] < total, "scattered attention: position ", pos[i], " outside the ", total, " keys");
-    TORCH_CHECK(i == 0 || pos[i] > pos[i - 1], "scattered attention: positions must be strictly ascending");
+    TORCH_CHECK(i == 0 || pos[i] >= pos[i - 1], "scattered attention: positions must be ascending");
+  }
+  float* lse_out = nullptr;
+  if (lse.has_value()) {
+    const at::Tensor& t = *lse;
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
+                    t.size(0) == q.size(0) && t.size(1) == num_heads,
+                "scattered attention: lse must be a contiguous CPU float32 tensor [queries, heads]");
+    lse_out = t.data_ptr<float>();
   }
   at::Tensor out = at::empty_like(q);
-  ScatteredAttentionArgs args{q.data_ptr<float>(), pos, out.data_ptr<float>(), q.size(0), num_heads, num_kv_heads,
-                              dim, static_cast<float>(scale), segments.data(), static_cast<int64_t>(segments.size())};
+  ScatteredAttentionArgs args{q.data_ptr<float>(), pos, out.data_ptr<float>(), lse_out, q.size(0), num_heads,
+                              num_kv_heads, dim, static_cast<float>(scale), segments.data(),
+                              static_cast<int64_t>(segments.size())};
   TORCH_CHECK(scattered_attention_cpu(args, isa), "scattered attention: this CPU cannot run the '", isa, "' code");
   return out;
 }
@@ -270,7 +280,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("scattered_attention", &lmi_cache::scattered_attention,
         "causal attention of q [Tq, H, D] at ascending positions over keys/values [n_i, H_kv, D] laid end to end",
-        py::arg("q"), py::arg("positions"), py::arg("keys"), py::arg("values"), py::arg("scale"), py::arg("isa") = "");
+        py::arg("q"), py::arg("positions"), py::arg("keys"), py::arg("values"), py::arg("scale"), py::arg("isa") = "",
+        py::arg("lse") = py::none());
   m.def("rotate_pairs", &lmi_cache::rotate_pairs,
         "out = x * cos + rotate_half(x) * sin for x [outer, tokens, heads, head_dim], cos/sin [tokens, head_dim / 2]");
   m.def("scattered_attention_supports", [](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {

@@ -29,10 +29,14 @@ struct KeySegment {
   int64_t count;
 };
 
+// A query's position is only its causal limit (RoPE is already in q): it attends to the keys at
+// positions <= it. Equal positions are allowed, so a group of queries can share one limit, e.g.
+// the last token before their own segment (attention to what precedes the segment).
 struct ScatteredAttentionArgs {
   const float* q;          // [num_queries, num_heads, head_dim], contiguous
-  const int64_t* positions;  // [num_queries], strictly ascending, each < the keys' end
+  const int64_t* positions;  // [num_queries], ascending (ties allowed), each < the keys' end
   float* out;              // [num_queries, num_heads, head_dim], contiguous
+  float* lse;              // [num_queries, num_heads] log-sum-exp of the scaled scores, or nullptr
   int64_t num_queries;
   int64_t num_heads;
   int64_t num_kv_heads;

@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -193,16 +194,20 @@ LMI_INLINE void attend_item(const ScatteredAttentionArgs& a, const Item& item, S
       }
     }
   }
-  float inv[kRows];
+  float inv[kRows], row_max[kRows], row_sum[kRows];
   for (int v = 0; v < kVecs; ++v) {
     const vf iv = splat(1.0f) / l[v];
     std::memcpy(inv + v * kLanes, &iv, sizeof(iv));
+    std::memcpy(row_max + v * kLanes, &m[v], sizeof(vf));
+    std::memcpy(row_sum + v * kLanes, &l[v], sizeof(vf));
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t query = item.first_query + r / per_kv;
     const int64_t head = item.kv_head * per_kv + r % per_kv;
     float* orow = a.out + (query * a.num_heads + head) * dim;
     for (int64_t d = 0; d < dim; ++d) orow[d] = s.ot[d][r / kLanes][r % kLanes] * inv[r];
+    // The scores were scaled with q, so this is log sum_key exp(scale * q.k).
+    if (a.lse != nullptr) a.lse[query * a.num_heads + head] = row_max[r] + std::log(row_sum[r]);
   }
 }
 

@@ -19,11 +19,11 @@ question) over the blended KV as vLLM would.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence
+from typing import Callable, Literal, Protocol, Sequence
 
 import torch
 
-from lmi_cache.blend.attention import attend
+from lmi_cache.blend.attention import SegmentAttention, attend, attend_with_lse, merge_attention
 from lmi_cache.blend.rope import RopeSpec, apply_rope, rerotate
 from lmi_cache.blend.selection import kv_deviation, select_random, select_topk
 
@@ -86,6 +86,17 @@ class LayerAttention(Protocol):
 
     def __call__(self, layer: int, q: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor: ...
+
+
+class CrossAttention(Protocol):
+    """Attention of queries to the keys at positions <= a limit each, with its log-sum-exp: (layer, q, limits, k, v) -> ([Tq, H*D], [Tq, H]).
+
+    ``k``/``v`` are the layer's blended tokens' K/V, as for ``LayerAttention``; limits are
+    absolute positions (the prefix counts).
+    """
+
+    def __call__(self, layer: int, q: torch.Tensor, limits: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -191,6 +202,8 @@ def blend(
     generator: torch.Generator | None = None,
     attention: LayerAttention | None = None,
     include_prefix: bool = True,
+    layer0_within: Sequence[SegmentAttention | None] | None = None,
+    cross_attention: CrossAttention | None = None,
 ) -> BlendOutcome:
     """Blend cached segments after an exact prefix; see the module docstring.
 
@@ -201,6 +214,10 @@ def blend(
     ``cached[i]`` is segment i's stored KV, or None when it is not cached: its tokens are then
     computed in full (never deselected). ``recompute_counts[i]`` cached tokens stay in the
     recompute set after ``check_layers[i]``; each check selects among those the previous one kept.
+
+    ``layer0_within[i]``, segment i's layer-0 attention over itself (``layer0_reuse``), lets
+    layer 0 attend its tokens only to what precedes the segment (``cross_attention``, else the
+    reference) and merge; see ``_layer0_reuse`` for when it is taken.
     """
     if len(segment_tokens) != len(cached) or not cached:
         raise ValueError("give the token ids and the cached KV (or None) of each segment (at least one)")
@@ -221,6 +238,7 @@ def blend(
     active = torch.arange(tokens.numel())
     everyone = True  # active is still every blended token: rows are written by slice, not by index
     pos = positions  # one tensor per selection: the attention may plan once for all layers that share it
+    reuse = _layer0_reuse(segment_tokens, cached, layer0_within, start, counts, forced, model.num_layers)
     hidden = model.embed(tokens)
     for layer in range(model.num_layers):
         if active.numel() == 0:
@@ -241,15 +259,85 @@ def blend(
             everyone = False
             if active.numel() == 0:
                 break
-        if attention is not None:
-            attn = attention(layer, q, pos, out_k[layer], out_v[layer])
-        else:
+        def attend_layer(q: torch.Tensor, pos: torch.Tensor, layer: int = layer) -> torch.Tensor:
+            if attention is not None:
+                return attention(layer, q, pos, out_k[layer], out_v[layer])
             full_k = torch.cat((prefix_kv.k[layer], out_k[layer]))
             full_v = torch.cat((prefix_kv.v[layer], out_v[layer]))
-            attn = attend(q, full_k, full_v, pos, all_positions, model.attn_scale)
+            return attend(q, full_k, full_v, pos, all_positions, model.attn_scale)
+
+        if layer == 0 and reuse is not None:
+            attn = _layer0_attention(model, prefix_kv, q, pos, out_k[0], out_v[0], reuse, attend_layer,
+                                     cross_attention)
+        else:
+            attn = attend_layer(q, pos)
         hidden = finish_rows(model, layer, hidden, attn)
     blended = KVStack(out_k, out_v)
     return BlendOutcome(prefix_kv.cat(blended) if include_prefix else blended, active)
+
+
+@dataclass(frozen=True)
+class _Layer0Reuse:
+    rows: torch.Tensor    # blended-token indices whose layer-0 attention is merged, ascending
+    limits: torch.Tensor  # per row: the last position before its segment
+    within: SegmentAttention  # those rows' attention over their own segment, concatenated
+
+
+def _layer0_reuse(segment_tokens: Sequence[torch.Tensor], cached: Sequence[KVStack | None],
+                  within: Sequence[SegmentAttention | None] | None, start: int, counts: dict[int, int],
+                  forced: torch.Tensor, num_layers: int) -> _Layer0Reuse | None:
+    """The rows whose layer-0 attention comes from their segment's stored attention, or None.
+
+    Only when layer 0 runs for every token (no check at layer 0) and the first check
+    deselects someone: a blend that keeps everyone (ratio 1.0) must equal a prefill exactly,
+    and the merge differs from it in the last bits. A segment needs its stored attention and
+    its KV, and something before it (at position 0 the stored attention is the whole
+    attention; computing it as a prefill keeps such a blend exact at ratio 0).
+    """
+    if within is None or len(within) != len(segment_tokens):
+        return None
+    checks = [layer for layer in counts if layer < num_layers]
+    if not checks or min(checks) == 0 or counts[min(checks)] >= int((~forced).sum()):
+        return None
+    rows: list[torch.Tensor] = []
+    limits: list[torch.Tensor] = []
+    parts: list[SegmentAttention] = []
+    offset = 0
+    for tokens, kv, att in zip(segment_tokens, cached, within):
+        n = int(tokens.numel())
+        if kv is not None and att is not None and att.num_tokens == n and start + offset > 0:
+            rows.append(torch.arange(offset, offset + n))
+            limits.append(torch.full((n,), start + offset - 1, dtype=torch.long))
+            parts.append(att)
+        offset += n
+    if not rows:
+        return None
+    return _Layer0Reuse(torch.cat(rows), torch.cat(limits),
+                        SegmentAttention(torch.cat([p.out for p in parts]), torch.cat([p.lse for p in parts])))
+
+
+def _layer0_attention(model: LayerwiseModel, prefix_kv: KVStack, q: torch.Tensor, pos: torch.Tensor,
+                      k_blended: torch.Tensor, v_blended: torch.Tensor, reuse: _Layer0Reuse,
+                      attend_layer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      cross_attention: CrossAttention | None) -> torch.Tensor:
+    """Layer 0's attention [T, H*D] of every blended token: reused rows by merge, the rest as usual."""
+    rows = reuse.rows
+    if cross_attention is not None:
+        cross_out, cross_lse = cross_attention(0, q[rows], reuse.limits, k_blended, v_blended)
+    else:
+        cross_out, cross_lse = attend_with_lse(q[rows], torch.cat((prefix_kv.k[0], k_blended)),
+                                               torch.cat((prefix_kv.v[0], v_blended)), reuse.limits, model.attn_scale)
+    merged = merge_attention(cross_out, cross_lse, reuse.within.out.reshape(rows.numel(), -1).to(cross_out.dtype),
+                             reuse.within.lse)
+    if rows.numel() == q.shape[0]:
+        return merged
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[rows] = False
+    rest = torch.nonzero(others).flatten()
+    attn = merged.new_empty((q.shape[0], merged.shape[1]))
+    attn[rows] = merged
+    attn[rest] = attend_layer(q[rest], pos[rest]).to(merged.dtype)
+    return attn
 
 
 def _select(

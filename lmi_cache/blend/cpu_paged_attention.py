@@ -39,6 +39,12 @@ consecutive positions (every token recomputed, or a segment computed alone)
 stays on vLLM's kernel: it is what vLLM's own prefill runs, so a blend at
 ratio 1.0 gives vLLM's numbers.
 
+The same kernel gives layer 0's attention of a segment's tokens to what precedes
+the segment, with each row's log-sum-exp (``cross_attention``), which the
+blender merges with the segment's stored attention over itself
+(``layer0_reuse``); vLLM's kernel returns no log-sum-exp, so without the native
+kernel layer 0 is attended in full.
+
 CPU only (layout kind ``cpu``); other devices use the reference attention.
 """
 from __future__ import annotations
@@ -98,6 +104,15 @@ class CpuPagedAttention:
                                  and self._isa in ("vec", "vec16") and kernels.native_blend_ops()
                                  and kernels.scattered_attention_supports(num_heads, num_kv_heads, head_dim))
         self.native_calls = 0  # layers whose queries the native kernel attended (tests, metrics)
+        self.cross_tokens = 0  # tokens whose layer-0 attention was merged with their segment's stored one (metrics)
+
+    @property
+    def num_heads(self) -> int:
+        return self._num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
 
     def scratch(self, num_tokens: int) -> "CpuPagedAttention":
         """The same kernel over private blocks for ``num_tokens`` tokens (a segment computed alone), bound."""
@@ -164,6 +179,26 @@ class CpuPagedAttention:
         out = kernels.scattered_attention(q.to(torch.float32).contiguous(), positions.to(torch.long).contiguous(),
                                           keys, values, self._scale)
         return out.reshape(q.shape[0], -1)
+
+    def attend_with_lse(self, q: torch.Tensor, limits: torch.Tensor, keys: Sequence[torch.Tensor],
+                        values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Native attention [Tq, H*D] of q to the keys at positions <= ``limits`` (contiguous K/V from 0), and its lse [Tq, H]."""
+        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+        out = kernels.scattered_attention(q.to(torch.float32).contiguous(), limits.to(torch.long).contiguous(), keys,
+                                          values, self._scale, lse=lse)
+        return out.reshape(q.shape[0], -1), lse
+
+    def cross_attention(self, prefix: Any) -> Any:
+        """The blender's ``CrossAttention`` for a request whose first ``prefix.num_tokens`` tokens are ``prefix`` (native only)."""
+        if not self.native_scattered:
+            raise RuntimeError("cross attention needs the native kernel")
+
+        def cross(layer: int, q: torch.Tensor, limits: torch.Tensor, k_blended: torch.Tensor,
+                  v_blended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            self.cross_tokens += int(q.shape[0])
+            return self.attend_with_lse(q, limits, (prefix.k[layer], k_blended), (prefix.v[layer], v_blended))
+
+        return cross
 
     def layer_attention(self, start: int, prefix: Any = None) -> Any:
         """The blender's attention hook for a request bound with ``bind`` whose blended tokens start at ``start``.

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from lmi_cache.blend import layer0_reuse
+from lmi_cache.blend.attention import SegmentAttention
 from lmi_cache.blend.blender import KVStack, LayerwiseModel, blend, prefill, segment_kv
 from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
 from lmi_cache.blend.engine_io import load_segments, save_segment
@@ -45,6 +47,8 @@ class BlendWorkerStats:
     num_segments_stored: int = 0
     num_segment_store_faults: int = 0
     num_native_attention_layers: int = 0  # layers whose recomputed tokens lmi-cache's native kernel attended
+    num_layer0_reused_tokens: int = 0  # blended tokens whose layer-0 attention within their segment was the stored one
+    num_layer0_attention_stored: int = 0  # segments' layer-0 attention objects stored beside their KV
     blend_seconds: float = 0.0
     blend_load_seconds: float = 0.0  # of blend_seconds: prefix read and segment loads
     blend_write_seconds: float = 0.0  # of blend_seconds: writing every layer's KV into the paged cache (in the attention or after)
@@ -90,6 +94,18 @@ class BlendWorker:
         self.stats.num_segments_loaded += 1
         return KVStack(data[:, 0], data[:, 1])
 
+    def _reuses_layer0(self) -> bool:
+        """Whether segments' layer-0 attention is stored and merged: only where the native kernel gives the lse.
+
+        (The reference attention would cost more than vLLM's kernel saves.)
+        """
+        return self.paged_attention is not None and self.paged_attention.native_scattered
+
+    def _check_attention(self, data: torch.Tensor | None, num_tokens: int) -> SegmentAttention | None:
+        """A stored layer-0 attention of this segment's shape, or None (layer 0 is then computed in full)."""
+        assert self.paged_attention is not None
+        return layer0_reuse.unpack(data, num_tokens, self.paged_attention.num_heads, self.paged_attention.head_dim)
+
     def _blend_one(self, job: BlendJob, engine: Any) -> None:
         started = time.perf_counter()
         prefix_k, prefix_v = self.paged.read(job.block_ids, 0, job.prefix_tokens)
@@ -98,11 +114,18 @@ class BlendWorker:
         seg_tokens: list[torch.Tensor] = []
         cached: list[KVStack | None] = []
         wanted = [(i, piece.keys[self.rank_index]) for i, piece in enumerate(job.pieces) if piece.keys is not None]
-        loaded = dict(zip((i for i, _ in wanted), load_segments(engine, [key for _, key in wanted])))
+        reuse = self._reuses_layer0()
+        keys = [key for _, key in wanted] + ([layer0_reuse.attention_key(key) for _, key in wanted] if reuse else [])
+        found = load_segments(engine, keys)
+        loaded = dict(zip((i for i, _ in wanted), found))
+        stored_attention = dict(zip((i for i, _ in wanted), found[len(wanted):]))
+        within: list[SegmentAttention | None] = []
         for i, piece in enumerate(job.pieces):
             seg_tokens.append(tokens[piece.start - job.prefix_tokens : piece.end - job.prefix_tokens])
             kv = self._check_segment(loaded[i], piece.end - piece.start) if i in loaded else None
             cached.append(None if kv is None else KVStack(kv.k.to(prefix.k.dtype), kv.v.to(prefix.v.dtype)))
+            within.append(self._check_attention(stored_attention.get(i), piece.end - piece.start)
+                          if reuse and kv is not None else None)
         num_cached = sum(int(t.numel()) for t, c in zip(seg_tokens, cached) if c is not None)
         self.stats.blend_load_seconds += time.perf_counter() - started
         attention = None
@@ -114,18 +137,22 @@ class BlendWorker:
             if job.recompute_ratios is not None:
                 settings = replace(settings, recompute_ratios=job.recompute_ratios)
             counts = settings.recompute_counts(num_cached)
+            cross = None
             if self.paged_attention is not None:
                 self.paged_attention.bind(job.block_ids)
                 attention = self.paged_attention.layer_attention(job.prefix_tokens, prefix)
+                cross = self.paged_attention.cross_attention(prefix) if reuse else None
                 hook_writes = self.paged_attention.write_seconds
                 native_calls = self.paged_attention.native_calls
+                cross_tokens = self.paged_attention.cross_tokens
             outcome = blend(self.model, prefix, seg_tokens, cached, settings.check_layers, counts, attention=attention,
-                            include_prefix=False)
+                            include_prefix=False, layer0_within=within if reuse else None, cross_attention=cross)
             new_kv = outcome.kv
             recomputed = int(outcome.recomputed.numel())
             if self.paged_attention is not None:
                 self.stats.blend_write_seconds += self.paged_attention.write_seconds - hook_writes
                 self.stats.num_native_attention_layers += self.paged_attention.native_calls - native_calls
+                self.stats.num_layer0_reused_tokens += self.paged_attention.cross_tokens - cross_tokens
         if not _finite(new_kv):
             raise ValueError("blended KV is not finite")  # a fault: vLLM recomputes the blocks
         started = time.perf_counter()
@@ -165,10 +192,28 @@ class BlendWorker:
 
                 if save_segment(engine, key, tuple(int(s) for s in shape), dtype, fill):
                     self.stats.num_segments_stored += 1
+                    if self._reuses_layer0():
+                        self._store_layer0_attention(engine, key, store.token_ids)
             except Exception as err:  # noqa: BLE001 - a missed store is only a later miss
                 self.stats.num_segment_store_faults += 1
                 logger.warning("lmi-cache: segment KV of request %s not stored (%r)", store.req_id, err)
             self.stats.store_seconds += time.perf_counter() - started
+
+
+    def _store_layer0_attention(self, engine: Any, key: Any, token_ids: Sequence[int]) -> None:
+        """Store the segment's layer-0 attention over itself (``layer0_reuse``) beside its KV."""
+        assert self.paged_attention is not None
+        paged = self.paged_attention
+        with torch.inference_mode():
+            att = layer0_reuse.segment_attention(
+                self.model, torch.tensor(token_ids, dtype=torch.long),
+                lambda q, limits, k, v, scale: paged.attend_with_lse(q, limits, [k], [v]))
+        if not (bool(torch.isfinite(att.out.sum())) and bool(torch.isfinite(att.lse.sum()))):
+            raise ValueError("layer-0 attention is not finite")
+        shape = layer0_reuse.packed_shape(*att.out.shape)
+        if save_segment(engine, layer0_reuse.attention_key(key), shape, torch.float32,
+                        lambda out: layer0_reuse.pack(att, out)):
+            self.stats.num_layer0_attention_stored += 1
 
 
 def _finite(kv: KVStack) -> bool:

@@ -220,16 +220,19 @@ def native_blend_ops() -> bool:
 
 
 def scattered_attention(q: torch.Tensor, positions: torch.Tensor, keys: Sequence[torch.Tensor],
-                        values: Sequence[torch.Tensor], scale: float, isa: str = "") -> torch.Tensor:
-    """Attention [Tq, H, D] of q [Tq, H, D] (float32, CPU) at strictly ascending ``positions``.
+                        values: Sequence[torch.Tensor], scale: float, isa: str = "",
+                        lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention [Tq, H, D] of q [Tq, H, D] (float32, CPU) at ascending ``positions``.
 
-    Query i attends to the keys at positions <= positions[i]. ``keys[s]``/``values[s]``
-    ([n_s, H_kv, D], any token stride) hold consecutive positions, laid end to end from
-    position 0. ``isa`` forces one compiled variant (tests; see :func:`scattered_attention_isas`).
+    Query i attends to the keys at positions <= positions[i] (a limit only: RoPE is in q, so
+    queries may share one). ``keys[s]``/``values[s]`` ([n_s, H_kv, D], any token stride) hold
+    consecutive positions, laid end to end from position 0. ``lse`` ([Tq, H] float32), when
+    given, receives each row's log-sum-exp of the scaled scores (to merge with attention over
+    other keys). ``isa`` forces one compiled variant (tests; see :func:`scattered_attention_isas`).
     Loads the extension whatever the backend (callers check :func:`native_blend_ops`
     first); bad arguments raise ``RuntimeError`` naming the problem.
     """
-    return load_extension().scattered_attention(q, positions, list(keys), list(values), float(scale), isa)
+    return load_extension().scattered_attention(q, positions, list(keys), list(values), float(scale), isa, lse)
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -134,6 +134,9 @@ def test_cold_prompt_stores_each_segment_once(blend_run: dict[str, Any]) -> None
     seed = phase(blend_run, "seed")
     assert seed["delta"]["blend_scheduler.num_segment_stores"] == 4
     assert seed["delta"]["blend_worker.num_segments_stored"] == 4
+    # Each beside its layer-0 attention over itself, where the native kernel runs (it gives the lse).
+    native = os.environ["LMI_CACHE_KERNELS"] == "native"
+    assert seed["delta"]["blend_worker.num_layer0_attention_stored"] == (4 if native else 0)
     assert seed["delta"]["blend_worker.num_blends"] == 0
     assert seed["counters"]["blend_worker.model_source"] == "plugin"  # vLLM loaded the general plugin
 
@@ -177,6 +180,10 @@ def test_default_ratio_recomputes_a_fraction(blend_run: dict[str, Any]) -> None:
     # attention; conftest runs e2e with LMI_CACHE_KERNELS=native unless the caller chose torch.
     native = os.environ["LMI_CACHE_KERNELS"] == "native"
     assert got["delta"]["blend_worker.num_native_attention_layers"] == (3 if native else 0)
+    # With it, layer 0 merged each later segment's stored attention over itself; the first segment
+    # (at position 0, nothing before it) was attended in full.
+    reused = got["delta"]["blend_worker.num_layer0_reused_tokens"]
+    assert (0 < reused < blended) if native else reused == 0
     # Not exact at ratio 0.15, but close: the first token (greedy, float32, fixed seeds) is the no-cache one.
     assert got["outputs"][0]["tokens"][0] == _ref(blend_run, 2)["tokens"][0]
 

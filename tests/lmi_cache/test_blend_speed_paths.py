@@ -298,9 +298,14 @@ def test_a_blend_with_the_native_kernel_equals_one_with_vllms() -> None:
                        (BlendPiece(20, 90, (keys[1],)), BlendPiece(90, 180, (keys[0],))), block_ids)
         assert worker.run_blends([job], engine) == set()
         assert (paged_attention.native_calls > 0) == native  # scattered recomputed tokens took the native kernel
+        # With the native kernel the segments' layer-0 attention is stored and merged (every blended
+        # token has the prefix before it); without it, neither.
+        assert worker.stats.num_layer0_attention_stored == (2 if native else 0)
+        assert worker.stats.num_layer0_reused_tokens == (160 if native else 0)
         results[native] = worker.paged.read(block_ids, 20, 180)
-    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
+    # The merge rounds differently from one pass over all keys; four layers amplify it a little.
+    torch.testing.assert_close(results[True][0], results[False][0], atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=5e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "takes"),

@@ -88,6 +88,39 @@ def test_large_scores_stay_finite_and_match() -> None:
     torch.testing.assert_close(got, _reference(q, k, v, positions, 32**-0.5), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+def test_lse_is_each_rows_log_sum_exp_of_the_scaled_scores(isa: str) -> None:
+    if isa not in kernels.scattered_attention_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    q, k, v, positions = _case(700, 90, 8, 4, 64, seed=9)
+    lse = torch.full((90, 8), float("nan"))
+    got = kernels.scattered_attention(q, positions, [k[:100], k[100:]], [v[:100], v[100:]], 0.125, isa=isa, lse=lse)
+    scores = torch.einsum("qhd,khd->qhk", q, k.repeat_interleave(2, dim=1)) * 0.125
+    scores = scores.masked_fill(torch.arange(700)[None, None, :] > positions[:, None, None], float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1), atol=2e-5, rtol=1e-5)
+    # Asking for the lse changes nothing else.
+    assert torch.equal(got, kernels.scattered_attention(q, positions, [k[:100], k[100:]], [v[:100], v[100:]], 0.125,
+                                                        isa=isa))
+
+
+def test_queries_may_share_a_causal_limit() -> None:
+    # Attention to what precedes a segment: every query of the segment gets the limit of the
+    # last token before it, whatever its own place (RoPE is already in q).
+    q, k, v, _ = _case(300, 70, 4, 2, 32, seed=10)
+    limits = torch.tensor([99] * 40 + [199] * 30)
+    lse = torch.empty(70, 4)
+    got = kernels.scattered_attention(q, limits, [k], [v], 0.2, lse=lse)
+    torch.testing.assert_close(got, _reference(q, k, v, limits, 0.2), atol=2e-6, rtol=1e-5)
+    first = kernels.scattered_attention(q[:40], torch.full((40,), 99), [k[:100]], [v[:100]], 0.2)
+    torch.testing.assert_close(got[:40], first, atol=1e-6, rtol=1e-6)
+
+
+def test_a_bad_lse_buffer_is_refused() -> None:
+    q, k, v, positions = _case(20, 2, 4, 2, 8, seed=11, positions=torch.tensor([3, 9]))
+    with pytest.raises(RuntimeError, match="lse must be"):
+        kernels.scattered_attention(q, positions, [k], [v], 1.0, lse=torch.empty(2, 3))
+
+
 def test_no_queries_gives_an_empty_result() -> None:
     _, k, v, _ = _case(10, 1, 2, 2, 8, seed=7)
     out = kernels.scattered_attention(torch.empty(0, 2, 8), torch.empty(0, dtype=torch.long), [k], [v], 1.0)
@@ -95,7 +128,7 @@ def test_no_queries_gives_an_empty_result() -> None:
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (lambda q, p, k, v: (q, torch.tensor([5, 3]), k, v), "strictly ascending"),
+    (lambda q, p, k, v: (q, torch.tensor([5, 3]), k, v), "must be ascending"),
     (lambda q, p, k, v: (q, torch.tensor([3, 50]), k, v), "outside the 20 keys"),
     (lambda q, p, k, v: (q.double(), p, k, v), "float32"),
     (lambda q, p, k, v: (q[:, :, :6].contiguous(), p, [t[:, :, :6].contiguous() for t in k],
