@@ -4,6 +4,9 @@
   layer: lmi-cache's ``scattered_attention`` against vLLM's CPU kernel run as one
   one-token request per run of consecutive positions (what blending used before), and
   against vLLM's kernel over *every* token (a dense layer, for scale).
+* Layer 0 over every blended token: vLLM's dense kernel against the native attention of
+  each segment's tokens to what precedes the segment, merged with the segment's stored
+  attention over itself (what a blend runs when segments carry it).
 * Re-rotating every layer's cached K to the segment's new place: ``rotate_pairs`` (one
   pass) against the four torch passes it replaced.
 
@@ -22,6 +25,7 @@ import argparse
 import torch
 from interleaved import medians  # benchmarks/, beside this script
 
+from lmi_cache.blend.attention import merge_attention
 from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
 from lmi_cache.blend.rope import _rotate
 from lmi_cache.transfer import kernels
@@ -38,6 +42,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8, help="layers of cached K re-rotated")
+    parser.add_argument("--segments", type=int, default=4, help="documents the blended tokens make (layer 0's reuse)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -74,6 +79,27 @@ def main() -> None:
     print(f"\nvLLM / native = {med['vllm'] / med['native']:.2f}x; native is "
           f"{100 * med['native'] / med['vllm_dense']:.0f}% of a dense layer for "
           f"{100 * positions.numel() / n:.0f}% of its queries")
+
+    # Layer 0 over every blended token: vLLM's dense kernel against what the blend runs when the
+    # segments' own attention is stored (layer0_reuse): each segment's tokens attend only to what
+    # precedes the segment (native, with the lse), merged with the stored part.
+    segments = args.segments
+    bounds = [args.prefix + (n - args.prefix) * i // segments for i in range(segments + 1)]
+    limits = torch.cat([torch.full((b - a,), a - 1) for a, b in zip(bounds, bounds[1:])])
+    q0 = torch.randn(n - args.prefix, heads, dim, generator=gen)
+    within_out, within_lse = torch.randn(n - args.prefix, heads * dim, generator=gen), torch.randn(n - args.prefix, heads, generator=gen)
+    dense0 = torch.arange(args.prefix, n)
+
+    def merged() -> torch.Tensor:
+        lse = torch.empty(q0.shape[0], heads)
+        cross = kernels.scattered_attention(q0, limits, keys, values, scale, lse=lse).reshape(q0.shape[0], -1)
+        return merge_attention(cross, lse, within_out, within_lse)
+
+    l0 = medians(args.repeats, {"merged": merged, "vllm_dense": lambda: paged.attend(0, q0, dense0)}, warm_up=True)
+    print(f"\n| layer 0 over the {n - args.prefix} blended tokens ({segments} segments) | median (ms) |\n|---|---|")
+    print(f"| lmi-cache: attention to what precedes each segment + merge with the stored part | {1000 * l0['merged']:.1f} |")
+    print(f"| vLLM's CPU kernel over every token | {1000 * l0['vllm_dense']:.1f} |")
+    print(f"\nvLLM / lmi-cache = {l0['vllm_dense'] / l0['merged']:.2f}x")
 
     layers_k = torch.randn(args.layers, 2, n - args.prefix, kv_heads, dim, generator=gen)[:, 0]  # a stored segment's K
     angles = torch.rand(n - args.prefix, dim // 2, generator=gen) * 6
