@@ -35,7 +35,7 @@ from lmi_cache.blend.blender import LayerwiseModel, rotate_qk
 from lmi_cache.chunk_hashing import ChunkKey
 
 _KEY_TAG = b"lmi-cache/blend/layer0-attention/v1"
-_FINGERPRINT_MASK = (1 << 64) - 1
+_FINGERPRINT_TAG = int.from_bytes(hashlib.blake2b(_KEY_TAG + b"/fingerprint", digest_size=8).digest(), "little")
 
 
 # (q [T, H, D] after RoPE, causal limits [T], k [T, H_kv, D], v, scale) -> (out [T, H*D], lse [T, H])
@@ -46,8 +46,7 @@ AttendWithLse = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 def attention_key(segment: ChunkKey) -> ChunkKey:
     """The key of a segment's layer-0 attention object: derived from the segment's own key (same tokens, model, rank)."""
     digest = hashlib.blake2b(_KEY_TAG + segment.digest, digest_size=16).digest()
-    tag = int.from_bytes(hashlib.blake2b(_KEY_TAG + b"/fingerprint", digest_size=8).digest(), "little")
-    return ChunkKey(digest, segment.start, segment.end, (segment.fingerprint ^ tag) & _FINGERPRINT_MASK)
+    return ChunkKey(digest, segment.start, segment.end, segment.fingerprint ^ _FINGERPRINT_TAG)
 
 
 def segment_attention(model: LayerwiseModel, token_ids: torch.Tensor, attend_with_lse: AttendWithLse) -> SegmentAttention:

@@ -8,11 +8,14 @@
   request's blocks. A segment the engine no longer has (or a damaged one) is
   computed in full instead (a counted fault, same output as a cold prefill of
   that segment in context). Any other failure reports the job's blocks as load
-  errors: vLLM recomputes them, so a fault never fails a request.
+  errors: vLLM recomputes them, so a fault never fails a request. With the
+  native CPU kernel each segment's layer-0 attention over itself is loaded too
+  (``layer0_reuse``); without it, layer 0 is attended in full.
 * ``run_stores`` (from ``wait_for_save``): each ``SegmentStore`` is one small
   forward of the segment alone at positions 0..T-1 (``blender.segment_kv``)
   stored with ``engine.store_from``; the engine reports the digest so the
-  scheduler learns the segment is cached.
+  scheduler learns the segment is cached. With the native kernel the segment's
+  layer-0 attention over itself is stored beside it.
 """
 from __future__ import annotations
 
@@ -199,9 +202,18 @@ class BlendWorker:
                 logger.warning("lmi-cache: segment KV of request %s not stored (%r)", store.req_id, err)
             self.stats.store_seconds += time.perf_counter() - started
 
-
     def _store_layer0_attention(self, engine: Any, key: Any, token_ids: Sequence[int]) -> None:
-        """Store the segment's layer-0 attention over itself (``layer0_reuse``) beside its KV."""
+        """Store the segment's layer-0 attention over itself (``layer0_reuse``) beside its KV.
+
+        A failure here is logged, not a store fault: the segment's KV is stored, and a blend
+        without its attention object attends layer 0 in full.
+        """
+        try:
+            self._save_layer0_attention(engine, key, token_ids)
+        except Exception as err:  # noqa: BLE001 - a missing attention object only costs layer 0 in full
+            logger.warning("lmi-cache: layer-0 attention of a segment not stored (%r)", err)
+
+    def _save_layer0_attention(self, engine: Any, key: Any, token_ids: Sequence[int]) -> None:
         assert self.paged_attention is not None
         paged = self.paged_attention
         with torch.inference_mode():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from blend_models import VOCAB, DictEngine, tiny_model
 
+from lmi_cache.blend import layer0_reuse
 from lmi_cache.blend.attention import attend
 from lmi_cache.blend.blender import KVStack, blend, prefill, rerotated_segments, segment_kv
 from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
@@ -272,40 +273,73 @@ def test_scattered_queries_use_the_native_kernel_and_a_single_run_vllms() -> Non
     assert paged.native_calls == calls
 
 
-def test_a_blend_with_the_native_kernel_equals_one_with_vllms() -> None:
+def _two_segment_blend(native: bool, monkeypatch: pytest.MonkeyPatch | None = None,
+                       attention_objects: str = "kept") -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
+    """Store two segments, blend them after a 20-token prefix at ratio 0.3: (worker stats, blended K/V).
+
+    ``attention_objects``: "kept", "dropped" (removed from the engine before the blend) or
+    "failing" (their store raises).
+    """
     hf = tiny_model("llama", hidden_size=128)
     model = HFLayerwiseModel(hf)
     kv_heads, dim, heads = hf.config.num_key_value_heads, model.head_dim, hf.config.num_attention_heads
     gen = torch.Generator().manual_seed(9)
     prefix, seg_a, seg_b = (torch.randint(0, VOCAB, (n,), generator=gen) for n in (20, 90, 70))
     keys = (ChunkKey(b"a" * 16, 0, 90, 1), ChunkKey(b"b" * 16, 0, 70, 2))
+    paged_attention, caches = _paged_attention(8, model.num_layers, heads, kv_heads, dim)
+    paged_attention.native_scattered = native
+    layout = describe_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(caches)},
+                                ExpectedGeometry(block_size_tokens=N, num_kv_heads=kv_heads, head_size=dim))
+    settings = BlendSettings(enabled=True, recompute_ratios=(0.3,), min_tokens=0)
+    worker = BlendWorker(settings, model, PagedKV(caches, layout, N), 0, paged_attention=paged_attention)
+    if attention_objects == "failing":
+        assert monkeypatch is not None
+
+        def fail(*args: Any) -> None:
+            raise RuntimeError("store down")
+
+        monkeypatch.setattr(worker, "_save_layer0_attention", fail)
+    engine = DictEngine()
+    worker.run_stores([SegmentStore("r", tuple(seg_a.tolist()), (keys[0],)),
+                       SegmentStore("r", tuple(seg_b.tolist()), (keys[1],))], engine)
+    if attention_objects == "dropped":
+        for key in keys:
+            del engine.objects[layer0_reuse.attention_key(key).digest]
+    with torch.inference_mode():
+        prefix_kv, _ = prefill(model, prefix)
+    block_ids = tuple(range(1, 7))
+    worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
+    job = BlendJob("r", 20, tuple(torch.cat((seg_b, seg_a)).tolist()),
+                   (BlendPiece(20, 90, (keys[1],)), BlendPiece(90, 180, (keys[0],))), block_ids)
+    assert worker.run_blends([job], engine) == set()
+    assert (paged_attention.native_calls > 0) == native  # scattered recomputed tokens took the native kernel
+    return worker.stats, worker.paged.read(block_ids, 20, 180)
+
+
+def test_a_blend_with_the_native_kernel_equals_one_with_vllms() -> None:
     results = {}
     for native in (True, False):
-        paged_attention, caches = _paged_attention(8, model.num_layers, heads, kv_heads, dim)
-        paged_attention.native_scattered = native
-        layout = describe_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(caches)},
-                                    ExpectedGeometry(block_size_tokens=N, num_kv_heads=kv_heads, head_size=dim))
-        settings = BlendSettings(enabled=True, recompute_ratios=(0.3,), min_tokens=0)
-        worker = BlendWorker(settings, model, PagedKV(caches, layout, N), 0, paged_attention=paged_attention)
-        engine = DictEngine()
-        worker.run_stores([SegmentStore("r", tuple(seg_a.tolist()), (keys[0],)),
-                           SegmentStore("r", tuple(seg_b.tolist()), (keys[1],))], engine)
-        with torch.inference_mode():
-            prefix_kv, _ = prefill(model, prefix)
-        block_ids = tuple(range(1, 7))
-        worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
-        job = BlendJob("r", 20, tuple(torch.cat((seg_b, seg_a)).tolist()),
-                       (BlendPiece(20, 90, (keys[1],)), BlendPiece(90, 180, (keys[0],))), block_ids)
-        assert worker.run_blends([job], engine) == set()
-        assert (paged_attention.native_calls > 0) == native  # scattered recomputed tokens took the native kernel
+        stats, results[native] = _two_segment_blend(native)
         # With the native kernel the segments' layer-0 attention is stored and merged (every blended
         # token has the prefix before it); without it, neither.
-        assert worker.stats.num_layer0_attention_stored == (2 if native else 0)
-        assert worker.stats.num_layer0_reused_tokens == (160 if native else 0)
-        results[native] = worker.paged.read(block_ids, 20, 180)
+        assert stats.num_layer0_attention_stored == (2 if native else 0)
+        assert stats.num_layer0_reused_tokens == (160 if native else 0)
     # The merge rounds differently from one pass over all keys; four layers amplify it a little.
     torch.testing.assert_close(results[True][0], results[False][0], atol=5e-5, rtol=1e-4)
     torch.testing.assert_close(results[True][1], results[False][1], atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention_objects", ["dropped", "failing"])
+def test_without_stored_attention_layer0_runs_in_full_and_the_segment_still_counts(
+        attention_objects: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    stats, (k, v) = _two_segment_blend(True, monkeypatch, attention_objects)
+    assert stats.num_segments_stored == 2 and stats.num_segment_store_faults == 0
+    assert stats.num_layer0_attention_stored == (2 if attention_objects == "dropped" else 0)
+    assert stats.num_layer0_reused_tokens == 0 and stats.num_blend_faults == 0
+    # Layer 0 in one pass of vLLM's kernel, as without the native kernel's merge.
+    _, (want_k, want_v) = _two_segment_blend(False)
+    torch.testing.assert_close(k, want_k, atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(v, want_v, atol=5e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "takes"),
