@@ -3,8 +3,10 @@
 The RAG prompts of ``bench_blend_rag.py`` (same seeds), served by one in-process vLLM
 with the blending connector. After the warm-up, each measured prompt is blended and
 this prints, per prompt, its TTFT and the milliseconds (and minor page faults) spent in
-each piece of the blend: layer 0's dense attention (``attend_dense``), the recomputed
-tokens' attention (``attend_scattered`` native, ``attend_vllm_runs`` vLLM's kernel),
+each piece of the blend: layer 0's attention (``attend_layer0_cross`` to what precedes
+each document and ``layer0_merge`` with its stored part; ``attend_dense`` vLLM's kernel
+over every token without it), the recomputed tokens' attention (``attend_scattered``
+native, ``attend_vllm_runs`` vLLM's kernel),
 projections and MLP (``qkv``, ``finish_rows``), re-rotation, KV writes, selection. At
 the end, glibc's heap (``mallinfo2``). A profile, not a benchmark: the timers are
 wrappers around the blender's functions.
