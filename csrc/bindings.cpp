@@ -229,7 +229,7 @@ at::Tensor scattered_attention(const at::Tensor& q, const at::Tensor& positions,
     TORCH_CHECK(num_kv_heads < 0 || k.size(1) == num_kv_heads, "scattered attention: segments differ in kv heads");
     num_kv_heads = k.size(1);
     if (k.size(0) == 0) continue;
-    segments.push_back({k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0), dim, dim, total, k.size(0)});
+    segments.push_back({k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0), total, k.size(0)});
     total += k.size(0);
   }
   const char* problem = scattered_attention_shape_problem(num_heads, num_kv_heads, dim);

@@ -18,15 +18,13 @@
 namespace lmi_cache {
 
 // Keys laid end to end from position 0: segment s holds positions
-// [first_position, first_position + count). Rows are tokens; kv head h's
-// head_dim floats start h * head_stride floats after its row (head_dim in vLLM's rows).
+// [first_position, first_position + count). Rows are tokens; within a row,
+// kv head h's head_dim floats start at h * head_dim.
 struct KeySegment {
   const float* k;
   const float* v;
   int64_t k_row_stride;  // floats from one token's row to the next
   int64_t v_row_stride;
-  int64_t k_head_stride;  // floats from one kv head's head_dim floats to the next's (head_dim within a row)
-  int64_t v_head_stride;
   int64_t first_position;
   int64_t count;
 };

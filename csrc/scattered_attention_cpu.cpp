@@ -57,7 +57,7 @@ LMI_INLINE vi splat_i(int32_t x) { return vi{} + x; }
 // A float from memory in every lane. On AVX-512 this is one vbroadcastss from memory, a
 // load-port instruction: splat's add and register broadcast took two slots of the two FMA
 // ports per broadcast (6 per 24 FMAs in the score block, 4 per 16 in the output block), and
-// dropping them made the kernel about 20% faster (bench_blend_attention.py). The pointer goes
+// dropping them made the kernel 11-21% faster (one-off side-by-side build). The pointer goes
 // in as a register, not an "m" operand: with one, GCC 12 stored all 24 accumulators to the
 // stack on every iteration. The asm reads K/V, which nothing writes while the kernel runs.
 template <bool kAvx512>
@@ -107,8 +107,17 @@ struct alignas(64) Scratch {
   vf st[kTile][kVecs];        // S^T, then P^T, of one key tile
 };
 
+// Keys the way attend_item reads them: kv head h's keys start h * head_stride floats in, each
+// key one row of head_dim floats (``pack_keys``).
+struct HeadMajorKeys {
+  const float* k;
+  const float* v;
+  int64_t head_stride;
+};
+
 template <bool kAvx512>
-LMI_INLINE void attend_item(const ScatteredAttentionArgs& a, const Item& item, Scratch& s) {
+LMI_INLINE void attend_item(const ScatteredAttentionArgs& a, const HeadMajorKeys& keys, const Item& item,
+                            Scratch& s) {
   constexpr int64_t kRows = kRowsPerItem;
   const int64_t dim = a.head_dim;
   const int64_t per_kv = a.num_heads / a.num_kv_heads;
@@ -133,69 +142,68 @@ LMI_INLINE void attend_item(const ScatteredAttentionArgs& a, const Item& item, S
   }
   std::memset(s.ot, 0, sizeof(vf) * kVecs * dim);
 
-  for (int64_t seg_index = 0; seg_index < a.num_segments; ++seg_index) {
-    const KeySegment& seg = a.segments[seg_index];
-    const int64_t seg_end = min64(seg.first_position + seg.count, last_position + 1);
-    for (int64_t j0 = seg.first_position; j0 < seg_end; j0 += kTile) {
-      const int64_t n = min64(kTile, seg_end - j0);
-      const float* kbase = seg.k + (j0 - seg.first_position) * seg.k_row_stride + item.kv_head * seg.k_head_stride;
-      const float* vbase = seg.v + (j0 - seg.first_position) * seg.v_row_stride + item.kv_head * seg.v_head_stride;
-      // Scores: 8 keys x 32 rows per register block.
-      for (int64_t jb = 0; jb < n; jb += kKeyBlock) {
-        const int64_t nb = min64(kKeyBlock, n - jb);
-        vf acc[kKeyBlock][kVecs] = {};
-        const float* krow[kKeyBlock];
-        for (int b = 0; b < kKeyBlock; ++b) krow[b] = kbase + (jb + (b < nb ? b : 0)) * seg.k_row_stride;
-        for (int64_t d = 0; d < dim; ++d) {
-          vf qv[kVecs];
-          for (int v = 0; v < kVecs; ++v) qv[v] = s.qt[d][v];
-          for (int b = 0; b < kKeyBlock; ++b) {
-            const vf kb = broadcast<kAvx512>(krow[b] + d);
-            for (int v = 0; v < kVecs; ++v) acc[b][v] += kb * qv[v];
-          }
-        }
-        for (int64_t b = 0; b < nb; ++b)
-          for (int v = 0; v < kVecs; ++v) s.st[jb + b][v] = acc[b][v];
-      }
-      if (j0 + n - 1 > first_position) {  // some rows may not see the tile's later keys
-        for (int64_t j = 0; j < n; ++j) {
-          const vi key_pos = splat_i(static_cast<int32_t>(j0 + j));
-          for (int v = 0; v < kVecs; ++v) s.st[j][v] = key_pos <= row_pos[v] ? s.st[j][v] : splat(-__builtin_inff());
+  const int64_t num_keys = last_position + 1;
+  const float* khead = keys.k + item.kv_head * keys.head_stride;
+  const float* vhead = keys.v + item.kv_head * keys.head_stride;
+  for (int64_t j0 = 0; j0 < num_keys; j0 += kTile) {
+    const int64_t n = min64(kTile, num_keys - j0);
+    const float* kbase = khead + j0 * dim;
+    const float* vbase = vhead + j0 * dim;
+    // Scores: 8 keys x 32 rows per register block.
+    for (int64_t jb = 0; jb < n; jb += kKeyBlock) {
+      const int64_t nb = min64(kKeyBlock, n - jb);
+      vf acc[kKeyBlock][kVecs] = {};
+      const float* krow[kKeyBlock];
+      for (int b = 0; b < kKeyBlock; ++b) krow[b] = kbase + (jb + (b < nb ? b : 0)) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        vf qv[kVecs];
+        for (int v = 0; v < kVecs; ++v) qv[v] = s.qt[d][v];
+        for (int b = 0; b < kKeyBlock; ++b) {
+          const vf kb = broadcast<kAvx512>(krow[b] + d);
+          for (int v = 0; v < kVecs; ++v) acc[b][v] += kb * qv[v];
         }
       }
-      // Online softmax over the tile.
-      vf alpha[kVecs];
-      for (int v = 0; v < kVecs; ++v) {
-        vf tile_max = s.st[0][v];
-        for (int64_t j = 1; j < n; ++j) tile_max = vmax(tile_max, s.st[j][v]);
-        const vf m_new = vmax(m[v], tile_max);  // finite: key 0 is in the first tile and every row sees it
-        alpha[v] = exp_nonpositive(m[v] - m_new);
-        vf sum = splat(0.0f);
-        for (int64_t j = 0; j < n; ++j) {
-          const vf p = exp_nonpositive(s.st[j][v] - m_new);
-          s.st[j][v] = p;
-          sum += p;
-        }
-        l[v] = l[v] * alpha[v] + sum;
-        m[v] = m_new;
+      for (int64_t b = 0; b < nb; ++b)
+        for (int v = 0; v < kVecs; ++v) s.st[jb + b][v] = acc[b][v];
+    }
+    if (j0 + n - 1 > first_position) {  // some rows may not see the tile's later keys
+      for (int64_t j = 0; j < n; ++j) {
+        const vi key_pos = splat_i(static_cast<int32_t>(j0 + j));
+        for (int v = 0; v < kVecs; ++v) s.st[j][v] = key_pos <= row_pos[v] ? s.st[j][v] : splat(-__builtin_inff());
       }
-      // Output: 8 dims x 32 rows per register block.
-      for (int64_t d0 = 0; d0 < dim; d0 += kDimBlock) {
-        vf acc[kDimBlock][kVecs];
-        for (int b = 0; b < kDimBlock; ++b)
-          for (int v = 0; v < kVecs; ++v) acc[b][v] = s.ot[d0 + b][v] * alpha[v];
-        for (int64_t j = 0; j < n; ++j) {
-          vf pv[kVecs];
-          for (int v = 0; v < kVecs; ++v) pv[v] = s.st[j][v];
-          const float* vrow = vbase + j * seg.v_row_stride + d0;
-          for (int b = 0; b < kDimBlock; ++b) {
-            const vf vb = broadcast<kAvx512>(vrow + b);
-            for (int v = 0; v < kVecs; ++v) acc[b][v] += vb * pv[v];
-          }
-        }
-        for (int b = 0; b < kDimBlock; ++b)
-          for (int v = 0; v < kVecs; ++v) s.ot[d0 + b][v] = acc[b][v];
+    }
+    // Online softmax over the tile.
+    vf alpha[kVecs];
+    for (int v = 0; v < kVecs; ++v) {
+      vf tile_max = s.st[0][v];
+      for (int64_t j = 1; j < n; ++j) tile_max = vmax(tile_max, s.st[j][v]);
+      const vf m_new = vmax(m[v], tile_max);  // finite: key 0 is in the first tile and every row sees it
+      alpha[v] = exp_nonpositive(m[v] - m_new);
+      vf sum = splat(0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const vf p = exp_nonpositive(s.st[j][v] - m_new);
+        s.st[j][v] = p;
+        sum += p;
       }
+      l[v] = l[v] * alpha[v] + sum;
+      m[v] = m_new;
+    }
+    // Output: 8 dims x 32 rows per register block.
+    for (int64_t d0 = 0; d0 < dim; d0 += kDimBlock) {
+      vf acc[kDimBlock][kVecs];
+      for (int b = 0; b < kDimBlock; ++b)
+        for (int v = 0; v < kVecs; ++v) acc[b][v] = s.ot[d0 + b][v] * alpha[v];
+      for (int64_t j = 0; j < n; ++j) {
+        vf pv[kVecs];
+        for (int v = 0; v < kVecs; ++v) pv[v] = s.st[j][v];
+        const float* vrow = vbase + j * dim + d0;
+        for (int b = 0; b < kDimBlock; ++b) {
+          const vf vb = broadcast<kAvx512>(vrow + b);
+          for (int v = 0; v < kVecs; ++v) acc[b][v] += vb * pv[v];
+        }
+      }
+      for (int b = 0; b < kDimBlock; ++b)
+        for (int v = 0; v < kVecs; ++v) s.ot[d0 + b][v] = acc[b][v];
     }
   }
   float inv[kRows], row_max[kRows], row_sum[kRows];
@@ -217,26 +225,31 @@ LMI_INLINE void attend_item(const ScatteredAttentionArgs& a, const Item& item, S
 
 // One worker's loop: take the next item until none is left.
 template <bool kAvx512>
-LMI_INLINE void work(const ScatteredAttentionArgs& a, const Item* items, int64_t num_items,
-                     std::atomic<int64_t>& next) {
+LMI_INLINE void work(const ScatteredAttentionArgs& a, const HeadMajorKeys& keys, const Item* items,
+                     int64_t num_items, std::atomic<int64_t>& next) {
   std::unique_ptr<Scratch> scratch(new Scratch);
-  for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend_item<kAvx512>(a, items[i], *scratch);
+  for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
+    attend_item<kAvx512>(a, keys, items[i], *scratch);
 }
 
-using WorkFn = void (*)(const ScatteredAttentionArgs&, const Item*, int64_t, std::atomic<int64_t>&);
+using WorkFn = void (*)(const ScatteredAttentionArgs&, const HeadMajorKeys&, const Item*, int64_t,
+                        std::atomic<int64_t>&);
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,fma,avx2")))
-void work_avx512(const ScatteredAttentionArgs& a, const Item* items, int64_t n, std::atomic<int64_t>& next) {
-  work<true>(a, items, n, next);
+void work_avx512(const ScatteredAttentionArgs& a, const HeadMajorKeys& keys, const Item* items, int64_t n,
+                 std::atomic<int64_t>& next) {
+  work<true>(a, keys, items, n, next);
 }
 __attribute__((target("avx2,fma")))
-void work_avx2(const ScatteredAttentionArgs& a, const Item* items, int64_t n, std::atomic<int64_t>& next) {
-  work<false>(a, items, n, next);
+void work_avx2(const ScatteredAttentionArgs& a, const HeadMajorKeys& keys, const Item* items, int64_t n,
+               std::atomic<int64_t>& next) {
+  work<false>(a, keys, items, n, next);
 }
 #endif
-void work_generic(const ScatteredAttentionArgs& a, const Item* items, int64_t n, std::atomic<int64_t>& next) {
-  work<false>(a, items, n, next);
+void work_generic(const ScatteredAttentionArgs& a, const HeadMajorKeys& keys, const Item* items, int64_t n,
+                  std::atomic<int64_t>& next) {
+  work<false>(a, keys, items, n, next);
 }
 
 struct Variant {
@@ -288,15 +301,17 @@ namespace {
 // every num_kv_heads * head_dim: with 8 heads of 128 that is one 4 KiB page per key, so a tile
 // of 64 keys touches 128 pages (the first-level TLB holds about 64) and no hardware prefetcher
 // follows it across pages. Copied once per call (a memory-speed pass) and taken head by
-// head, a Llama-3-8B-like layer ran 1.5x faster (503 -> 341 ms), the 32M test model's
-// 4 x 64 layout about 10%.
+// head, a Llama-3-8B-like layer ran about 1.5x faster and the 32M test model's 4 x 64 layout
+// about 10% (one-off side-by-side builds; bench_blend_attention.py gives today's figures).
 struct PackedKeys {
-  std::unique_ptr<float[]> data;
-  KeySegment segment;
+  std::unique_ptr<float[]> data;  // empty when the input already was head-major
+  HeadMajorKeys keys;
 };
 
 PackedKeys pack_keys(const ScatteredAttentionArgs& a, int64_t num_keys) {
   const int64_t dim = a.head_dim, heads = a.num_kv_heads;
+  if (a.num_segments == 1 && heads == 1 && a.segments[0].k_row_stride == dim && a.segments[0].v_row_stride == dim)
+    return {nullptr, {a.segments[0].k, a.segments[0].v, 0}};  // one head's rows back to back already
   const int64_t head_block = num_keys * dim;
   PackedKeys packed{std::unique_ptr<float[]>(new float[2 * heads * head_block]), {}};
   float* k_out = packed.data.get();
@@ -310,26 +325,19 @@ PackedKeys pack_keys(const ScatteredAttentionArgs& a, int64_t num_keys) {
         const float* k_row = seg.k + (p - seg.first_position) * seg.k_row_stride;
         const float* v_row = seg.v + (p - seg.first_position) * seg.v_row_stride;
         for (int64_t h = 0; h < heads; ++h) {
-          std::memcpy(k_out + h * head_block + p * dim, k_row + h * seg.k_head_stride, sizeof(float) * dim);
-          std::memcpy(v_out + h * head_block + p * dim, v_row + h * seg.v_head_stride, sizeof(float) * dim);
+          std::memcpy(k_out + h * head_block + p * dim, k_row + h * dim, sizeof(float) * dim);
+          std::memcpy(v_out + h * head_block + p * dim, v_row + h * dim, sizeof(float) * dim);
         }
       }
     });
   }
-  packed.segment = {k_out, v_out, dim, dim, head_block, head_block, 0, num_keys};
+  packed.keys = {k_out, v_out, head_block};
   return packed;
-}
-
-// Already one head's keys after another (one segment, one kv head, rows of head_dim floats).
-bool keys_are_packed(const ScatteredAttentionArgs& a) {
-  if (a.num_segments != 1) return false;
-  const KeySegment& seg = a.segments[0];
-  return a.num_kv_heads == 1 && seg.k_row_stride == a.head_dim && seg.v_row_stride == a.head_dim;
 }
 
 }  // namespace
 
-bool scattered_attention_cpu(const ScatteredAttentionArgs& a_in, const std::string& isa) {
+bool scattered_attention_cpu(const ScatteredAttentionArgs& a, const std::string& isa) {
   WorkFn fn = nullptr;
   for (const Variant& v : variants())
     if (isa.empty() || isa == v.isa) {
@@ -337,14 +345,8 @@ bool scattered_attention_cpu(const ScatteredAttentionArgs& a_in, const std::stri
       break;
     }
   if (fn == nullptr) return false;
-  if (a_in.num_queries == 0) return true;
-  ScatteredAttentionArgs a = a_in;
-  PackedKeys packed;
-  if (!keys_are_packed(a_in)) {
-    packed = pack_keys(a_in, a_in.positions[a_in.num_queries - 1] + 1);  // positions ascend: the last is the largest
-    a.segments = &packed.segment;
-    a.num_segments = 1;
-  }
+  if (a.num_queries == 0) return true;
+  const PackedKeys packed = pack_keys(a, a.positions[a.num_queries - 1] + 1);  // ascending: the last is the largest
   const int64_t per_kv = a.num_heads / a.num_kv_heads;
   const int64_t group = kRowsPerItem / per_kv;  // queries per item
   std::vector<Item> items;
@@ -359,7 +361,7 @@ bool scattered_attention_cpu(const ScatteredAttentionArgs& a_in, const std::stri
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = min64(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) fn(a, items.data(), num_items, next);
+    for (int64_t w = begin; w < end; ++w) fn(a, packed.keys, items.data(), num_items, next);
   });
   return true;
 }
