@@ -83,7 +83,7 @@ class CpuPagedAttention:
             key_cache, value_cache = cache.view(nb, h, 2 * n, -1).chunk(2, dim=2)
             self._caches.append((key_cache, value_cache))
         self.block_size = block_size
-        self._num_heads, self._num_kv_heads, self._head_dim = num_heads, num_kv_heads, head_dim
+        self.num_heads, self._num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self._scale = scale
         self._dtype = kv_caches[0].dtype
         first = attn_layers[0]
@@ -106,18 +106,10 @@ class CpuPagedAttention:
         self.native_calls = 0  # layers whose queries the native kernel attended (tests, metrics)
         self.cross_tokens = 0  # tokens whose layer-0 attention was merged with their segment's stored one (metrics)
 
-    @property
-    def num_heads(self) -> int:
-        return self._num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self._head_dim
-
     def scratch(self, num_tokens: int) -> "CpuPagedAttention":
         """The same kernel over private blocks for ``num_tokens`` tokens (a segment computed alone), bound."""
         num_blocks = -(-num_tokens // self.block_size)
-        shape = (num_blocks, self._num_kv_heads, self.block_size, 2 * self._head_dim)
+        shape = (num_blocks, self._num_kv_heads, self.block_size, 2 * self.head_dim)
         other = CpuPagedAttention.__new__(CpuPagedAttention)
         other.__dict__.update(self.__dict__)
         other._caches = []
@@ -155,14 +147,14 @@ class CpuPagedAttention:
             num_runs = int(seq_lens.numel())
             block_table = self._block_table.expand(num_runs, -1).contiguous()
             metadata = self._ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=num_runs, num_heads=self._num_heads, num_kv_heads=self._num_kv_heads,
-                head_dim=self._head_dim, seq_lens=seq_lens, dtype=self._dtype, query_start_loc=query_start_loc,
+                num_reqs=num_runs, num_heads=self.num_heads, num_kv_heads=self._num_kv_heads,
+                head_dim=self.head_dim, seq_lens=seq_lens, dtype=self._dtype, query_start_loc=query_start_loc,
                 causal=True, sliding_window_size=-1, isa=self._isa, enable_kv_split=False,
                 kv_cache_dtype=self._kv_cache_dtype,
             )
             self._plan = (positions, (query_start_loc, seq_lens, block_table, metadata))
         query_start_loc, seq_lens, block_table, metadata = self._plan[1]
-        out = torch.empty((q.shape[0], self._num_heads, self._head_dim), dtype=self._dtype)
+        out = torch.empty((q.shape[0], self.num_heads, self.head_dim), dtype=self._dtype)
         key_cache, value_cache = self._caches[layer]
         self._ops.cpu_attention_with_kv_cache(
             query=q.to(self._dtype).contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
@@ -176,17 +168,19 @@ class CpuPagedAttention:
                          values: Sequence[torch.Tensor]) -> torch.Tensor:
         """Attention [Tq, H*D] by the native kernel over contiguous K/V laid end to end from position 0."""
         self.native_calls += 1
-        out = kernels.scattered_attention(q.to(torch.float32).contiguous(), positions.to(torch.long).contiguous(),
-                                          keys, values, self._scale)
-        return out.reshape(q.shape[0], -1)
+        return self._native(q, positions, keys, values)
 
     def attend_with_lse(self, q: torch.Tensor, limits: torch.Tensor, keys: Sequence[torch.Tensor],
                         values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Native attention [Tq, H*D] of q to the keys at positions <= ``limits`` (contiguous K/V from 0), and its lse [Tq, H]."""
         lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32)
-        out = kernels.scattered_attention(q.to(torch.float32).contiguous(), limits.to(torch.long).contiguous(), keys,
-                                          values, self._scale, lse=lse)
-        return out.reshape(q.shape[0], -1), lse
+        return self._native(q, limits, keys, values, lse), lse
+
+    def _native(self, q: torch.Tensor, positions: torch.Tensor, keys: Sequence[torch.Tensor],
+                values: Sequence[torch.Tensor], lse: torch.Tensor | None = None) -> torch.Tensor:
+        out = kernels.scattered_attention(q.to(torch.float32).contiguous(), positions.to(torch.long).contiguous(),
+                                          keys, values, self._scale, lse=lse)
+        return out.reshape(q.shape[0], -1)
 
     def cross_attention(self, prefix: Any) -> Any:
         """The blender's ``CrossAttention`` for a request whose first ``prefix.num_tokens`` tokens are ``prefix`` (native only)."""

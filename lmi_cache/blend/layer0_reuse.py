@@ -30,8 +30,8 @@ from typing import Callable
 
 import torch
 
-from lmi_cache.blend.attention import SegmentAttention
-from lmi_cache.blend.blender import LayerwiseModel, rotate_qk
+from lmi_cache.blend.attention import SegmentAttention, attend
+from lmi_cache.blend.blender import KVStack, LayerAttention, LayerwiseModel, segment_kv
 from lmi_cache.chunk_hashing import ChunkKey
 
 _KEY_TAG = b"lmi-cache/blend/layer0-attention/v1"
@@ -49,13 +49,26 @@ def attention_key(segment: ChunkKey) -> ChunkKey:
     return ChunkKey(digest, segment.start, segment.end, segment.fingerprint ^ _FINGERPRINT_TAG)
 
 
-def segment_attention(model: LayerwiseModel, token_ids: torch.Tensor, attend_with_lse: AttendWithLse) -> SegmentAttention:
-    """Layer 0's attention of ``token_ids`` computed alone at positions 0..n-1."""
-    positions = torch.arange(token_ids.numel())
-    q, k, v = model.qkv(0, model.embed(token_ids))
-    q, k = rotate_qk(model, 0, q, k, positions)
-    out, lse = attend_with_lse(q, positions, k, v, model.attn_scale)
-    return SegmentAttention(out.reshape(q.shape).float(), lse.float())
+def segment_kv_and_attention(model: LayerwiseModel, token_ids: torch.Tensor, attention: LayerAttention | None,
+                             attend_with_lse: AttendWithLse) -> tuple[KVStack, SegmentAttention]:
+    """``blender.segment_kv`` of ``token_ids`` and its layer-0 attention over itself, from the same forward.
+
+    The stored KV still comes from ``attention`` (vLLM's kernel in the worker, so a blend at
+    ratio 1.0 stays exact); ``attend_with_lse`` additionally gives layer 0's rows and their
+    log-sum-exps from the same Q/K/V.
+    """
+    found: list[SegmentAttention] = []
+
+    def hook(layer: int, q: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if layer == 0:
+            out, lse = attend_with_lse(q, positions, k, v, model.attn_scale)
+            found.append(SegmentAttention(out.reshape(q.shape).float(), lse.float()))
+        if attention is not None:
+            return attention(layer, q, positions, k, v)
+        return attend(q, k, v, positions, positions, model.attn_scale)  # alone: the keys are these tokens
+
+    kv = segment_kv(model, token_ids, hook)
+    return kv, found[0]
 
 
 def pack(att: SegmentAttention, out: torch.Tensor) -> None:

@@ -182,8 +182,17 @@ class BlendWorker:
                 attention = None
                 if self.paged_attention is not None:
                     attention = self.paged_attention.scratch(len(store.token_ids)).layer_attention(0)
+                tokens = torch.tensor(store.token_ids, dtype=torch.long)
+                layer0: SegmentAttention | None = None
                 with torch.inference_mode():
-                    kv = segment_kv(self.model, torch.tensor(store.token_ids, dtype=torch.long), attention)
+                    if self._reuses_layer0():
+                        paged = self.paged_attention
+                        assert paged is not None
+                        kv, layer0 = layer0_reuse.segment_kv_and_attention(
+                            self.model, tokens, attention,
+                            lambda q, limits, k, v, scale: paged.attend_with_lse(q, limits, [k], [v]))
+                    else:
+                        kv = segment_kv(self.model, tokens, attention)
                 if not _finite(kv):
                     raise ValueError("segment KV is not finite")
                 dtype = self.paged.layout.dtype
@@ -195,31 +204,25 @@ class BlendWorker:
 
                 if save_segment(engine, key, tuple(int(s) for s in shape), dtype, fill):
                     self.stats.num_segments_stored += 1
-                    if self._reuses_layer0():
-                        self._store_layer0_attention(engine, key, store.token_ids)
+                    if layer0 is not None:
+                        self._store_layer0_attention(engine, key, layer0)
             except Exception as err:  # noqa: BLE001 - a missed store is only a later miss
                 self.stats.num_segment_store_faults += 1
                 logger.warning("lmi-cache: segment KV of request %s not stored (%r)", store.req_id, err)
             self.stats.store_seconds += time.perf_counter() - started
 
-    def _store_layer0_attention(self, engine: Any, key: Any, token_ids: Sequence[int]) -> None:
+    def _store_layer0_attention(self, engine: Any, key: Any, att: SegmentAttention) -> None:
         """Store the segment's layer-0 attention over itself (``layer0_reuse``) beside its KV.
 
         A failure here is logged, not a store fault: the segment's KV is stored, and a blend
         without its attention object attends layer 0 in full.
         """
         try:
-            self._save_layer0_attention(engine, key, token_ids)
+            self._save_layer0_attention(engine, key, att)
         except Exception as err:  # noqa: BLE001 - a missing attention object only costs layer 0 in full
             logger.warning("lmi-cache: layer-0 attention of a segment not stored (%r)", err)
 
-    def _save_layer0_attention(self, engine: Any, key: Any, token_ids: Sequence[int]) -> None:
-        assert self.paged_attention is not None
-        paged = self.paged_attention
-        with torch.inference_mode():
-            att = layer0_reuse.segment_attention(
-                self.model, torch.tensor(token_ids, dtype=torch.long),
-                lambda q, limits, k, v, scale: paged.attend_with_lse(q, limits, [k], [v]))
+    def _save_layer0_attention(self, engine: Any, key: Any, att: SegmentAttention) -> None:
         if not (bool(torch.isfinite(att.out.sum())) and bool(torch.isfinite(att.lse.sum()))):
             raise ValueError("layer-0 attention is not finite")
         shape = layer0_reuse.packed_shape(*att.out.shape)

@@ -24,8 +24,12 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 
 
 def _reference_within(adapter: HFLayerwiseModel, tokens: torch.Tensor) -> SegmentAttention:
-    return layer0_reuse.segment_attention(
-        adapter, tokens, lambda q, limits, k, v, scale: attend_with_lse(q, k, v, limits, scale))
+    kv, att = layer0_reuse.segment_kv_and_attention(
+        adapter, tokens, None, lambda q, limits, k, v, scale: attend_with_lse(q, k, v, limits, scale))
+    # The same forward stores the segment's KV unchanged.
+    plain = segment_kv(adapter, tokens)
+    assert torch.equal(kv.k, plain.k) and torch.equal(kv.v, plain.v)
+    return att
 
 
 def test_merging_two_key_sets_equals_attention_over_both() -> None:
@@ -102,7 +106,6 @@ def test_the_attention_key_is_derived_from_the_segment_key_alone() -> None:
     assert (ka.start, ka.end) == (a.start, a.end)
 
 
-@pytest.mark.skipif(not kernels.native_blend_ops(), reason="the native backend is not in use")
 def test_the_native_cross_attention_equals_the_reference() -> None:
     gen = torch.Generator().manual_seed(2)
     prefix_k, prefix_v = torch.randn(10, 2, 64, generator=gen), torch.randn(10, 2, 64, generator=gen)
