@@ -36,7 +36,7 @@ from autoconfig.serve_checks import (
     server_port,
 )
 from lmi_cache.front.options import FRONT_OPTIONS, front_launch
-from lmi_cache.metrics_settings import multiproc_env
+from lmi_cache.metrics.settings import multiproc_env
 
 if TYPE_CHECKING:
     from autoconfig.host import HostSnapshot
@@ -142,7 +142,7 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
     result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files,
                        model=checked if is_s3(props.model_id or "") else None, resolved=props)
     # After configure: it refuses a runtime directory another user controls before anything is made in it.
-    metrics_env = multiproc_env(env, out, port, cache_on=cache_on, prepare=not dry_run)  # lmi_cache.metrics_settings
+    metrics_env = multiproc_env(env, out, port, cache_on=cache_on, prepare=not dry_run)  # lmi_cache.metrics.settings
     argv = [python, "-m", VLLM_SERVER_MODULE, "--host", "0.0.0.0", "--port", str(port), "--model", model]
     if secret_files:
         argv += ["--config", str(result.output_dir / SECRETS_FILE)]

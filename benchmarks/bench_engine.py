@@ -40,15 +40,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lmi_cache.chunk_format import HEADER_BYTES, ChunkHeader
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, KeySpace, chunk_keys
+from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
+from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, KeySpace, chunk_keys
 from lmi_cache.config import CacheConfig
 from lmi_cache.engine import CacheEngine
-from lmi_cache.tiers import disk_io
+from lmi_cache.tiers.disk import object_files
 from lmi_cache.tiers.base import Tier
 from lmi_cache.tiers.buffers import size_class_bytes
-from lmi_cache.tiers.disk_ranks import rank_disk_dirs
-from lmi_cache.tiers.disk_tier import DiskTier
+from lmi_cache.tiers.disk.ranks import rank_disk_dirs
+from lmi_cache.tiers.disk.tier import DiskTier
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 
 NS = KeyNamespace("bench-model", "bfloat16", "bench-v1")
@@ -264,9 +264,9 @@ def _raw_read_files(paths: list[str], buffer: np.ndarray, odirect: bool) -> None
 def _raw_write_files(root: str, objects: list[ChunkObject], odirect: bool) -> None:
     """The tier's file layout without the engine: create a temp file, write the object, rename."""
     for obj in objects:
-        path = disk_io.object_path(root, obj.key.digest)
+        path = object_files.object_path(root, obj.key.digest)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        size = disk_io.round_up(obj.header.total_bytes) if odirect else obj.header.total_bytes
+        size = object_files.round_up(obj.header.total_bytes) if odirect else obj.header.total_bytes
         fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _flags(odirect), 0o600)
         try:
             os.write(fd, obj.buffer.numpy()[:size].data)
@@ -315,12 +315,12 @@ def bench_disk(root: Path, chunk_bytes: int, num_chunks: int, step: int, odirect
     print(f"disk tier, {label} ({num_chunks} chunks of {chunk_bytes / 2**20:.1f} MiB in {root}, "
           f"{config.disk_read_workers} read workers, {repeats} rounds)")
     raw_path = str(root / "raw.bin")
-    source = disk_io.aligned_buffer(chunk_bytes)
+    source = object_files.aligned_buffer(chunk_bytes)
     source[:] = np.random.default_rng(3).integers(0, 256, chunk_bytes, dtype=np.uint8)
     source_tensor = torch.from_numpy(source)
-    read_buffer = disk_io.aligned_buffer(chunk_bytes + HEADER_BYTES)
+    read_buffer = object_files.aligned_buffer(chunk_bytes + HEADER_BYTES)
     keys = make_keys(num_chunks, salt=4 + odirect)
-    files = [disk_io.object_path(rank_disk_dirs(config.local_disk, "0")[0], k.digest) for k in keys]
+    files = [object_files.object_path(rank_disk_dirs(config.local_disk, "0")[0], k.digest) for k in keys]
     # What save_many hands the tiers: page-aligned chunk objects from the host allocator.
     allocator = HostAllocator(page_locked=False, pool_limit_bytes=0)
     objects = []

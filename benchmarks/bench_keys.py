@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lmi_cache.chunk_hashing import KeyNamespace, KeySpace, chunk_keys  # noqa: E402
+from lmi_cache.keys.hashing import KeyNamespace, KeySpace, chunk_keys  # noqa: E402
 
 MODEL, DTYPE, LAYOUT = "bench-model", "bfloat16", "cpu.s0123.bfloat16"
 

@@ -3,7 +3,7 @@
 Writes a model directory with one real weight file of ``--gib`` GiB of random
 bytes plus a sparse ``--sparse-gib`` GiB file, then times, side by side:
 
-- the fingerprint (``lmi_cache.model_identity.content_fingerprint``), with the
+- the fingerprint (``lmi_cache.keys.model_identity.content_fingerprint``), with the
   weight files dropped from the page cache first (cold) and again warm;
 - the baseline: hashing every byte of the same files once (what a naive
   content hash costs), cold.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import xxhash
 
-from lmi_cache.model_identity import content_fingerprint
+from lmi_cache.keys.model_identity import content_fingerprint
 
 
 def drop_cache(path: Path) -> None:

@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lmi_cache.chunk_format import ChunkHeader, unpack_header  # noqa: E402
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys  # noqa: E402
+from lmi_cache.keys.chunk_format import ChunkHeader, unpack_header  # noqa: E402
+from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys  # noqa: E402
 from lmi_cache.remote import RemoteSettings, open_remote  # noqa: E402
 from lmi_cache.devtools.redis_server import RedisServer  # noqa: E402
 from lmi_cache.remote.redis_store import RedisStore  # noqa: E402

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lmi_cache.devtools.redis_server import RedisServer  # noqa: E402
 from lmi_cache.remote.settings import RemoteSettings  # noqa: E402
-from lmi_cache.tiers import disk_io  # noqa: E402
+from lmi_cache.tiers.disk import object_files  # noqa: E402
 
 from interleaved import medians  # noqa: E402  (benchmarks/, beside this script)
 
@@ -54,13 +54,13 @@ def bench_disk(args: argparse.Namespace, payloads: list[bytes]) -> None:
                 handle.write(payload)
             paths.append(path)
         os.sync()
-        buffers = [disk_io.aligned_buffer(len(p)) for p in payloads]
+        buffers = [object_files.aligned_buffer(len(p)) for p in payloads]
         for buffer in buffers:
             buffer[:] = 0  # touched: the reads measure the reads, not page faults
 
         def reads(threads: int, odirect: bool) -> Callable[[], object]:
             pool = ThreadPoolExecutor(threads)
-            return lambda: list(pool.map(lambda i: disk_io.read_file_into(paths[i], buffers[i], odirect=odirect),
+            return lambda: list(pool.map(lambda i: object_files.read_file_into(paths[i], buffers[i], odirect=odirect),
                                          range(len(paths))))
 
         fns = {f"{'O_DIRECT' if odirect else 'page cache'}, {threads} thread(s)": reads(threads, odirect)

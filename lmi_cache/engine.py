@@ -1,8 +1,8 @@
 """CacheEngine: saves and loads of KV chunks over an ordered list of tiers (vLLM worker process).
 
 Orchestration only: tiers own entries and budgets (``tiers.base.Tier``: batched
-contains / get / put), ``tiers.host_memory`` owns the bytes, ``chunk_format``
-defines them, ``chunk_hashing.KeySpace`` makes keys. The engine never
+contains / get / put), ``tiers.host_memory`` owns the bytes, ``keys.chunk_format``
+defines them, ``keys.hashing.KeySpace`` makes keys. The engine never
 raises to its caller for a cache fault: a fault is a miss (or a refused save),
 a rate-limited warning and a metric, and wrong bytes are never returned.
 
@@ -54,14 +54,14 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from lmi_cache.chunk_format import HEADER_BYTES, ChunkHeader
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.config import CacheConfig
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers.base import HitBatch, Tier
 from lmi_cache.tiers.buffers import dtype_name
-from lmi_cache.tiers.disk_ranks import replica_rank_dirs
-from lmi_cache.tiers.disk_tier import scan_persisted_digests_in
+from lmi_cache.tiers.disk.ranks import replica_rank_dirs
+from lmi_cache.tiers.disk.tier import scan_persisted_digests_in
 from lmi_cache.tiers.factory import TierContext, build_tiers
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 

@@ -9,7 +9,7 @@ Load it out of tree with::
 and ``enable_blending: true`` in the LMCache YAML (or ``LMCACHE_ENABLE_BLENDING=true``);
 ``lmi-cache configure`` / ``serve`` render both from ``option.lmcache_enable_blending``
 (see ``autoconfig.blend_options``). Counters become ``lmi_cache_blend_*`` series
-beside the base connector's (``lmi_cache.metrics``): the scheduler's as they
+beside the base connector's (``lmi_cache.metrics.series``): the scheduler's as they
 happen, each rank's after every step.
 Requests without blendable segments, and every hook this class does not
 override, go to ``LmiCacheConnector`` unchanged (exact prefix chunks).
@@ -47,7 +47,7 @@ import torch
 from lmi_cache.blend.jobs import BlendConnectorMetadata
 from lmi_cache.blend.scheduler_plan import BlendScheduler
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings, blend_keys_in, blend_keys_in_env
-from lmi_cache.metrics import blend_stats_follower
+from lmi_cache.metrics.series import blend_stats_follower
 from lmi_cache.vllm_connector.connector import LmiCacheConnector
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 
@@ -136,7 +136,7 @@ class LmiBlendConnector(LmiCacheConnector):
 
     def _blend_scheduler_metrics(self) -> Any:
         """lmi_cache_blend_* series beside the scheduler's lmi_cache_* ones (same registry, same ``engine``)."""
-        from lmi_cache.metrics import BlendSchedulerMetrics
+        from lmi_cache.metrics.series import BlendSchedulerMetrics
 
         base = getattr(self._scheduler, "metrics", None)
         if base is None:
@@ -153,7 +153,7 @@ class LmiBlendConnector(LmiCacheConnector):
 
     def _segment_key(self, tokens: Sequence[int], rank: int, layout_tag: str, lora: str | None, salt: str | None) -> Any:
         from lmi_cache.blend.segments import segment_key
-        from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace
+        from lmi_cache.keys.hashing import ChunkKey, KeyNamespace
 
         namespace = KeyNamespace(
             model=self._model_id,

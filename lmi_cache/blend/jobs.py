@@ -19,7 +19,7 @@ class BlendPiece:
 
     start: int
     end: int
-    keys: tuple[Any, ...] | None  # lmi_cache.chunk_hashing.ChunkKey per rank (segment keys, start 0)
+    keys: tuple[Any, ...] | None  # lmi_cache.keys.hashing.ChunkKey per rank (segment keys, start 0)
 
 
 @dataclass(frozen=True)

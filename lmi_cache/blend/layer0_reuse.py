@@ -32,7 +32,7 @@ import torch
 
 from lmi_cache.blend.attention import SegmentAttention, attend
 from lmi_cache.blend.blender import KVStack, LayerAttention, LayerwiseModel, segment_kv
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.hashing import ChunkKey
 
 _KEY_TAG = b"lmi-cache/blend/layer0-attention/v1"
 _FINGERPRINT_TAG = int.from_bytes(hashlib.blake2b(_KEY_TAG + b"/fingerprint", digest_size=8).digest(), "little")

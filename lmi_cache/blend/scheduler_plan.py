@@ -29,7 +29,7 @@ from lmi_cache.blend.settings import BlendConfigError, BlendSettings
 from lmi_cache.vllm_connector.key_index import KeyIndex
 
 if TYPE_CHECKING:
-    from lmi_cache.metrics import BlendSchedulerMetrics
+    from lmi_cache.metrics.series import BlendSchedulerMetrics
 
 logger = logging.getLogger(__name__)
 

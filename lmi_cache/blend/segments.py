@@ -10,7 +10,7 @@ question, prefilled normally).
 A segment's key depends on the namespace (model, weights, KV dtype, layout,
 ranks, LoRA, cache_salt) and its tokens alone, never on where it sits in a
 prompt. It is derived under its own scheme tag, so a segment key can never
-equal a prefix chunk key of ``chunk_hashing`` (see ``segment_key``).
+equal a prefix chunk key of ``keys.hashing`` (see ``segment_key``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 import xxhash
 
-from lmi_cache.chunk_hashing import KeyNamespace, _token_bytes
+from lmi_cache.keys.hashing import KeyNamespace, _token_bytes
 
 # Bump when the segment key derivation changes. Its length is 23 bytes, not a
 # multiple of 4: a segment key's hash input (16-byte seed + tag + 4-byte token

@@ -1,4 +1,4 @@
-"""The EvictionPolicy interface and its lazy registry (torch-free, worker process).
+"""The EvictionPolicy interface (torch-free, worker process).
 
 A policy only orders keys; the tier owns the bytes and decides which
 candidates it can actually drop (pinned entries are skipped). Tiers call the
@@ -6,16 +6,8 @@ policy under their own lock, so policies need no locking of their own.
 """
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from typing import Hashable, Iterator
-
-# name -> "module:Class"; imported on first use.
-_POLICIES: dict[str, str] = {
-    "LRU": "lmi_cache.eviction.lru:LRUPolicy",
-    "FIFO": "lmi_cache.eviction.lru:FIFOPolicy",
-}
-
 
 class EvictionPolicy(ABC):
     """Keeps the eviction order of the keys a tier holds."""
@@ -41,15 +33,3 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def __len__(self) -> int: ...
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    """A fresh policy by config name (``cache_policy``); KeyError names the choices."""
-    try:
-        target = _POLICIES[name.upper()]
-    except KeyError:
-        raise KeyError(f"unknown eviction policy {name!r}; choose one of {', '.join(_POLICIES)}") from None
-    module_name, _, class_name = target.partition(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    policy: EvictionPolicy = cls()
-    return policy

@@ -25,9 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Sequence, TypeVar
 
-from lmi_cache.chunk_format import BytesLike
-from lmi_cache.chunk_hashing import ChunkKey
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.keys.chunk_format import BytesLike
+from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.remote.put_queue import Batch, PutQueue
 from lmi_cache.remote.settings import RemoteSettings
 from lmi_cache.remote.store import Backoff, BodyAllocator, ReceivedValue, RemoteStore, StoreError

@@ -14,8 +14,8 @@ import time
 from collections import deque
 from typing import Callable
 
-from lmi_cache.chunk_format import BytesLike, byte_view
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.chunk_format import BytesLike, byte_view
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.thread_affinity import unpin_current_thread
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import numpy as np
 import torch
 
-from lmi_cache.chunk_format import HEADER_BYTES
-from lmi_cache.chunk_hashing import ChunkKey
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.keys.chunk_format import HEADER_BYTES
+from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.remote.cache import RemoteCache
 from lmi_cache.remote.factory import open_remote
 from lmi_cache.remote.settings import RemoteSettings

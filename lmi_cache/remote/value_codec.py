@@ -1,7 +1,7 @@
 """Chunk objects <-> remote store values (torch-free; vLLM worker process).
 
 A remote value is a small value header followed by the chunk object
-(``chunk_format``: 128-byte chunk header + payload), with the payload
+(``keys.chunk_format``: 128-byte chunk header + payload), with the payload
 optionally compressed losslessly. With a shared secret, the value also carries
 a keyed BLAKE3 MAC over the value header and body, so a client that can write
 to the store but lacks the secret cannot make this server load its bytes.
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from lmi_cache.chunk_format import (
+from lmi_cache.keys.chunk_format import (
     FLAG_CHECKSUM,
     HEADER_BYTES,
     BytesLike,
@@ -37,7 +37,7 @@ from lmi_cache.chunk_format import (
     unpack_header,
     verify_parts,
 )
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.errors import ConfigError
 
 VALUE_MAGIC = b"LMRV"

@@ -36,7 +36,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, Iterator, Sequence
 
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.tiers.host_memory import ChunkObject
 
 # Called with a digest that left the tier (evicted, damaged, failed write).

@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence, cast
 
-from lmi_cache.chunk_hashing import ChunkKey
-from lmi_cache.eviction.base import EvictionPolicy
+from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.eviction import EvictionPolicy, make_policy
 from lmi_cache.eviction.retaining import RetainingPolicy
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers.base import HitBatch, Tier
 from lmi_cache.tiers.cpu_index import CpuIndex, Refused
 from lmi_cache.tiers.host_memory import ChunkObject
@@ -150,8 +150,6 @@ def build(config: CacheConfig, context: TierContext) -> CpuTier | None:
     """The CPU tier of ``config`` (``max_local_cpu_size``), or None when it is 0."""
     if config.cpu_capacity_bytes <= 0:
         return None
-    from lmi_cache.eviction.base import EvictionPolicy, make_policy
-
     policy: EvictionPolicy = make_policy(config.cache_policy)
     if config.session_retention_share > 0:  # open sessions' chunks are evicted last, within the share
         cap_bytes = int(config.cpu_capacity_bytes * config.session_retention_share)

@@ -1,18 +1,20 @@
 """Which tiers a config asks for, built in lookup order (worker process).
 
-Each tier module registers one builder here: ``(config, context) -> Tier |
-None`` (None: not configured). Modules are imported only when their builder
-runs, so a process without a remote store never imports redis or boto3, and
-a new tier is a new module plus one line below.
+Each tier module has one builder, ``(config, context) -> Tier | None``
+(None: not configured), listed below in lookup order. The remote tier imports
+its store clients (redis, boto3) only when a ``remote_url`` asks for one, so
+listing it here costs a process without a remote store nothing.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.remote import tier as remote_tier
+from lmi_cache.tiers import cpu_tier
 from lmi_cache.tiers.base import RemoveCallback, Tier
+from lmi_cache.tiers.disk import tier as disk_tier
 from lmi_cache.tiers.host_memory import HostAllocator
 
 if TYPE_CHECKING:
@@ -34,21 +36,15 @@ class TierContext:
 
 Builder = Callable[["CacheConfig", TierContext], "Tier | None"]
 
-# In lookup order, fastest first: "module:function".
-TIER_BUILDERS: list[str] = [
-    "lmi_cache.tiers.cpu_tier:build",
-    "lmi_cache.tiers.disk_tier:build",
-    "lmi_cache.remote.tier:build",
-]
+# In lookup order, fastest first.
+TIER_BUILDERS: tuple[Builder, ...] = (cpu_tier.build, disk_tier.build, remote_tier.build)
 
 
 def build_tiers(config: CacheConfig, context: TierContext, tiers: list[Tier]) -> None:
     """Append the configured tiers to ``tiers`` in lookup order, each as soon as it is built
     (later tiers' start-up callbacks may consult the earlier ones). On failure, closes what was built."""
     try:
-        for target in TIER_BUILDERS:
-            module_name, _, function = target.partition(":")
-            builder: Builder = getattr(importlib.import_module(module_name), function)
+        for builder in TIER_BUILDERS:
             tier = builder(config, context)
             if tier is not None:
                 tiers.append(tier)

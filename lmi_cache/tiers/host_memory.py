@@ -1,7 +1,7 @@
 """Host memory for chunk objects: a size-class allocator and reference-counted objects (worker process).
 
 Every chunk that moves through the engine lives in one ``ChunkObject``: a
-page-aligned host buffer holding the object bytes (``chunk_format``: header,
+page-aligned host buffer holding the object bytes (``keys.chunk_format``: header,
 then payload) with a reference count. Tiers do not copy objects between each
 other, they take references: the CPU tier adopts the very buffer a save
 gathered into (or a disk read landed in), a queued disk write holds it until
@@ -29,8 +29,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lmi_cache.chunk_format import HEADER_BYTES, ChunkHeader
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.thread_affinity import unpin_current_thread
 from lmi_cache.tiers.buffers import PAGE_BYTES, size_class_bytes, torch_dtype
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from lmi_cache.chunk_hashing import KeySpace
+from lmi_cache.keys.hashing import KeySpace
 from lmi_cache.errors import ConfigError
 from lmi_cache.transfer.layouts import ExpectedGeometry
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata
@@ -69,7 +69,7 @@ def _dp_index(vllm_config: VllmConfig) -> int:
 
 
 def _weights_identity(vllm_config: VllmConfig) -> str:
-    from lmi_cache.model_identity import served_model_identity
+    from lmi_cache.keys.model_identity import served_model_identity
 
     started = time.perf_counter()
     download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
@@ -155,7 +155,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
             started = time.perf_counter()
             try:
                 from lmi_cache.engine import scan_persisted_digests
-                from lmi_cache.tiers.disk_ranks import prune_orphan_rank_dirs
+                from lmi_cache.tiers.disk.ranks import prune_orphan_rank_dirs
 
                 world_size = self._tp_size * self._pp_size
                 prune_orphan_rank_dirs(self._config.local_disk, self._dp_index, world_size)
@@ -169,8 +169,8 @@ class LmiCacheConnector(KVConnectorBase_V1):
             world_size=self._tp_size * self._pp_size,
             min_retrieve_tokens=self._config.min_retrieve_tokens,
         )
-        from lmi_cache.metrics import SchedulerMetrics
-        from lmi_cache.metrics_server import note_where_metrics_go, serve_metrics
+        from lmi_cache.metrics.series import SchedulerMetrics
+        from lmi_cache.metrics.server import note_where_metrics_go, serve_metrics
 
         metrics = SchedulerMetrics(engine_label=str(self._dp_index))
         note_where_metrics_go()
@@ -217,9 +217,9 @@ class LmiCacheConnector(KVConnectorBase_V1):
 
         def make_engine() -> Any:
             from lmi_cache.engine import CacheEngine
-            from lmi_cache.metrics import CacheMetrics
-            from lmi_cache.metrics_server import serve_metrics
-            from lmi_cache.tiers.disk_ranks import rank_label
+            from lmi_cache.metrics.series import CacheMetrics
+            from lmi_cache.metrics.server import serve_metrics
+            from lmi_cache.tiers.disk.ranks import rank_label
 
             rank = self._rank_index()
             metrics = CacheMetrics(str(rank), engine_label=str(self._dp_index))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.hashing import ChunkKey
 
 # Saves issued but not yet confirmed are remembered this many steps, so that
 # concurrent requests sharing a prefix do not save the same chunk twice.

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.hashing import ChunkKey
 
 
 @dataclass(frozen=True)

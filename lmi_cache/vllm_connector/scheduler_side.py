@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmi_cache.chunk_hashing import ChunkKey, KeySpace
+from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.eviction.session_tracker import SessionTracker
-from lmi_cache.metrics import SchedulerMetrics
+from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.vllm_connector.key_index import KeyIndex
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
 

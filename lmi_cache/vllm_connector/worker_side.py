@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lmi_cache.metrics import worker_stats_follower
+from lmi_cache.metrics.series import worker_stats_follower
 from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta

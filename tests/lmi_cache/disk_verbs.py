@@ -5,8 +5,8 @@ from typing import Any
 
 import numpy as np
 
-from lmi_cache.chunk_format import ChunkHeader, byte_view
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.chunk_format import ChunkHeader, byte_view
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.tiers.base import Tier
 from lmi_cache.tiers.host_memory import HostAllocator
 

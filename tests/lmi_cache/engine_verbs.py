@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
+from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
 from lmi_cache.engine import CacheEngine
 
 

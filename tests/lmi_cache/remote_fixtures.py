@@ -14,8 +14,8 @@ import pytest
 
 from tests.moto_server import moto_endpoint
 
-from lmi_cache.chunk_format import ChunkHeader
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
+from lmi_cache.keys.chunk_format import ChunkHeader
+from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
 from lmi_cache.devtools.redis_server import RedisServer
 from lmi_cache.remote.settings import RemoteSettings
 

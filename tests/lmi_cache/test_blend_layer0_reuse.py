@@ -14,7 +14,7 @@ from lmi_cache.blend import layer0_reuse
 from lmi_cache.blend.attention import SegmentAttention, attend, attend_with_lse, merge_attention
 from lmi_cache.blend.blender import blend, empty_kv, prefill, segment_kv
 from lmi_cache.blend.hf_adapter import HFLayerwiseModel
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.transfer import kernels
 from blend_models import VOCAB, tiny_model
 

@@ -10,7 +10,7 @@ from lmi_cache.blend.jobs import BlendConnectorMetadata
 from lmi_cache.blend.scheduler_plan import BlendRequestError, BlendScheduler, explicit_split
 from lmi_cache.blend.segments import Span
 from lmi_cache.blend.settings import BlendSettings
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.hashing import ChunkKey
 
 SEP = (9, 9)
 

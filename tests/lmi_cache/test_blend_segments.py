@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmi_cache.blend.segments import Span, plan_blend, segment_key, separator_ids, split_segments
-from lmi_cache.chunk_hashing import KeyNamespace, chunk_keys
+from lmi_cache.keys.hashing import KeyNamespace, chunk_keys
 
 NS = KeyNamespace(model="m", kv_dtype="float32", layout="cpu-v1")
 

@@ -20,7 +20,7 @@ from lmi_cache.blend.paged_kv import PagedKV
 from lmi_cache.blend.rope import RopeSpec, apply_rope, rerotate
 from lmi_cache.blend.settings import BlendSettings
 from lmi_cache.blend.worker_jobs import BlendWorker
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.transfer import kernels
 from lmi_cache.transfer.layouts import ExpectedGeometry, describe_kv_caches
 

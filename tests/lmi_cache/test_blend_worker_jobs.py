@@ -9,7 +9,7 @@ from lmi_cache.blend.hf_adapter import HFLayerwiseModel
 from lmi_cache.blend.jobs import BlendJob, BlendPiece, SegmentStore
 from lmi_cache.blend.vllm_plugin import loaded_model, register, remember_model
 from lmi_cache.blend.worker_jobs import BlendWorker
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.hashing import ChunkKey
 
 N = 16
 

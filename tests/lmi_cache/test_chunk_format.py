@@ -1,4 +1,4 @@
-"""Tests for lmi_cache.chunk_format: header + payload chunk objects."""
+"""Tests for lmi_cache.keys.chunk_format: header + payload chunk objects."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmi_cache.chunk_format import (
+from lmi_cache.keys.chunk_format import (
     HEADER_BYTES,
     ChunkFormatError,
     ChunkHeader,
@@ -14,7 +14,7 @@ from lmi_cache.chunk_format import (
     unpack_header,
     verify_object,
 )
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
+from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
 
 KEY = chunk_keys(list(range(32)), KeyNamespace("m", "float32", "v1"), 16)[1]
 

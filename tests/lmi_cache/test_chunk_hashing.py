@@ -1,4 +1,4 @@
-"""Tests for lmi_cache.chunk_hashing: namespace-seeded, prefix-chained chunk keys."""
+"""Tests for lmi_cache.keys.hashing: namespace-seeded, prefix-chained chunk keys."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmi_cache import chunk_hashing
-from lmi_cache.chunk_hashing import KEY_SCHEME_VERSION, ChunkKey, KeyNamespace, KeySpace, chunk_keys
+from lmi_cache.keys import hashing as chunk_hashing
+from lmi_cache.keys.hashing import KEY_SCHEME_VERSION, ChunkKey, KeyNamespace, KeySpace, chunk_keys
 
 BASE = KeyNamespace("llama-7b", "bfloat16", "cpu.s0123.bfloat16")
 token_lists = st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=1, max_size=200)
@@ -85,7 +85,7 @@ def test_chunk_ranges_and_partial() -> None:
 
 
 def test_seed_is_deterministic_across_processes() -> None:
-    code = ("from lmi_cache.chunk_hashing import KeyNamespace, chunk_keys;"
+    code = ("from lmi_cache.keys.hashing import KeyNamespace, chunk_keys;"
             "ns = KeyNamespace('llama-7b', 'bfloat16', 'cpu-lbhnc-v1', lora='a');"
             "print(chunk_keys(list(range(64)), ns, 16)[-1].hex, ns.seed().hex())")
     outputs = set()
@@ -237,7 +237,7 @@ GOLDEN_V3 = "2a2a9a0f3402eb962b5ed7e545583cdc"  # SPACE, tokens 0..63, rank 5, l
 
 
 def test_key_space_is_deterministic_across_processes() -> None:
-    code = ("from lmi_cache.chunk_hashing import KeySpace;"
+    code = ("from lmi_cache.keys.hashing import KeySpace;"
             "s = KeySpace('m', 'bfloat16', 'cpu.s0123.bfloat16', 16, tp_size=2);"
             "print(s.for_request(list(range(64)), 'a', 's').per_chunk[-1][1].hex)")
     outputs = {subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONHASHSEED=seed),

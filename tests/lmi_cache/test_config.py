@@ -158,7 +158,7 @@ def test_round_trip_through_dict() -> None:
 
 
 def test_config_import_is_torch_free() -> None:
-    code = "import sys, lmi_cache.config, lmi_cache.chunk_hashing; assert 'torch' not in sys.modules"
+    code = "import sys, lmi_cache.config, lmi_cache.keys.hashing; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

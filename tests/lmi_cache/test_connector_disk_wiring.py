@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from lmi_cache.chunk_hashing import ChunkKey, KeySpace
+from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.config import CacheConfig
 from lmi_cache.engine import CacheEngine
-from lmi_cache.tiers.disk_ranks import rank_label
+from lmi_cache.tiers.disk.ranks import rank_label
 
 pytest.importorskip("vllm")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402

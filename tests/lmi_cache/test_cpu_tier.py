@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from lmi_cache.chunk_format import HEADER_BYTES, ChunkHeader
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.eviction import make_policy
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers.buffers import size_class_bytes
 from lmi_cache.tiers.cpu_tier import CpuTier
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lmi_cache.chunk_format import HEADER_BYTES
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
-from lmi_cache.tiers.disk_tier import DiskTier
+from lmi_cache.keys.chunk_format import HEADER_BYTES
+from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.tiers.disk.tier import DiskTier
 from disk_verbs import disk_object  # noqa: E402
 
 ROUNDS = 20
@@ -34,10 +34,10 @@ PAYLOAD_BYTES = 1024 * 1024
 WRITER = textwrap.dedent("""
     import logging, os, sys, time
     import numpy as np
-    from lmi_cache.chunk_format import ChunkHeader
-    from lmi_cache.chunk_hashing import KeyNamespace, chunk_keys
-    from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
-    from lmi_cache.tiers.disk_tier import DiskTier
+    from lmi_cache.keys.chunk_format import ChunkHeader
+    from lmi_cache.keys.hashing import KeyNamespace, chunk_keys
+    from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+    from lmi_cache.tiers.disk.tier import DiskTier
     root, first, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     sys.path.insert(0, sys.argv[5])
     from disk_verbs import disk_put

@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from lmi_cache.chunk_format import ChunkHeader
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
+from lmi_cache.keys.chunk_format import ChunkHeader
+from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
 from lmi_cache.config import CacheConfig
 from lmi_cache.engine import CacheEngine, scan_persisted_digests
-from lmi_cache.tiers.disk_ranks import rank_disk_dirs
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
-from lmi_cache.tiers import disk_io, disk_space
-from lmi_cache.tiers.disk_ranks import list_rank_dirs, prune_orphan_rank_dirs, rank_label
-from lmi_cache.tiers.disk_space import FreeSpaceLimit
-from lmi_cache.tiers.disk_tier import DiskTier
+from lmi_cache.tiers.disk.ranks import rank_disk_dirs
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.tiers.disk import object_files, space
+from lmi_cache.tiers.disk.ranks import list_rank_dirs, prune_orphan_rank_dirs, rank_label
+from lmi_cache.tiers.disk.space import FreeSpaceLimit
+from lmi_cache.tiers.disk.tier import DiskTier
 from engine_verbs import load, lookup, save  # noqa: E402
 from disk_verbs import disk_put  # noqa: E402
 
@@ -96,7 +96,7 @@ def test_ranks_beyond_a_shrunk_world_are_pruned_and_never_seed_the_index(tmp_pat
         store_all(other_replica, per_rank[3])
     # Restarted with TP=2: ranks 2 and 3 of replica 0 can never be read again.
     assert scan_persisted_digests(cfg, replica=0, world_size=2) == {k.digest for r in (0, 1) for k in per_rank[r]}
-    foreign = Path(disk_io.object_path(str(tmp_path / "rank3"), per_rank[3][0].digest))
+    foreign = Path(object_files.object_path(str(tmp_path / "rank3"), per_rank[3][0].digest))
     if os.geteuid() == 0:
         os.chown(foreign, 65534, 65534)  # not ours: must stay
     with CacheEngine(cfg, rank_label="2") as still_running:  # e.g. another server misconfigured onto this path
@@ -143,15 +143,15 @@ def test_free_space_limit_is_rate_limited_and_refreshed_after_enospc() -> None:
     assert limit.limit_bytes(used_bytes=6_000) == 14_000 and fs.calls == 1  # within a second: no new statvfs
     limit.invalidate()
     assert limit.limit_bytes(used_bytes=6_000) == 5_000 and fs.calls == 2
-    now[0] += disk_space.CHECK_INTERVAL_S
+    now[0] += space.CHECK_INTERVAL_S
     fs.free_bytes = 100_000
     assert limit.limit_bytes(used_bytes=6_000) == 105_000
 
 
 def test_budget_shrinks_to_free_space_instead_of_failing_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fs = FakeFilesystem(free_bytes=1 << 30)
-    monkeypatch.setattr(disk_space, "free_and_headroom_bytes", fs)
-    monkeypatch.setattr(disk_space, "CHECK_INTERVAL_S", 0.0)
+    monkeypatch.setattr(space, "free_and_headroom_bytes", fs)
+    monkeypatch.setattr(space, "CHECK_INTERVAL_S", 0.0)
     keys = chunk_keys(TOKENS, NS[0], 16)
     tier = make_tier(tmp_path / "kv", capacity=1 << 24)
     for key in keys[:4]:
@@ -175,7 +175,7 @@ def test_budget_shrinks_to_free_space_instead_of_failing_writes(tmp_path: Path, 
 
 def test_full_filesystem_with_nothing_to_evict_drops_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fs = FakeFilesystem(free_bytes=0)
-    monkeypatch.setattr(disk_space, "free_and_headroom_bytes", fs)
+    monkeypatch.setattr(space, "free_and_headroom_bytes", fs)
     key = chunk_keys(TOKENS, NS[0], 16)[0]
     tier = make_tier(tmp_path / "kv")
     assert put(tier, key)  # queued: the caller never waits
@@ -187,8 +187,8 @@ def test_full_filesystem_with_nothing_to_evict_drops_the_store(tmp_path: Path, m
 
 
 def test_real_statvfs_gives_a_limit(tmp_path: Path) -> None:
-    free, headroom = disk_space.free_and_headroom_bytes(str(tmp_path))
-    assert free > 0 and 0 <= headroom <= disk_space.HEADROOM_MAX_BYTES
+    free, headroom = space.free_and_headroom_bytes(str(tmp_path))
+    assert free > 0 and 0 <= headroom <= space.HEADROOM_MAX_BYTES
     limit = FreeSpaceLimit(str(tmp_path)).limit_bytes(0)
     assert limit is not None and abs(limit - max(0, free - headroom)) < 256 << 20  # others write meanwhile
 

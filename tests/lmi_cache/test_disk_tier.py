@@ -1,4 +1,4 @@
-"""Tests for lmi_cache.tiers.disk_tier / disk_io: persistence, verification, budget, faults."""
+"""Tests for lmi_cache.tiers.disk.tier / disk_io: persistence, verification, budget, faults."""
 from __future__ import annotations
 
 import errno
@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lmi_cache.chunk_format import HEADER_BYTES, ChunkHeader
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
-from lmi_cache.tiers import disk_io
-from lmi_cache.tiers.disk_tier import DiskTier, scan_persisted_digests_in
+from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
+from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.tiers.disk import object_files
+from lmi_cache.tiers.disk.tier import DiskTier, scan_persisted_digests_in
 from disk_verbs import disk_object, disk_put  # noqa: E402
 
 NS = KeyNamespace("m", "uint8", "test-v1")
@@ -53,7 +53,7 @@ def test_round_trip_layout_and_permissions(tmp_path: Path) -> None:
     assert put(tier, KEYS[0])
     assert tier.contains(KEYS[0].digest)  # visible while queued
     assert tier.flush()
-    path = Path(disk_io.object_path(str(root), KEYS[0].digest))
+    path = Path(object_files.object_path(str(root), KEYS[0].digest))
     assert path.parent.name == KEYS[0].hex[:2] and path.name == KEYS[0].hex + ".lmc"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
@@ -78,7 +78,7 @@ def test_restart_rebuilds_index_and_cleans_tmp(tmp_path: Path) -> None:
     again = make_tier([tmp_path])
     assert not dead_tmp.exists() and not short.exists()
     assert all(loads_correctly(again, key) for key in KEYS[:5])
-    assert again.used_bytes == sum(os.path.getsize(disk_io.object_path(str(tmp_path), k.digest)) for k in KEYS[:5])
+    assert again.used_bytes == sum(os.path.getsize(object_files.object_path(str(tmp_path), k.digest)) for k in KEYS[:5])
     again.close()
 
 
@@ -87,7 +87,7 @@ def test_damaged_file_is_a_counted_miss_and_removed(tmp_path: Path, damage: str)
     tier = make_tier([tmp_path])
     put(tier, KEYS[0])
     tier.flush()
-    path = Path(disk_io.object_path(str(tmp_path), KEYS[0].digest))
+    path = Path(object_files.object_path(str(tmp_path), KEYS[0].digest))
     raw = bytearray(path.read_bytes())
     if damage == "flip":
         raw[HEADER_BYTES + 5000] ^= 1
@@ -122,7 +122,7 @@ def test_budget_evicts_oldest(tmp_path: Path) -> None:
     put(tier, KEYS[3])
     tier.flush()
     assert [tier.contains(k.digest) for k in KEYS[:4]] == [True, False, True, True]
-    assert not os.path.exists(disk_io.object_path(str(tmp_path), KEYS[1].digest))
+    assert not os.path.exists(object_files.object_path(str(tmp_path), KEYS[1].digest))
     assert tier.used_bytes <= tier.capacity_bytes and stats(tier)["disk_evictions"] == 1
     tier.close()
     smaller = make_tier([tmp_path], capacity=2 * file_bytes)  # restart with a smaller budget
@@ -144,13 +144,13 @@ def test_multiple_dirs_share_load(tmp_path: Path) -> None:
 
 def test_full_queue_drops_without_waiting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real_write = disk_io.write_object_file
+    real_write = object_files.write_object_file
 
     def slow_write(*args: Any, **kwargs: Any) -> int:
         gate.wait(10)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(disk_io, "write_object_file", slow_write)
+    monkeypatch.setattr(object_files, "write_object_file", slow_write)
     tier = make_tier([tmp_path], num_workers=1, queue_depth=2)
     start = time.perf_counter()
     results = [put(tier, key) for key in KEYS[:6]]
@@ -212,9 +212,9 @@ def test_odirect_writes_aligned_files(tmp_path: Path) -> None:
     tier = make_tier([tmp_path], use_odirect=True)
     put(tier, KEYS[0], 5000)
     tier.flush()
-    path = disk_io.object_path(str(tmp_path), KEYS[0].digest)
+    path = object_files.object_path(str(tmp_path), KEYS[0].digest)
     if tier.uses_odirect:  # this filesystem accepted O_DIRECT
-        assert os.path.getsize(path) % disk_io.ALIGN_BYTES == 0
+        assert os.path.getsize(path) % object_files.ALIGN_BYTES == 0
     assert loads_correctly(tier, KEYS[0], 5000)
     tier.close()
 
@@ -240,7 +240,7 @@ def test_odirect_refused_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 def test_aligned_buffer() -> None:
     for size in (1, 4095, 4096, 70_000):
-        buffer = disk_io.aligned_buffer(size)
+        buffer = object_files.aligned_buffer(size)
         assert buffer.ctypes.data % 4096 == 0 and len(buffer) % 4096 == 0 and len(buffer) >= size
 
 
@@ -262,27 +262,27 @@ def test_get_many_reads_in_parallel_and_verifies(tmp_path: Path, odirect: bool) 
         assert bytes(obj.payload_array()) == payload_for(asked[position]).tobytes()
         assert obj.buffer.data_ptr() % 4096 == 0  # host-allocator memory: the CPU tier can adopt it
         obj.release()
-    path = Path(disk_io.object_path(str(tmp_path), KEYS[1].digest))
+    path = Path(object_files.object_path(str(tmp_path), KEYS[1].digest))
     raw = bytearray(path.read_bytes())
     raw[HEADER_BYTES + 1234] ^= 0x01
     path.write_bytes(bytes(raw))
     assert disk_object(tier, KEYS[1]) is None and not path.exists()
     assert stats(tier)["disk_corrupted_reads"] == 1
-    path = Path(disk_io.object_path(str(tmp_path), KEYS[0].digest))
+    path = Path(object_files.object_path(str(tmp_path), KEYS[0].digest))
     path.write_bytes(path.read_bytes()[:5000])  # torn
     assert disk_object(tier, KEYS[0]) is None
     tier.close()
 
 
 def test_disk_index_budget_bookkeeping() -> None:
-    from lmi_cache.tiers.disk_index import DiskIndex
+    from lmi_cache.tiers.disk.index import DiskIndex
 
     index = DiskIndex(["/a", "/b"], 2000, "LRU", odirect=False)
     assert index.capacity_bytes == 2000 and len(index.shards) == 2
     digests = [bytes([i]) * 16 for i in range(6)]
     number = index.shard_for(digests[0])
     same_shard = [d for d in digests if index.shard_for(d) == number]
-    assert index.adopt(number, [disk_io.ScannedFile(d, 400, i) for i, d in enumerate(same_shard)]) == (
+    assert index.adopt(number, [object_files.ScannedFile(d, 400, i) for i, d in enumerate(same_shard)]) == (
         same_shard[: max(0, len(same_shard) - 2)]  # 1000 bytes per shard: the two newest fit
     )
     kept = same_shard[-2:]

@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lmi_cache.chunk_format import ChunkHeader
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
-from lmi_cache.tiers import disk_io
-from lmi_cache.tiers.disk_tier import DiskTier, scan_persisted_digests_in
+from lmi_cache.keys.chunk_format import ChunkHeader
+from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.tiers.disk import object_files
+from lmi_cache.tiers.disk.tier import DiskTier, scan_persisted_digests_in
 from disk_verbs import disk_object, disk_put  # noqa: E402
 
 OTHER_UID = 65534
@@ -50,7 +50,7 @@ def fill(root: Path, keys: list[ChunkKey]) -> None:
 
 
 def path_of(root: Path, key: ChunkKey) -> Path:
-    return Path(disk_io.object_path(str(root), key.digest))
+    return Path(object_files.object_path(str(root), key.digest))
 
 
 def load_within(tier: DiskTier, key: ChunkKey, timeout_s: float = 10.0) -> Any:
@@ -204,8 +204,8 @@ def test_disk_io_refuses_untrusted_paths_directly(tmp_path: Path) -> None:
     fifo = tmp_path / "f.lmc"
     os.mkfifo(fifo, 0o600)
     with pytest.raises(OSError):
-        disk_io.read_file_into(str(fifo), np.empty(4096, dtype=np.uint8), odirect=False)
+        object_files.read_file_into(str(fifo), np.empty(4096, dtype=np.uint8), odirect=False)
     shutil.copy(__file__, tmp_path / "other.lmc")
     os.chown(tmp_path / "other.lmc", OTHER_UID, OTHER_UID)
     with pytest.raises(OSError):
-        disk_io.read_file_into(str(tmp_path / "other.lmc"), np.empty(16, dtype=np.uint8), odirect=False)
+        object_files.read_file_into(str(tmp_path / "other.lmc"), np.empty(16, dtype=np.uint8), odirect=False)

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace
+from lmi_cache.keys.hashing import ChunkKey, KeyNamespace
 from lmi_cache.config import CacheConfig
 from lmi_cache.engine import CacheEngine, scan_persisted_digests
-from lmi_cache.tiers import disk_io
+from lmi_cache.tiers.disk import object_files
 from engine_verbs import held_by, keys_for, load, load_many, lookup, lookup_tokens, save, tier  # noqa: E402
 
 NS = KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1")
@@ -156,7 +156,7 @@ def test_faults_never_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         keys = keys_for(engine, TOKENS, NS)
         save(engine, keys[1], data_for(keys[1]))
         engine.flush()
-        path = Path(disk_io.object_path(str(tmp_path / "rank0"), keys[1].digest))
+        path = Path(object_files.object_path(str(tmp_path / "rank0"), keys[1].digest))
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 0x10
         path.write_bytes(bytes(raw))
@@ -179,7 +179,7 @@ def test_restart_in_a_new_process_serves_old_entries(tmp_path: Path) -> None:
         import torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from engine_verbs import keys_for, save
-        from lmi_cache.chunk_hashing import KeyNamespace
+        from lmi_cache.keys.hashing import KeyNamespace
         from lmi_cache.config import CacheConfig
         from lmi_cache.engine import CacheEngine
         ns = KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1")
@@ -202,13 +202,13 @@ def test_restart_in_a_new_process_serves_old_entries(tmp_path: Path) -> None:
 
 def test_saves_never_wait_for_the_disk_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real_write = disk_io.write_object_file
+    real_write = object_files.write_object_file
 
     def slow_write(*args: Any, **kwargs: Any) -> int:
         gate.wait(10)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(disk_io, "write_object_file", slow_write)
+    monkeypatch.setattr(object_files, "write_object_file", slow_write)
     with CacheEngine(config(tmp_path, max_local_cpu_size=2 * CHUNK_OBJECT_BYTES / 1024**3)) as engine:
         keys = keys_for(engine, TOKENS, NS)[:4]
         start = time.perf_counter()
@@ -351,7 +351,7 @@ def test_huge_page_entries_round_trip_through_odirect_disk(tmp_path: Path) -> No
 
 
 def chunk_keys_for_big() -> ChunkKey:
-    from lmi_cache.chunk_hashing import chunk_keys
+    from lmi_cache.keys.hashing import chunk_keys
 
     return chunk_keys(list(range(16)), NS, 16)[0]
 

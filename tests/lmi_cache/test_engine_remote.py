@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from remote_fixtures import BUCKET, moto_s3, redis_server  # noqa: E402,F401
 
-from lmi_cache.chunk_hashing import ChunkKey, KeyNamespace, chunk_keys  # noqa: E402
+from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys  # noqa: E402
 from lmi_cache.config import CacheConfig, config_from_dict  # noqa: E402
 from lmi_cache.engine import CacheEngine  # noqa: E402
 from lmi_cache.devtools.redis_server import RedisServer, free_port  # noqa: E402

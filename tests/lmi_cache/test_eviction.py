@@ -6,11 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmi_cache.chunk_format import ChunkHeader
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.chunk_format import ChunkHeader
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.eviction import make_policy
 from lmi_cache.eviction.lru import FIFOPolicy, LRUPolicy
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers.cpu_tier import CpuTier
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 

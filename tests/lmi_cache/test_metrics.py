@@ -1,4 +1,4 @@
-"""Tests for lmi_cache.metrics: the series of one engine and one scheduler, multiprocess aggregation, warnings."""
+"""Tests for lmi_cache.metrics.series: the series of one engine and one scheduler, multiprocess aggregation, warnings."""
 from __future__ import annotations
 
 import logging
@@ -12,10 +12,10 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from lmi_cache.chunk_hashing import KeyNamespace
+from lmi_cache.keys.hashing import KeyNamespace
 from lmi_cache.config import CacheConfig
 from lmi_cache.engine import CacheEngine
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner, SchedulerMetrics
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner, SchedulerMetrics
 from engine_verbs import keys_for, load, lookup, save  # noqa: E402
 
 NS = KeyNamespace("m", "float32", "v1")
@@ -78,7 +78,7 @@ def test_registries_are_separate() -> None:
 # One vLLM process each: a scheduler per data-parallel replica and a worker per (replica, rank).
 _WRITER = """
 import sys
-from lmi_cache.metrics import CacheMetrics, SchedulerMetrics
+from lmi_cache.metrics.series import CacheMetrics, SchedulerMetrics
 role, engine = sys.argv[1], sys.argv[2]
 if role == "scheduler":
     SchedulerMetrics(engine_label=engine).lookup(100, 64, 32)

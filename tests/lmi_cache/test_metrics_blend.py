@@ -25,8 +25,8 @@ from lmi_cache.blend.jobs import (
 )
 from lmi_cache.blend.scheduler_plan import BlendScheduler
 from lmi_cache.blend.settings import BlendSettings
-from lmi_cache.chunk_hashing import ChunkKey
-from lmi_cache.metrics import (
+from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.metrics.series import (
     BLEND_WORKER_SERIES,
     BlendSchedulerMetrics,
     BlendWorkerMetrics,
@@ -188,7 +188,7 @@ def test_a_metrics_fault_never_breaks_a_step(monkeypatch: pytest.MonkeyPatch, ca
 
     monkeypatch.setattr(BlendWorkerMetrics, "follow", broken)
     # A library imported earlier in the session may configure logging with disable_existing_loggers.
-    from lmi_cache import metrics as metrics_module
+    from lmi_cache.metrics import series as metrics_module
 
     monkeypatch.setattr(metrics_module.logger, "disabled", False)
     caplog.set_level(logging.WARNING, logger=metrics_module.logger.name)
@@ -206,7 +206,7 @@ def test_blend_series_add_up_across_processes(tmp_path: Path) -> None:
     """With PROMETHEUS_MULTIPROC_DIR (as under lmi-cache serve) the series join vLLM's /metrics like the others."""
     code = (
         "from types import SimpleNamespace as S\n"
-        "from lmi_cache.metrics import BlendSchedulerMetrics, BlendWorkerMetrics, CacheMetrics, SchedulerMetrics\n"
+        "from lmi_cache.metrics.series import BlendSchedulerMetrics, BlendWorkerMetrics, CacheMetrics, SchedulerMetrics\n"
         "import sys\n"
         "rank = sys.argv[1]\n"
         "if rank == 'scheduler':\n"

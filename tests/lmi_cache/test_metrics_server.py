@@ -10,8 +10,8 @@ import pytest
 
 from tests.local_ports import free_port_block
 
-from lmi_cache.metrics import CacheMetrics, SchedulerMetrics
-from lmi_cache.metrics_server import note_where_metrics_go, serve_metrics
+from lmi_cache.metrics.series import CacheMetrics, SchedulerMetrics
+from lmi_cache.metrics.server import note_where_metrics_go, serve_metrics
 
 
 def _scrape(port: int) -> str:
@@ -86,7 +86,7 @@ def test_a_busy_port_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_start_up_note_says_where_the_series_are(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="lmi_cache.metrics_server"):
+    with caplog.at_level(logging.INFO, logger="lmi_cache.metrics.server"):
         note_where_metrics_go({"PROMETHEUS_MULTIPROC_DIR": "/x"})
         note_where_metrics_go({"LMI_CACHE_METRICS_PORT": "9400"})
         note_where_metrics_go({})

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmi_cache.errors import ConfigError
-from lmi_cache.metrics_settings import ExporterSettings, exporter_settings, multiproc_env, reset_multiproc_dir
+from lmi_cache.metrics.settings import ExporterSettings, exporter_settings, multiproc_env, reset_multiproc_dir
 
 
 def test_exporters_off_by_default_and_loopback_by_default() -> None:

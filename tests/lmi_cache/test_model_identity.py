@@ -1,4 +1,4 @@
-"""Tests for lmi_cache.model_identity: the weights' identity that every cache key carries."""
+"""Tests for lmi_cache.keys.model_identity: the weights' identity that every cache key carries."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmi_cache import model_identity as mi
+from lmi_cache.keys import model_identity as mi
 from lmi_cache.errors import ConfigError
 
 COMMIT_A = "a" * 40

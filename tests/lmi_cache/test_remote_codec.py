@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from remote_fixtures import make_keys, make_object, payload_of
 
-from lmi_cache.chunk_format import ChunkFormatError, ChunkHeader
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.chunk_format import ChunkFormatError, ChunkHeader
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.errors import ConfigError
 from lmi_cache.remote.put_queue import PutQueue
 from lmi_cache.remote.settings import RemoteSettings, redact_url, redis_client_url, s3_location

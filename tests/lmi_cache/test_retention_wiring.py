@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from lmi_cache.chunk_format import ChunkHeader
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.chunk_format import ChunkHeader
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.config import CacheConfig
 from lmi_cache.engine import CacheEngine
 from lmi_cache.eviction.session_tracker import SessionSource, SessionTracker
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner, SchedulerMetrics
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner, SchedulerMetrics
 from lmi_cache.tiers import cpu_tier
 from lmi_cache.tiers.buffers import size_class_bytes
 from lmi_cache.tiers.factory import TierContext

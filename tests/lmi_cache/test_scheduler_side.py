@@ -8,8 +8,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmi_cache import chunk_hashing
-from lmi_cache.chunk_hashing import ChunkKey, KeySpace
+from lmi_cache.keys import hashing as chunk_hashing
+from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 from lmi_cache.vllm_connector.scheduler_side import MAX_ASKS_WITHOUT_LAYOUT, SchedulerGeometry, SchedulerSide
 

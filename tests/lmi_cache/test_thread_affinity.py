@@ -34,7 +34,7 @@ def test_io_threads_prefer_cores_openmp_does_not_use() -> None:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin one thread to one of them")
 def test_a_reader_thread_started_by_a_pinned_thread_is_not_pinned(tmp_path: object) -> None:
-    from lmi_cache.tiers.disk_reads import DiskReader
+    from lmi_cache.tiers.disk.reads import DiskReader
 
     allowed = os.sched_getaffinity(0)
     thread_affinity._target.cache_clear()

@@ -7,7 +7,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from lmi_cache.chunk_hashing import KeyNamespace, chunk_keys
+from lmi_cache.keys.hashing import KeyNamespace, chunk_keys
 from lmi_cache.transfer.layouts import ExpectedGeometry, KvLayoutError
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata
 from lmi_cache.vllm_connector.worker_side import WorkerSide
@@ -214,7 +214,7 @@ def test_shutdown_flushes_and_closes() -> None:
 
 def test_save_and_load_seconds_reach_the_ranks_worker_series() -> None:
     """The connector's own time on the model thread is on /metrics (no tier series shows it)."""
-    from lmi_cache.metrics import CacheMetrics
+    from lmi_cache.metrics.series import CacheMetrics
 
     worker, engine, _ = make_worker()
     metrics = CacheMetrics(rank_label="0", engine_label="e")

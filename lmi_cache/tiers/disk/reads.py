@@ -22,13 +22,13 @@ import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterator, Sequence, TypeVar
 
-from lmi_cache.chunk_format import HEADER_BYTES, BytesLike, ChunkFormatError, ChunkHeader, FingerprintMismatch, verify_parts
-from lmi_cache.chunk_hashing import ChunkKey
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.keys.chunk_format import HEADER_BYTES, BytesLike, ChunkFormatError, ChunkHeader, FingerprintMismatch, verify_parts
+from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.thread_affinity import unpin_current_thread
-from lmi_cache.tiers import disk_io, disk_trust
+from lmi_cache.tiers.disk import object_files, trust
 from lmi_cache.tiers.base import HitBatch
-from lmi_cache.tiers.disk_index import DiskIndex
+from lmi_cache.tiers.disk.index import DiskIndex
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 
 _T = TypeVar("_T")
@@ -131,7 +131,7 @@ class DiskReader:
         if where is None:
             return None
         shard = self._index.shards[where[0]]
-        path = disk_io.object_path(shard.root, key.digest)
+        path = object_files.object_path(shard.root, key.digest)
         buffer = self._allocator.allocate(max(where[1], HEADER_BYTES))
         if buffer is None:
             self._metrics.error(self.name, "alloc")
@@ -140,10 +140,10 @@ class DiskReader:
 
         def read() -> int:
             try:
-                return disk_io.read_file_into(path, array, odirect=shard.odirect)
-            except disk_io.OdirectUnsupported:
+                return object_files.read_file_into(path, array, odirect=shard.odirect)
+            except object_files.OdirectUnsupported:
                 shard.odirect = False
-                return disk_io.read_file_into(path, array, odirect=False)
+                return object_files.read_file_into(path, array, odirect=False)
 
         num_read = self._guarded(key, path, read)
         header = None
@@ -164,7 +164,7 @@ class DiskReader:
         except FileNotFoundError:
             self._forget(key.digest, False)  # deleted behind our back
         except OSError as err:
-            reason = disk_trust.open_error_reason(err)
+            reason = trust.open_error_reason(err)
             if reason is None:
                 self._fault("read", err, path)
             else:

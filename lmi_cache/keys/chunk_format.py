@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from lmi_cache.chunk_hashing import ChunkKey
+from lmi_cache.keys.hashing import ChunkKey
 
 MAGIC = b"LMCK"
 FORMAT_VERSION = 1

@@ -4,7 +4,7 @@ A chunk object is written to ``<hex>.lmc.<pid>-<tid>.tmp`` beside its final
 name and renamed over it with ``os.replace``, so a crash at any instant leaves
 either no file, the complete old file, or a ``*.tmp`` that the next start-up
 removes. Files are 0600, directories 0700; reads accept only regular files
-of ours, opened without following links (``disk_trust``). With O_DIRECT the
+of ours, opened without following links (``trust``). With O_DIRECT the
 object is copied into a page-aligned buffer and zero-padded to a 4 KiB multiple (the header
 records the real length); filesystems that refuse O_DIRECT (tmpfs: EINVAL)
 raise OdirectUnsupported so the caller can fall back to buffered I/O.
@@ -21,8 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-from lmi_cache.chunk_format import HEADER_BYTES, BytesLike, ChunkHeader, byte_view
-from lmi_cache.tiers.disk_trust import entry_problem, is_our_dir, open_chunk
+from lmi_cache.keys.chunk_format import HEADER_BYTES, BytesLike, ChunkHeader, byte_view
+from lmi_cache.tiers.disk.trust import entry_problem, is_our_dir, open_chunk
 
 ALIGN_BYTES = 4096
 FILE_SUFFIX = ".lmc"

@@ -1,6 +1,6 @@
 """Persistent disk tier: one file per chunk, async writes, index rebuilt at start (torch-free, worker).
 
-Layout: ``<dir>/<hex[:2]>/<hex>.lmc`` (see ``disk_io``). Several directories
+Layout: ``<dir>/<hex[:2]>/<hex>.lmc`` (see ``object_files``). Several directories
 share the budget equally; a chunk's directory is chosen by its digest. At
 start-up the directories are scanned (names and stat only) to rebuild the
 index in mtime order, so a restarted process serves what the last one wrote
@@ -9,12 +9,12 @@ and evicts oldest-first; loads refresh the mtime to keep that order.
 Writes go through a bounded queue to a few worker threads, each holding a
 reference to the chunk object it writes (no copy): when the queue is full the
 put is dropped and counted, the caller never waits. The read path
-(``disk_reads.DiskReader``) serves queued chunks from memory and verifies files.
+(``reads.DiskReader``) serves queued chunks from memory and verifies files.
 
 A directory is used only when it is ours, private and not held by another
-live engine (``disk_trust``); otherwise it is off (one warning, a metric) and
+live engine (``trust``); otherwise it is off (one warning, a metric) and
 the tier runs without it. Each directory's budget shrinks to the free space of
-its filesystem when that is smaller (``disk_space``).
+its filesystem when that is smaller (``space``).
 """
 from __future__ import annotations
 
@@ -25,15 +25,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from lmi_cache.chunk_hashing import ChunkKey
-from lmi_cache.metrics import CacheMetrics, RateLimitedWarner
+from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.private_dir import UnsafeDirectoryError
 from lmi_cache.thread_affinity import unpin_current_thread
-from lmi_cache.tiers import disk_io, disk_trust
+from lmi_cache.tiers.disk import object_files, trust
 from lmi_cache.tiers.base import HitBatch, RemoveCallback, Tier
-from lmi_cache.tiers.disk_index import DiskIndex
-from lmi_cache.tiers.disk_reads import DiskReader
-from lmi_cache.tiers.disk_space import FreeSpaceLimit
+from lmi_cache.tiers.disk.index import DiskIndex
+from lmi_cache.tiers.disk.reads import DiskReader
+from lmi_cache.tiers.disk.space import FreeSpaceLimit
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class DiskTier(Tier):
             claim_pending=self._claim_pending, forget=self._forget, fault=self._fault, untrusted=self._untrusted,
             metrics=metrics, warner=warner, num_workers=num_readers,
         )
-        self._dir_locks: list[disk_trust.DirLock] = []
+        self._dir_locks: list[trust.DirLock] = []
         self._space = [FreeSpaceLimit(shard.root) for shard in self._index.shards]
         for number in range(len(self._index.shards)):
             self._open_shard(number)
@@ -93,15 +93,15 @@ class DiskTier(Tier):
     def _open_shard(self, number: int) -> None:
         shard = self._index.shards[number]
         try:
-            self._dir_locks.append(disk_trust.acquire_tier_dir(shard.root))
+            self._dir_locks.append(trust.acquire_tier_dir(shard.root))
         except UnsafeDirectoryError as err:
             shard.enabled = False
-            busy = isinstance(err, disk_trust.DirectoryBusy)
+            busy = isinstance(err, trust.DirectoryBusy)
             self._metrics.untrusted(self.name, "busy_dir" if busy else "unsafe_dir")
             logger.warning("disk tier: %s; the disk tier is off for this directory", err)
             return
         try:
-            files = disk_io.scan_root(shard.root, on_untrusted=self._untrusted)
+            files = object_files.scan_root(shard.root, on_untrusted=self._untrusted)
         except OSError as err:
             self._metrics.error(self.name, "scan")
             logger.warning("disk tier: cannot use %s (%s); it stays empty", shard.root, err.strerror)
@@ -191,7 +191,7 @@ class DiskTier(Tier):
                 reason = "present"
             elif not shard.enabled:
                 reason = "tier_off"
-            elif disk_io.round_up(obj.header.total_bytes) > shard.capacity_bytes:
+            elif object_files.round_up(obj.header.total_bytes) > shard.capacity_bytes:
                 reason = "too_large"
             else:
                 obj.acquire()
@@ -233,24 +233,24 @@ class DiskTier(Tier):
         shard = self._index.shards[number]
         payload = job.payload_array()
         header = job.header.with_checksum(payload)
-        reserve = disk_io.round_up(header.total_bytes) if shard.odirect else header.total_bytes
+        reserve = object_files.round_up(header.total_bytes) if shard.odirect else header.total_bytes
         self._follow_free_space(number)
         if reserve > shard.budget_bytes:  # the filesystem is full of other files: don't try
             self._metrics.dropped(self.name, "no_space")
             self._notify_removed([digest])
             return
         self._evicted(number, self._index.reserve(number, reserve))
-        path = disk_io.object_path(shard.root, digest)
+        path = object_files.object_path(shard.root, digest)
         size = 0
         try:
             try:
-                size = disk_io.write_object_file(
+                size = object_files.write_object_file(
                     path, header, payload, odirect=shard.odirect, fsync=self._fsync, object_buffer=job.buffer.numpy()
                 )
-            except disk_io.OdirectUnsupported:
+            except object_files.OdirectUnsupported:
                 shard.odirect = False
                 logger.warning("disk tier: %s refuses O_DIRECT; using buffered I/O there", shard.root)
-                size = disk_io.write_object_file(path, header, payload, odirect=False, fsync=self._fsync)
+                size = object_files.write_object_file(path, header, payload, odirect=False, fsync=self._fsync)
         except OSError as err:
             self._index.unreserve(number, reserve)
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -272,7 +272,7 @@ class DiskTier(Tier):
         root = self._index.shards[number].root
         for digest in digests:
             try:
-                disk_trust.unlink_if_ours(disk_io.object_path(root, digest))  # never someone else's file
+                trust.unlink_if_ours(object_files.object_path(root, digest))  # never someone else's file
             except OSError as err:
                 self._fault("delete", err, root)
         if notify and digests:
@@ -324,8 +324,8 @@ def scan_persisted_digests_in(dirs: Sequence[str]) -> set[bytes]:
     """Digests of object files in ``dirs`` by name only (nothing is read or deleted)."""
     digests: set[bytes] = set()
     for root in dirs:
-        if disk_trust.tier_dir_problem(root) is None:
-            digests.update(f.digest for f in disk_io.scan_root(root, remove_garbage=False))
+        if trust.tier_dir_problem(root) is None:
+            digests.update(f.digest for f in object_files.scan_root(root, remove_garbage=False))
     return digests
 
 
@@ -333,7 +333,7 @@ def build(config: CacheConfig, context: TierContext) -> DiskTier | None:
     """This rank's disk tier (``local_disk``, ``max_local_disk_size``), or None when it is 0."""
     if config.disk_capacity_bytes <= 0:
         return None
-    from lmi_cache.tiers.disk_ranks import rank_disk_dirs
+    from lmi_cache.tiers.disk.ranks import rank_disk_dirs
 
     return DiskTier(
         rank_disk_dirs(config.local_disk, context.rank_label), config.disk_capacity_bytes, metrics=context.metrics, warner=context.warner,

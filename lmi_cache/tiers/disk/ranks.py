@@ -22,8 +22,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lmi_cache.tiers import disk_io
-from lmi_cache.tiers.disk_trust import LOCK_NAME, DirLock, tier_dir_problem, unlink_if_ours
+from lmi_cache.tiers.disk import object_files
+from lmi_cache.tiers.disk.trust import LOCK_NAME, DirLock, tier_dir_problem, unlink_if_ours
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +109,8 @@ def prune_orphan_rank_dirs(roots: Sequence[str], replica: int, world_size: int) 
 
 def _empty_rank_dir(path: str) -> int:
     removed = 0
-    for scanned in disk_io.scan_root(path, remove_garbage=True):
-        if unlink_if_ours(disk_io.object_path(path, scanned.digest)):
+    for scanned in object_files.scan_root(path, remove_garbage=True):
+        if unlink_if_ours(object_files.object_path(path, scanned.digest)):
             removed += 1
     return removed
 

@@ -13,7 +13,7 @@ With ``PROMETHEUS_MULTIPROC_DIR`` set (``lmi-cache serve`` does it) the values
 live in per-process files that vLLM's ``/metrics`` aggregates; gauges use
 ``mostrecent`` so a restarted process's last value wins. Each object owns a
 CollectorRegistry (several engines in one test process never collide) that
-the opt-in exporters of ``metrics_server`` serve.
+the opt-in exporters of ``metrics.server`` serve.
 
 Scheduler series (one lookup per request admission; re-asks while a request
 waits for memory are not counted; a preempted request that is admitted again

@@ -1,7 +1,7 @@
 """Opt-in per-process Prometheus exporters (vLLM scheduler and worker processes).
 
 The usual place for the lmi_cache_* series is vLLM's own ``/metrics`` (see
-``lmi_cache.metrics_settings``). When ``LMI_CACHE_METRICS_PORT`` is set, each
+``lmi_cache.metrics.settings``). When ``LMI_CACHE_METRICS_PORT`` is set, each
 process that writes series also serves its own registry: the scheduler of
 data-parallel replica ``d`` and each worker rank, on the collision-free ports
 ``ExporterSettings.port_for`` computes, bound to ``LMI_CACHE_METRICS_ADDR``
@@ -17,7 +17,7 @@ from typing import Mapping
 from prometheus_client import CollectorRegistry, start_http_server
 
 from lmi_cache.errors import ConfigError
-from lmi_cache.metrics_settings import METRICS_PORT_ENV, MULTIPROC_DIR_ENV, ExporterSettings, exporter_settings
+from lmi_cache.metrics.settings import METRICS_PORT_ENV, MULTIPROC_DIR_ENV, ExporterSettings, exporter_settings
 
 logger = logging.getLogger(__name__)
 

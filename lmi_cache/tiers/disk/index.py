@@ -7,7 +7,7 @@ it was found (so changing the directory list between runs loses nothing).
 Methods that evict return the victims: the caller deletes their files
 outside the lock. A shard's budget is its share of the configured size, or
 less when its filesystem has less free space (``limit_bytes``, see
-``disk_space``); a shard whose directory can't be trusted is disabled.
+``space``); a shard whose directory can't be trusted is disabled.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence, cast
 
-from lmi_cache.eviction.base import EvictionPolicy, make_policy
-from lmi_cache.tiers.disk_io import ScannedFile
+from lmi_cache.eviction import EvictionPolicy, make_policy
+from lmi_cache.tiers.disk.object_files import ScannedFile
 
 
 @dataclass
