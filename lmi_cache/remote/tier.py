@@ -76,7 +76,7 @@ class RemoteTier(Tier):
     def _body_memory(self, num_bytes: int) -> tuple[torch.Tensor, memoryview] | None:
         """Host memory a value's body (chunk header + payload) is received into (an I/O thread)."""
         buffer = self._allocator.allocate(max(num_bytes, HEADER_BYTES))
-        return None if buffer is None else (buffer, memoryview(buffer.numpy()))
+        return None if buffer is None else (buffer, buffer.numpy().data)
 
     def _to_object(self, key: ChunkKey, chunk: DecodedChunk, owner: torch.Tensor | None) -> ChunkObject | None:
         if chunk.in_place and owner is not None:
