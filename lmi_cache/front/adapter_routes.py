@@ -95,8 +95,8 @@ class AdapterRoutes:
         return ClientError(404, "runtime adapter loading is off: adapters come from the model directory's "
                                 "adapters/ folder (option.enable_runtime_adapters=true turns these routes on)")
 
-    def load_request(self, path: str, data: Any, query: bytes) -> tuple[str, dict[str, Any]]:
-        """(name, the body vLLM gets) for a load/register request; ClientError when it is refused."""
+    def load_request(self, path: str, data: Any, query: bytes) -> tuple[str, Path, dict[str, Any]]:
+        """(name, real folder, the body vLLM gets) for a load/register request; ClientError when refused."""
         if not self.enabled:
             raise self._off()
         if not isinstance(data, dict):
@@ -115,7 +115,7 @@ class AdapterRoutes:
             raise ClientError(400, f"adapter {_shown(name)} is not a usable PEFT LoRA adapter",
                               f"{folder}: {err}") from None
         # vLLM gets the resolved folder: a symlink swapped after this check cannot redirect it.
-        return name, {**data, src_key: str(folder)}
+        return name, folder, {**data, src_key: str(folder)}
 
     def confine(self, src: Any) -> Path:
         """The real folder ``src`` names inside one of the roots; ClientError 403 otherwise."""

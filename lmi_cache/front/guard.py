@@ -23,6 +23,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 logger = logging.getLogger("lmi_cache.front")
+# AWS's session library sets the root logger to ERROR when imported: the front's warnings must still show.
+logger.setLevel(logging.INFO)
 MAX_JSON_DEPTH = 64  # far deeper than any chat or LMI body; pydantic and json recurse per level
 OFF_LOOP_BYTES = 256 << 10  # bodies past this are parsed in a worker thread
 MAX_BODY_ENV = "LMI_CACHE_MAX_REQUEST_BYTES"  # set by serve (option.max_request_bytes)

@@ -20,8 +20,8 @@ body limit and the model-name check; the runtime adapter routes are guarded
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Awaitable, Callable, MutableMapping
 
 from lmi_cache.front.adapter_routes import LOAD_PATHS, SAGEMAKER_ADAPTERS, AdapterRoutes, is_adapter_route
@@ -42,6 +42,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 ADAPTER_HEADER = b"x-amzn-sagemaker-adapter-identifier"
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # when serve did not size it from max_model_len
+_PRINTABLE = re.compile(rb"[\x21-\x7e]*")  # a header value without spaces or control bytes
 OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
@@ -139,7 +140,7 @@ class LmiFrontMiddleware:
                 raise ClientError(400, expired)
         changed = _drop_client_session_id(data)
         header = next((v for k, v in headers if k == ADAPTER_HEADER), None)
-        if header is not None and (len(header) > MAX_HEADER_VALUE or not header.isascii()):
+        if header is not None and (len(header) > MAX_HEADER_VALUE or not _PRINTABLE.fullmatch(header)):
             raise ClientError(400, "X-Amzn-SageMaker-Adapter-Identifier: not an adapter name")
         name = header.decode("ascii") if header else None
         original = data
@@ -215,8 +216,7 @@ class LmiFrontMiddleware:
         body = await read_body(scope, receive, self.max_body)
         data = await parse_json(body) if body.strip() else None
         if scope["method"] == "POST" and (path in LOAD_PATHS or path == SAGEMAKER_ADAPTERS):
-            name, data = self.routes.load_request(path, data, scope.get("query_string", b""))
-            folder = Path(data.get("lora_path") or data.get("src"))
+            name, folder, data = self.routes.load_request(path, data, scope.get("query_string", b""))
             body = encode_json(data)
             headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"content-type")]
             headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
