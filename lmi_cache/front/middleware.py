@@ -64,14 +64,18 @@ def _env_int(name: str, default: int) -> int:
 ADAPTERS, FORMATTERS = build_registry(dict(os.environ))
 
 
+# vLLM then serves any model name, so the front must not refuse unknown ones either.
+_ANY_MODEL_NAME = os.environ.get("VLLM_SKIP_MODEL_NAME_VALIDATION", "").lower() in ("1", "true")
+
+
 def _base_names(scope: Scope) -> frozenset[str] | None:
     """The served model names; None when unknown (no app state, or vLLM told to accept any name)."""
-    if os.environ.get("VLLM_SKIP_MODEL_NAME_VALIDATION", "").lower() in ("1", "true"):
+    # vLLM keeps them in app.state.openai_serving_models.base_model_paths (vllm/entrypoints/openai/models).
+    models = getattr(getattr(scope.get("app"), "state", None), "openai_serving_models", None)
+    paths = getattr(models, "base_model_paths", None)
+    if _ANY_MODEL_NAME or not paths:
         return None
-    try:  # vLLM keeps them in app.state.openai_serving_models.base_model_paths (entrypoints/openai/models)
-        return frozenset(p.name for p in scope["app"].state.openai_serving_models.base_model_paths)
-    except (AttributeError, KeyError, TypeError):
-        return None
+    return frozenset(str(p.name) for p in paths)
 
 
 class LmiFrontMiddleware:
