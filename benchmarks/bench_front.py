@@ -9,8 +9,8 @@ Runs as a script: ``python benchmarks/bench_front.py [--requests 300] [--skip-e2
 2. End to end: one vLLM OpenAI server on the tiny model, started with
    ``--middleware lmi_cache.front.middleware.LmiFrontMiddleware``; the same
    1-token greedy completion sent in rotating order over a kept-alive
-   connection as an OpenAI payload to ``/v1/completions`` (the front only
-   compares the path), as an OpenAI payload to ``/invocations`` (passed
+   connection as an OpenAI payload to ``/v1/completions`` (the front checks
+   its size and model name), as an OpenAI payload to ``/invocations`` (passed
    through) and as an LMI payload to ``/invocations`` (translated both ways).
    Prints medians, p90s, differences and ratios. (Two servers side by side,
    with and without the front, differ by more than the front costs on a
@@ -194,7 +194,7 @@ def end_to_end(requests: int, work: Path) -> tuple[bool, dict[str, list[float]],
     return same, times, refusals
 
 
-ROUTE_OPENAI = "OpenAI prompt on /v1/completions (the front only checks the path)"
+ROUTE_OPENAI = "OpenAI prompt on /v1/completions (the front checks size and model name)"
 ROUTE_INVOKE_OPENAI = "OpenAI prompt on /invocations (front passes it through)"
 ROUTE_INVOKE_LMI = "LMI inputs on /invocations (front translates both ways)"
 

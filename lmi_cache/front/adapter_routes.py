@@ -132,11 +132,9 @@ class AdapterRoutes:
     def unload_name(self, path: str, data: Any) -> str:
         if not self.enabled:
             raise self._off()
-        if path.startswith(SAGEMAKER_ADAPTERS + "/"):
-            name = path[len(SAGEMAKER_ADAPTERS) + 1:]
-        else:
-            name = data.get("lora_name") if isinstance(data, dict) else None
-        name = check_name(name)
+        raw: Any = path[len(SAGEMAKER_ADAPTERS) + 1:] if path.startswith(SAGEMAKER_ADAPTERS + "/") else \
+            (data.get("lora_name") if isinstance(data, dict) else None)
+        name = check_name(raw)
         if name not in self.runtime:
             raise ClientError(404, f"adapter {_shown(name)} was not registered at run time")
         return name

@@ -125,8 +125,8 @@ def model_config_int(model_dir: Path, key: str) -> int | None:
         return None
     if not isinstance(config, dict):
         return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    value = text.get(key)
+    nested = config.get("text_config")
+    value = (nested if isinstance(nested, dict) else config).get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 

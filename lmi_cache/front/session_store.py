@@ -95,8 +95,9 @@ def _quarantine(path: Path, strays: list[Path]) -> str:
     except OSError as err:
         raise SessionsFolderError(f"sessions folder {path}: {len(strays)} entries are not sessions and cannot "
                                   f"be moved to {aside} ({err.strerror}); remove them") from None
-    return f"sessions folder {path}: moved {len(strays)} entr{'ies' if len(strays) != 1 else 'y'} that are " \
-           f"not sessions to {aside}"
+    many = len(strays) != 1
+    return f"sessions folder {path}: moved {len(strays)} stray entr{'ies' if many else 'y'} " \
+           f"(not session folders) to {aside}"
 
 
 def _manager() -> Any:

@@ -65,6 +65,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     url: str
     log_path: Path
+    model_dir: Path
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -112,7 +113,8 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
     root = e2e_dir / "front"
     model_dir = make_front_model_dir(root / "model", tiny_model, root / "sessions", SESSION_TTL_S,
                                      extra=["option.enable_adapter_formatters=true",
-                                            f"option.max_sessions={MAX_SESSIONS}"])
+                                            f"option.max_sessions={MAX_SESSIONS}",
+                                            "option.enable_runtime_adapters=true"])
     (root / "sessions" / "crashed").mkdir(parents=True)  # what a crash mid-write leaves behind
     (root / "sessions" / "crashed" / ".expiration_ts").write_text("")
     (root / "sessions" / "stray.txt").write_text("not a session")
@@ -142,7 +144,7 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
     try:
         with running_server([*command, "--model-dir", str(model_dir)], env=env, cwd=root,
                             log_path=log_path, ready_url=f"http://127.0.0.1:{port}/ping") as proc:
-            yield Server(proc, f"http://127.0.0.1:{port}", log_path)
+            yield Server(proc, f"http://127.0.0.1:{port}", log_path, model_dir)
     finally:
         shutil.rmtree(root / "rpc", ignore_errors=True)
 
@@ -166,8 +168,10 @@ def test_startup_summary_names_the_front_settings(server: Server) -> None:
     assert "adapter tenant-a: registered (rank 8; loaded on first use)" in log
     assert "adapter broken: REFUSED (adapter_model.safetensors:" in log
     assert "adapter tenant-f: registered (rank 8; loaded on first use; input, output formatters from model.py)" in log
-    assert "removed 1 unreadable (crashed) and 0 expired session" in log and "that are not sessions to" in log
+    assert "removed 1 unreadable (crashed) and 0 expired session" in log
+    assert "moved 1 stray entry (not session folders) to" in log
     assert "request bodies: at most" in log
+    assert "runtime adapters: POST /adapters and /v1/load_lora_adapter on, sources confined to" in log
 
 
 def test_lmi_request_gives_the_openai_paths_tokens(server: Server) -> None:
@@ -403,19 +407,35 @@ def test_a_64_mib_body_is_refused_and_ping_keeps_answering(server: Server) -> No
     assert pings and set(pings) == {200}
 
 
-def test_runtime_adapter_routes_are_off_and_unknown_models_are_refused(server: Server) -> None:
-    for method, path, body in (("POST", "/v1/load_lora_adapter", {"lora_name": "tenant-b", "lora_path": "/etc"}),
-                               ("POST", "/adapters", {"name": "evil", "src": "/root"}),
-                               ("POST", "/v1/unload_lora_adapter", {"lora_name": "tenant-a"}),
-                               ("DELETE", "/adapters/tenant-a", None)):
-        status, answer = raw_post(server, path, json.dumps(body).encode() if body else b"", method=method)
-        assert status == 404 and "option.enable_runtime_adapters" in json.loads(answer)["error"]
+def test_runtime_adapters_load_only_from_the_adapters_folder(server: Server) -> None:
+    """Runtime registration is on in this server: sources outside the folder are refused, inside it work."""
+    outside = [("POST", "/v1/load_lora_adapter", {"lora_name": "tenant-x", "lora_path": "/etc"}),
+               ("POST", "/adapters", {"name": "evil", "src": "/root"}),
+               ("POST", "/adapters", {"name": "evil", "src": "../../.."}),
+               ("POST", "/adapters", {"name": "x" * 50_000, "src": "tenant-b"})]
+    for method, path, body in outside:
+        status, answer = raw_post(server, path, json.dumps(body).encode(), method=method)
+        assert status in (400, 403) and "/etc" not in answer.decode() and "/root" not in answer.decode()
+    assert raw_post(server, "/v1/unload_lora_adapter", b'{"lora_name": "tenant-a"}')[0] == 404  # a folder one
+    payload = {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 8, "do_sample": False}}
+    expected = ok(call(f"{server.url}/invocations", {**payload, "adapters": "tenant-b"}))["generated_text"]
+    status, answer = raw_post(server, "/adapters", json.dumps(
+        {"name": "tenant-c", "src": str(server.model_dir / "adapters" / "tenant-b")}).encode())
+    assert status == 200, answer
+    got = ok(call(f"{server.url}/invocations", payload, {"X-Amzn-SageMaker-Adapter-Identifier": "tenant-c"}))
+    assert got["generated_text"] == expected
+    assert _models(server)["tenant-c"] == os.path.realpath(server.model_dir / "adapters" / "tenant-b")
+    assert raw_post(server, "/adapters/tenant-c", b"", method="DELETE")[0] == 200
+    assert call(f"{server.url}/invocations", payload, {"X-Amzn-SageMaker-Adapter-Identifier": "tenant-c"}).status == 404
+
+
+def test_unknown_models_are_refused_before_vllm(server: Server) -> None:
     for name in ("no-such-adapter", "x" * 5000):
         reply = call(f"{server.url}/invocations", {"prompt": "x", "model": name, "max_tokens": 1})
         assert reply.status == 404 and len(reply.body) < 600
         reply = call(f"{server.url}/v1/completions", {"prompt": "x", "model": name, "max_tokens": 1})
         assert reply.status == 404
-    served = {m: r for m, r in _models(server).items()}
+    served = _models(server)
     assert not any(root in ("/etc", "/root") for root in served.values())
     assert "no-such-adapter" not in served and "evil" not in served
 

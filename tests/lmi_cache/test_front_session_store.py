@@ -37,7 +37,7 @@ def test_a_crashed_sessions_folder_is_cleaned_so_the_library_starts_and_creates(
         manager(folder)
     lines = prepare_sessions_folder(folder)
     assert lines == [f"sessions folder {folder}: removed 1 unreadable (crashed) and 1 expired sessions",
-                     f"sessions folder {folder}: moved 1 entry that are not sessions to {folder}.quarantine"]
+                     f"sessions folder {folder}: moved 1 stray entry (not session folders) to {folder}.quarantine"]
     assert sorted(p.name for p in folder.iterdir()) == ["live"]
     assert [p.read_text() for p in (tmp_path / "sessions.quarantine").iterdir()] == ["left here by hand"]
     store = manager(folder)
