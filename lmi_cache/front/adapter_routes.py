@@ -57,6 +57,13 @@ def check_name(name: Any) -> str:
     return name
 
 
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a name too long for the file system, a folder we may not read: not a source
+        return False
+
+
 @dataclass
 class AdapterRoutes:
     """The adapters requests may name, and the guarded runtime routes."""
@@ -119,12 +126,12 @@ class AdapterRoutes:
 
     def confine(self, src: Any) -> Path:
         """The real folder ``src`` names inside one of the roots; ClientError 403 otherwise."""
-        if not isinstance(src, str) or not src or "\0" in src or "://" in src:
+        if not isinstance(src, str) or not src or len(src) > 4096 or "\0" in src or "://" in src:
             raise ClientError(400, "adapter source must be a local folder path")
         for root in self.roots:
             real_root = Path(os.path.realpath(root))
             candidate = Path(os.path.realpath(root / src))  # an absolute src replaces the root
-            if candidate != real_root and candidate.is_relative_to(real_root) and candidate.is_dir():
+            if candidate != real_root and candidate.is_relative_to(real_root) and _is_dir(candidate):
                 return candidate
         raise ClientError(403, "adapter source is outside the folders adapters may be loaded from",
                           f"source {src!r} not under {[str(r) for r in self.roots]}")

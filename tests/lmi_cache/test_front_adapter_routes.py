@@ -62,7 +62,7 @@ def routes(root: Path, **kwargs: object) -> AdapterRoutes:
 
 @pytest.mark.parametrize("src, status", [
     ("/etc", 403), ("../outside", 403), ("link-out", 403), ("/root", 403), ("not-peft", 400),
-    ("s3://bucket/a", 400), ("", 400), ("good/../../outside", 403)])
+    ("s3://bucket/a", 400), ("", 400), ("good/../../outside", 403), ("a" * 300, 403), ("a" * 5000, 400)])
 def test_a_source_outside_the_roots_or_not_an_adapter_is_refused(roots: Path, src: str, status: int) -> None:
     stub = StubApp(body="ok")
     app = front(stub, routes=routes(roots))
