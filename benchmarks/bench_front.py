@@ -9,12 +9,15 @@ Runs as a script: ``python benchmarks/bench_front.py [--requests 300] [--skip-e2
 2. End to end: one vLLM OpenAI server on the tiny model, started with
    ``--middleware lmi_cache.front.middleware.LmiFrontMiddleware``; the same
    1-token greedy completion sent in rotating order over a kept-alive
-   connection as an OpenAI payload to ``/v1/completions`` (the front only
-   compares the path), as an OpenAI payload to ``/invocations`` (passed
+   connection as an OpenAI payload to ``/v1/completions`` (the front checks
+   its size and model name), as an OpenAI payload to ``/invocations`` (passed
    through) and as an LMI payload to ``/invocations`` (translated both ways).
    Prints medians, p90s, differences and ratios. (Two servers side by side,
    with and without the front, differ by more than the front costs on a
    shared 2-core machine: their workers compete for the same cores.)
+3. On the same server, a 64 MiB body sent with a Content-Length and then
+   chunked (no length): the time until the 413 arrives, and the slowest
+   ``/ping`` answer while it was being sent (another thread pings every 10 ms).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import http.client
 import json
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, MutableMapping
@@ -122,7 +126,42 @@ class Client:
         return elapsed, data
 
 
-def end_to_end(requests: int, work: Path) -> tuple[bool, dict[str, list[float]]]:
+def big_body(url: str, chunked: bool) -> tuple[int, float, float]:
+    """(status, seconds until the answer, slowest /ping meanwhile) for a 64 MiB /invocations body."""
+    parsed = urlparse(url)
+    body = b'{"inputs": "' + b"a" * (64 << 20) + b'"}'
+    pings: list[float] = []
+    stop = threading.Event()
+
+    def ping() -> None:
+        conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=30)
+        while not stop.is_set():
+            start = time.perf_counter()
+            conn.request("GET", "/ping")
+            conn.getresponse().read()
+            pings.append(time.perf_counter() - start)
+            time.sleep(0.01)
+
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=60)
+    start = time.perf_counter()
+    payload: Any = (body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)) if chunked else body
+    try:
+        conn.request("POST", "/invocations", payload, {"Content-Type": "application/json"}, encode_chunked=chunked)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed before the whole body was sent
+    reply = conn.getresponse()
+    reply.read()
+    elapsed = time.perf_counter() - start
+    conn.close()
+    time.sleep(0.1)
+    stop.set()
+    pinger.join()
+    return reply.status, elapsed, max(pings, default=float("nan"))
+
+
+def end_to_end(requests: int, work: Path) -> tuple[bool, dict[str, list[float]], list[tuple[str, int, float, float]]]:
     from lmi_cache.bench.vllm_server import ServerSpec, VllmServer
     from lmi_cache.devtools.tiny_model import make_tiny_model
     from lmi_cache.front.options import MIDDLEWARE
@@ -150,10 +189,12 @@ def end_to_end(requests: int, work: Path) -> tuple[bool, dict[str, list[float]]]
             for name in names[i % 3:] + names[:i % 3]:  # rotate the order: no case always goes first
                 path, payload = cases[name]
                 times[name].append(client.post(path, payload)[0])
-    return same, times
+        refusals = [(how, *big_body(server.url, chunked)) for how, chunked in
+                    (("with Content-Length", False), ("chunked, no length", True))]
+    return same, times, refusals
 
 
-ROUTE_OPENAI = "OpenAI prompt on /v1/completions (the front only checks the path)"
+ROUTE_OPENAI = "OpenAI prompt on /v1/completions (the front checks size and model name)"
 ROUTE_INVOKE_OPENAI = "OpenAI prompt on /invocations (front passes it through)"
 ROUTE_INVOKE_LMI = "LMI inputs on /invocations (front translates both ways)"
 
@@ -172,7 +213,7 @@ def main() -> int:
     if args.skip_e2e:
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-front-") as tmp:
-        same, times = end_to_end(args.requests, Path(tmp))
+        same, times, refusals = end_to_end(args.requests, Path(tmp))
     print(f"\n## End to end: 1-token greedy completion, one vLLM CPU server with the front, "
           f"{args.requests} rounds (same token from LMI and OpenAI payloads: {same})\n")
     base = percentile(times[ROUTE_OPENAI], 50)
@@ -185,6 +226,11 @@ def main() -> int:
     lmi, plain = percentile(times[ROUTE_INVOKE_LMI], 50), percentile(times[ROUTE_INVOKE_OPENAI], 50)
     print(f"\nLMI translation end to end (LMI vs OpenAI payload on /invocations): {(lmi - plain) * 1e3:+.2f} ms "
           f"at the median ({lmi / plain:.3f}x)")
+    print("\n## A 64 MiB body on /invocations\n")
+    print("| sent | status | answered after | slowest /ping meanwhile |")
+    print("|---|---|---|---|")
+    for how, status, elapsed, slowest in refusals:
+        print(f"| {how} | {status} | {elapsed * 1e3:.1f} ms | {slowest * 1e3:.1f} ms |")
     return 0
 
 

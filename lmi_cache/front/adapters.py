@@ -9,7 +9,8 @@ directory"): ``<model dir>/adapters/<name>/`` in PEFT's format
 fails the checks is refused at registration: requests naming it get 424
 (LMI's status for a failed adapter registration) with the reason, instead of
 failing inside the engine. Good adapters are handed to vLLM through a
-``LoRAResolver``, so vLLM loads one only when a request first names it.
+``LoRAResolver`` (``lmi_cache.vllm_connector.front_glue``: this package
+imports no vLLM), so vLLM loads one only when a request first names it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Any
 ADAPTERS_DIR_ENV = "LMI_CACHE_ADAPTERS_DIR"
 MAX_LORA_RANK_ENV = "LMI_CACHE_MAX_LORA_RANK"
 HIDDEN_SIZE_ENV = "LMI_CACHE_MODEL_HIDDEN_SIZE"
-VLLM_DEFAULT_MAX_LORA_RANK = 16
+VLLM_DEFAULT_MAX_LORA_RANK = 16  # vLLM's LoRAConfig.max_lora_rank default (vllm/config/lora.py)
 _MAX_HEADER_BYTES = 100 << 20
 
 
@@ -116,15 +117,22 @@ def scan_adapters(adapters_dir: Path, max_rank: int = VLLM_DEFAULT_MAX_LORA_RANK
     return found
 
 
-def model_hidden_size(model_dir: Path) -> int | None:
-    """The base model's hidden_size from config.json, when it can be read."""
+def model_config_int(model_dir: Path, key: str) -> int | None:
+    """An integer of the base model's config.json (its text_config for multimodal models), when readable."""
     try:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    value = text.get("hidden_size") if isinstance(text, dict) else None
-    return value if isinstance(value, int) else None
+    if not isinstance(config, dict):
+        return None
+    nested = config.get("text_config")
+    value = (nested if isinstance(nested, dict) else config).get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def model_hidden_size(model_dir: Path) -> int | None:
+    """The base model's hidden_size from config.json, when it can be read."""
+    return model_config_int(model_dir, "hidden_size")
 
 
 def registry_from_env(env: dict[str, str] | None = None) -> dict[str, Adapter]:
@@ -133,27 +141,12 @@ def registry_from_env(env: dict[str, str] | None = None) -> dict[str, Adapter]:
     folder = env.get(ADAPTERS_DIR_ENV)
     if not folder:
         return {}
-    max_rank = int(env.get(MAX_LORA_RANK_ENV) or VLLM_DEFAULT_MAX_LORA_RANK)
-    hidden = env.get(HIDDEN_SIZE_ENV, "")
-    return scan_adapters(Path(folder), max_rank, int(hidden) if hidden.isdigit() else None)
+    return scan_adapters(Path(folder), *registry_limits(env))
 
 
-def register_with_vllm(adapters: dict[str, Adapter]) -> None:
-    """Let vLLM resolve registered adapters by name on first use (loaded lazily by the engine)."""
-    good = {a.name: a for a in adapters.values() if a.ok}
-    if not good:
-        return
-    from vllm.lora.request import LoRARequest
-    from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
-
-    class LmiAdaptersResolver(LoRAResolver):
-        async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
-            adapter = good.get(lora_name)
-            if adapter is None:
-                return None
-            # vLLM replaces the id with its own counter; a stable one keeps logs readable.
-            return LoRARequest(lora_name=lora_name, lora_int_id=1 + sorted(good).index(lora_name),
-                               lora_path=str(adapter.path))
-
-    if "lmi-cache adapters" not in LoRAResolverRegistry.get_supported_resolvers():
-        LoRAResolverRegistry.register_resolver("lmi-cache adapters", LmiAdaptersResolver())
+def registry_limits(env: dict[str, str] | None = None) -> tuple[int, int | None]:
+    """(max_lora_rank, the base model's hidden_size or None), as serve exported them."""
+    env = dict(os.environ) if env is None else env
+    raw_rank, hidden = env.get(MAX_LORA_RANK_ENV, ""), env.get(HIDDEN_SIZE_ENV, "")
+    return (int(raw_rank) if raw_rank.isdigit() else VLLM_DEFAULT_MAX_LORA_RANK,
+            int(hidden) if hidden.isdigit() else None)

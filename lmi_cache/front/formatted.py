@@ -9,14 +9,22 @@ formatter the raw vLLM answer goes to it, each chunk when streaming).
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Awaitable, Callable, MutableMapping
 
 from lmi_cache.front.formatters import FormatterError, Formatters, apply_output
+from lmi_cache.front.guard import redact
 from lmi_cache.front.responses import JSONLINES, error_line, error_to_lmi
 from lmi_cache.front.schema import LmiRequestPlan
 
 Message = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
+logger = logging.getLogger("lmi_cache.front")
+
+
+def log_failure(request_id: str, what: str, detail: str) -> None:
+    """The details of a failure whose client answer carries only ``what`` and the request id."""
+    logger.warning("lmi-cache front: %s %s (%s)", request_id, what, redact(detail))
 
 
 def is_event_stream(start: Message) -> bool:
@@ -49,8 +57,10 @@ class FormattedResponse:
     payload, vLLM's own otherwise).
     """
 
-    def __init__(self, formatters: Formatters, plan: LmiRequestPlan | None, send: Send) -> None:
+    def __init__(self, formatters: Formatters, plan: LmiRequestPlan | None, send: Send,
+                 request_id: str = "") -> None:
         self.formatters = formatters
+        self.request_id = request_id
         self.plan = plan
         self.downstream = send
         self.start: Message | None = None
@@ -97,7 +107,8 @@ class FormattedResponse:
                     continue  # not JSON: nothing a formatter could read
                 except FormatterError as err:
                     self.failed = True
-                    text = json.dumps({**error_line(), "error": str(err)}).encode()
+                    log_failure(self.request_id, err.reason, str(err))
+                    text = json.dumps({**error_line(), "error": err.reason, "request_id": self.request_id}).encode()
                 out.append(text if text.endswith(b"\n") else text + b"\n")
         return b"".join(out)
 
@@ -116,9 +127,13 @@ class FormattedResponse:
         try:
             out = apply_output(self.formatters, json.loads(raw))
         except ValueError as err:
-            status, out = 500, json.dumps({"error": f"could not read vLLM's answer: {err}", "code": 500}).encode()
+            log_failure(self.request_id, "could not read vLLM's answer", str(err))
+            status, out = 500, json.dumps({"error": "could not read vLLM's answer", "code": 500,
+                                           "request_id": self.request_id}).encode()
         except FormatterError as err:
-            status, out = err.status, json.dumps({"error": str(err), "code": err.status}).encode()
+            log_failure(self.request_id, err.reason, str(err))
+            status, out = err.status, json.dumps({"error": err.reason, "code": err.status,
+                                                  "request_id": self.request_id}).encode()
         try:
             json.loads(out)
             content_type = b"application/json"

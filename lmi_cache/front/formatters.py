@@ -27,7 +27,8 @@ Loading user code is a trust decision: LMI runs every adapter's model.py; here
 only with ``option.enable_adapter_formatters=true``. A model.py that fails to
 import refuses its adapter (requests naming it get 424, like a broken adapter);
 a formatter that raises on a request gets a 424 (LMI's status for a failed
-custom formatter) or, mid-stream, LMI's error line; the server keeps running.
+custom formatter) or, mid-stream, LMI's error line, saying which formatter
+failed (the exception itself goes to the log); the server keeps running.
 """
 from __future__ import annotations
 
@@ -61,9 +62,13 @@ def output_formatter(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class FormatterError(Exception):
-    """A formatter failed on a request; ``str()`` is the one line the client gets."""
+    """A formatter failed on a request: ``reason`` is what the client gets, ``str()`` the log's details."""
 
     status = FORMATTER_STATUS
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 @dataclass(frozen=True)
@@ -155,10 +160,12 @@ def apply_input(formatters: Formatters, payload: Any, tokenizer: Any = None) -> 
     try:
         result = formatters.input(payload, tokenizer=tokenizer)
     except Exception as err:  # noqa: BLE001 - user code
-        raise FormatterError(f"adapter {formatters.adapter!r} input formatter failed: {_describe(err)}") from None
+        raise FormatterError(f"adapter {formatters.adapter!r} input formatter failed: {_describe(err)}",
+                             f"adapter {formatters.adapter!r} input formatter failed") from None
     if not isinstance(result, dict):
         raise FormatterError(f"adapter {formatters.adapter!r} input formatter returned "
-                             f"{type(result).__name__}, expected a dict (the request body)")
+                             f"{type(result).__name__}, expected a dict (the request body)",
+                             f"adapter {formatters.adapter!r} input formatter failed")
     return result
 
 
@@ -178,7 +185,8 @@ def apply_output(formatters: Formatters, response: Any) -> bytes:
             return result.encode("utf-8")
         return json.dumps(result, ensure_ascii=False).encode("utf-8")
     except Exception as err:  # noqa: BLE001 - user code, or a value json cannot encode
-        raise FormatterError(f"adapter {formatters.adapter!r} output formatter failed: {_describe(err)}") from None
+        raise FormatterError(f"adapter {formatters.adapter!r} output formatter failed: {_describe(err)}",
+                             f"adapter {formatters.adapter!r} output formatter failed") from None
 
 
 def load_all(adapters: dict[str, Any], enabled: bool) -> tuple[dict[str, Formatters], dict[str, str]]:

@@ -8,19 +8,28 @@ options (see ``lmi_cache.front.options``). What this module adds, per
 djl-serving ``serving/docs/stateful_sessions.md``:
 
 - a NEW_SESSION answer carries LMI's ``X-Amzn-SageMaker-Session-Id: <id>;
-  Expires=<time>`` besides the library's ``X-Amzn-SageMaker-New-Session-Id``;
+  Expires=<time>`` besides the library's ``X-Amzn-SageMaker-New-Session-Id``
+  (NEW_SESSION and CLOSE themselves: ``lmi_cache.front.session_store``);
 - a request may send the id in either header, with or without the
   ``; Expires=...`` suffix that clients copy from the answer;
 - a request naming an expired session is refused (the library would close it
-  and serve the request as if it had no session).
+  and serve the request as if it had no session);
+- an id that is empty, ``NEW_SESSION`` (which the library reads as "no
+  session") or not an id's shape is refused with 400 before anything reads it.
 """
 from __future__ import annotations
 
+import re
 import time
+
+from lmi_cache.front.guard import ClientError
 
 SESSION_HEADER = b"x-amzn-sagemaker-session-id"
 NEW_SESSION_HEADER = b"x-amzn-sagemaker-new-session-id"
+VLLM_SESSION_HEADER = b"x-session-id"  # vLLM's SESSION_ID_HEADER (vllm/entrypoints/generate/base/serving.py)
 Headers = list[tuple[bytes, bytes]]
+# The library's ids are UUIDs; this also keeps "..", "/" and control bytes out of file names and logs.
+_SESSION_ID = re.compile(rb"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 
 
 def _bare(value: bytes) -> bytes:
@@ -28,24 +37,25 @@ def _bare(value: bytes) -> bytes:
 
 
 def normalize_request_headers(headers: Headers) -> tuple[Headers, str | None]:
-    """One ``x-amzn-sagemaker-session-id`` header holding the bare id (or none); returns it too."""
+    """One ``x-amzn-sagemaker-session-id`` header holding the bare, checked id (or none); returns it too.
+
+    A client's own ``X-Session-ID`` is dropped: vLLM gets the validated id or none.
+    Raises ClientError 400 for an id that is empty or not an id.
+    """
     session = next((v for k, v in headers if k == SESSION_HEADER), None)
     if session is None:
         session = next((v for k, v in headers if k == NEW_SESSION_HEADER), None)
+    kept = [(k, v) for k, v in headers if k not in (SESSION_HEADER, NEW_SESSION_HEADER, VLLM_SESSION_HEADER)]
     if session is None:
-        return headers, None
+        return kept, None
     bare = _bare(session)
-    kept = [(k, v) for k, v in headers if k not in (SESSION_HEADER, NEW_SESSION_HEADER)]
+    if not bare:
+        raise ClientError(400, "empty session id; send the id from NEW_SESSION's answer or no session header")
+    if bare == b"NEW_SESSION" or not _SESSION_ID.fullmatch(bare):
+        raise ClientError(400, "malformed session id; send the id from NEW_SESSION's answer")
     kept.append((SESSION_HEADER, bare))
-    return kept, bare.decode("latin-1")
-
-
-def add_lmi_session_header(headers: Headers) -> Headers:
-    """Copy the library's New-Session-Id answer into LMI's Session-Id header."""
-    new = next((v for k, v in headers if k == NEW_SESSION_HEADER), None)
-    if new is None or any(k == SESSION_HEADER for k, _ in headers):
-        return headers
-    return [*headers, (SESSION_HEADER, new)]
+    kept.append((VLLM_SESSION_HEADER, bare))
+    return kept, bare.decode("ascii")
 
 
 def expired_session_error(session_id: str) -> str | None:
@@ -63,6 +73,6 @@ def expired_session_error(session_id: str) -> str | None:
         return None
     try:
         manager.close_session(session_id)
-    except ValueError:
-        pass  # closed concurrently
+    except (ValueError, OSError):
+        pass  # closed concurrently, or its folder is gone: the sweep forgets it
     return f"Bad request: session expired: {session_id}; start a new one with {{\"requestType\": \"NEW_SESSION\"}}"

@@ -9,7 +9,10 @@ and expire; adapters load on first use, change the output, never share KV;
 the broken adapter is refused with 424; an adapter's own formatters
 (``model.py``, option.enable_adapter_formatters=true) rewrite its requests and
 answers, a formatter that raises is a 424, a model.py that fails to import
-refuses its adapter; /ping fails once the engine died (last: it kills the engine).
+refuses its adapter; hostile and careless requests get a 4xx and leave no
+traceback, the runtime adapter routes are off, a sessions folder left by a
+crash is cleaned at start, open sessions are capped; /ping fails once the
+engine died (last: it kills the engine).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 SESSION_TTL_S = 15
+MAX_SESSIONS = 4
 PROMPTS = ["def main():\n    return", "import os\nimport sys\n", "class Tree:\n    def __init__(self"]
 # tenant-f: tenant-a's weights plus this model.py (LMI's adapter-level formatters).
 FORMATTERS = """
@@ -61,6 +65,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     url: str
     log_path: Path
+    model_dir: Path
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -107,7 +112,12 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
 
     root = e2e_dir / "front"
     model_dir = make_front_model_dir(root / "model", tiny_model, root / "sessions", SESSION_TTL_S,
-                                     extra=["option.enable_adapter_formatters=true"])
+                                     extra=["option.enable_adapter_formatters=true",
+                                            f"option.max_sessions={MAX_SESSIONS}",
+                                            "option.enable_runtime_adapters=true"])
+    (root / "sessions" / "crashed").mkdir(parents=True)  # what a crash mid-write leaves behind
+    (root / "sessions" / "crashed" / ".expiration_ts").write_text("")
+    (root / "sessions" / "stray.txt").write_text("not a session")
     from lmi_cache.devtools.tiny_lora import make_tiny_lora
 
     make_tiny_lora(tiny_model, model_dir / "adapters" / "tenant-f", seed=1)  # tenant-a's weights
@@ -134,7 +144,7 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
     try:
         with running_server([*command, "--model-dir", str(model_dir)], env=env, cwd=root,
                             log_path=log_path, ready_url=f"http://127.0.0.1:{port}/ping") as proc:
-            yield Server(proc, f"http://127.0.0.1:{port}", log_path)
+            yield Server(proc, f"http://127.0.0.1:{port}", log_path, model_dir)
     finally:
         shutil.rmtree(root / "rpc", ignore_errors=True)
 
@@ -158,6 +168,10 @@ def test_startup_summary_names_the_front_settings(server: Server) -> None:
     assert "adapter tenant-a: registered (rank 8; loaded on first use)" in log
     assert "adapter broken: REFUSED (adapter_model.safetensors:" in log
     assert "adapter tenant-f: registered (rank 8; loaded on first use; input, output formatters from model.py)" in log
+    assert "removed 1 unreadable (crashed) and 0 expired session" in log
+    assert "moved 1 stray entry (not session folders) to" in log
+    assert "request bodies: at most" in log
+    assert "runtime adapters: POST /adapters and /v1/load_lora_adapter on, sources confined to" in log
 
 
 def test_lmi_request_gives_the_openai_paths_tokens(server: Server) -> None:
@@ -272,6 +286,7 @@ def test_a_broken_adapter_is_refused_with_424(server: Server) -> None:
                              ({}, {"inputs": "x", "adapters": "broken"})):
         reply = call(f"{server.url}/invocations", payload, headers)
         assert reply.status == 424 and "failed registration" in reply.json()["error"]
+        assert "safetensors" not in reply.json()["error"]  # the reason is in the start-up summary and the log
 
 
 def _cached_tokens(server: Server, prompt: str, model: str | None) -> int:
@@ -313,7 +328,9 @@ def test_an_adapters_formatters_rewrite_its_requests_and_answers(server: Server)
 def test_a_formatter_that_raises_is_a_424_and_the_server_keeps_serving(server: Server) -> None:
     reply = call(f"{server.url}/invocations", {"inputs": "x", "explode": True, "adapters": "tenant-f"})
     assert reply.status == 424
-    assert reply.json()["error"] == "adapter 'tenant-f' input formatter failed: RuntimeError: explode asked"
+    assert reply.json()["error"] == "adapter 'tenant-f' input formatter failed"
+    assert f"{reply.json()['request_id']} /invocations -> 424" in server.log()
+    assert "RuntimeError: explode asked" in server.log()
     assert get_status(f"{server.url}/ping") == 200
     assert ok(call(f"{server.url}/invocations", {"question": "x"}, {"X-Amzn-SageMaker-Adapter-Identifier": "tenant-f"}))
 
@@ -321,9 +338,129 @@ def test_a_formatter_that_raises_is_a_424_and_the_server_keeps_serving(server: S
 def test_an_adapter_whose_model_py_fails_to_import_is_refused_with_424(server: Server) -> None:
     reply = call(f"{server.url}/invocations", {"inputs": "x", "adapters": "bad-code"})
     assert reply.status == 424
-    error = reply.json()["error"]
-    assert "adapter 'bad-code' failed registration: model.py failed to import: ModuleNotFoundError" in error
-    assert "adapter bad-code refused: model.py failed to import" in server.log()
+    assert reply.json()["error"] == "adapter 'bad-code' failed registration; the server log says why"
+    assert "adapter bad-code refused: model.py failed to import: ModuleNotFoundError" in server.log()
+
+
+def raw_post(server: Server, path: str, body: bytes | Iterator[bytes], headers: dict[str, str] | None = None,
+             method: str = "POST") -> tuple[int, bytes]:
+    """A request urllib cannot make (chunked, not JSON); the connection may be closed on a refusal."""
+    import http.client
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
+    try:
+        conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})},
+                     encode_chunked=not isinstance(body, bytes))
+        reply = conn.getresponse()
+        return reply.status, reply.read()
+    except (BrokenPipeError, ConnectionResetError):  # refused before the whole body was sent
+        reply = conn.getresponse()
+        return reply.status, reply.read()
+    finally:
+        conn.close()
+
+
+def test_client_mistakes_are_4xx_with_a_request_id_and_no_traceback(server: Server) -> None:
+    before = len(server.log())
+    cases = [
+        ("/invocations", b"[" * 1000 + b"]" * 1000, {}, 400),
+        ("/invocations", b'[{"inputs": "x"}]', {}, 400),
+        ("/invocations", b'{"inputs": "x", "parameters": {"temperature": NaN}}', {}, 400),
+        ("/invocations", b'{"requestType": "CLOSE"}', {}, 400),
+        ("/invocations", b'{"inputs": "x"}', {"X-Amzn-SageMaker-Session-Id": "NEW_SESSION"}, 400),
+        ("/invocations", b'{"inputs": "x"}', {"X-Amzn-SageMaker-Session-Id": "../../etc"}, 400),
+        ("/v1/completions", b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", {}, 400),
+    ]
+    for path, body, headers, status in cases:
+        got, answer = raw_post(server, path, body, headers)
+        assert got == status, (body[:60], answer[:300])
+        assert json.loads(answer)["request_id"]
+    tail = server.log()[before:]
+    assert "Traceback" not in tail and "Internal Server Error" not in tail
+
+
+def test_a_64_mib_body_is_refused_and_ping_keeps_answering(server: Server) -> None:
+    import threading
+
+    big = b'{"inputs": "' + b"a" * (64 << 20) + b'"}'
+    pings: list[int] = []
+    done = threading.Event()
+
+    def ping() -> None:
+        while not done.is_set():
+            pings.append(get_status(f"{server.url}/ping"))
+            time.sleep(0.02)
+
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    try:
+        status, answer = raw_post(server, "/invocations", big)
+        assert status == 413 and "option.max_request_bytes" in json.loads(answer)["error"]
+        chunks = (big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20))  # no Content-Length: chunked
+        status, _ = raw_post(server, "/invocations", chunks)
+        assert status == 413
+    finally:
+        done.set()
+        pinger.join()
+    assert pings and set(pings) == {200}
+
+
+def test_runtime_adapters_load_only_from_the_adapters_folder(server: Server) -> None:
+    """Runtime registration is on in this server: sources outside the folder are refused, inside it work."""
+    outside = [("POST", "/v1/load_lora_adapter", {"lora_name": "tenant-x", "lora_path": "/etc"}),
+               ("POST", "/adapters", {"name": "evil", "src": "/root"}),
+               ("POST", "/adapters", {"name": "evil", "src": "../../.."}),
+               ("POST", "/adapters", {"name": "x" * 50_000, "src": "tenant-b"})]
+    for method, path, body in outside:
+        status, answer = raw_post(server, path, json.dumps(body).encode(), method=method)
+        assert status in (400, 403) and "/etc" not in answer.decode() and "/root" not in answer.decode()
+    assert raw_post(server, "/v1/unload_lora_adapter", b'{"lora_name": "tenant-a"}')[0] == 404  # a folder one
+    payload = {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 8, "do_sample": False}}
+    expected = ok(call(f"{server.url}/invocations", {**payload, "adapters": "tenant-b"}))["generated_text"]
+    status, answer = raw_post(server, "/adapters", json.dumps(
+        {"name": "tenant-c", "src": str(server.model_dir / "adapters" / "tenant-b")}).encode())
+    assert status == 200, answer
+    got = ok(call(f"{server.url}/invocations", payload, {"X-Amzn-SageMaker-Adapter-Identifier": "tenant-c"}))
+    assert got["generated_text"] == expected
+    assert _models(server)["tenant-c"] == os.path.realpath(server.model_dir / "adapters" / "tenant-b")
+    assert raw_post(server, "/adapters/tenant-c", b"", method="DELETE")[0] == 200
+    assert call(f"{server.url}/invocations", payload, {"X-Amzn-SageMaker-Adapter-Identifier": "tenant-c"}).status == 404
+
+
+def test_unknown_models_are_refused_before_vllm(server: Server) -> None:
+    for name in ("no-such-adapter", "x" * 5000):
+        reply = call(f"{server.url}/invocations", {"prompt": "x", "model": name, "max_tokens": 1})
+        assert reply.status == 404 and len(reply.body) < 600
+        reply = call(f"{server.url}/v1/completions", {"prompt": "x", "model": name, "max_tokens": 1})
+        assert reply.status == 404
+    served = _models(server)
+    assert not any(root in ("/etc", "/root") for root in served.values())
+    assert "no-such-adapter" not in served and "evil" not in served
+
+
+def _models(server: Server) -> dict[str, str]:
+    with urllib.request.urlopen(f"{server.url}/v1/models", timeout=10) as response:
+        return {m["id"]: m.get("root") or "" for m in json.load(response)["data"]}
+
+
+def test_open_sessions_are_capped_with_429_and_retry_after(server: Server) -> None:
+    opened: list[str] = []
+    refused = None
+    try:
+        for _ in range(MAX_SESSIONS + 1):
+            reply = call(f"{server.url}/invocations", {"requestType": "NEW_SESSION"})
+            if reply.status != 200:
+                refused = reply
+                break
+            opened.append(reply.headers["x-amzn-sagemaker-session-id"].split(";")[0])
+        assert refused is not None and refused.status == 429 and int(refused.headers["retry-after"]) >= 1
+        assert len(opened) <= MAX_SESSIONS
+    finally:
+        for session_id in opened:
+            call(f"{server.url}/invocations", {"requestType": "CLOSE"}, {"X-Amzn-SageMaker-Session-Id": session_id})
+    assert call(f"{server.url}/invocations", {"requestType": "NEW_SESSION"}).status == 200
 
 
 def test_ping_fails_once_the_engine_died(server: Server) -> None:

@@ -17,7 +17,7 @@ from lmi_cache.front.formatters import (
     scan_formatter_file,
 )
 from lmi_cache.front.middleware import LmiFrontMiddleware, build_registry
-from tests.lmi_cache.test_front_middleware import COMPLETION, StubApp, run
+from tests.lmi_cache.test_front_middleware import COMPLETION, FakeSessions, StubApp, run
 
 # As LMI's docs write them (input_formatter_schema.md / output_formatter_schema.md, vLLM signatures).
 LMI_STYLE = '''
@@ -118,17 +118,22 @@ def test_the_front_applies_an_adapters_formatters_to_its_requests_only(tmp_path:
     assert json.loads(body) == {"generated_text": " hi"}
 
 
-def test_a_formatter_that_raises_is_a_424_and_the_front_keeps_serving(tmp_path: Path) -> None:
+def test_a_formatter_that_raises_is_a_424_and_the_front_keeps_serving(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
     stub = StubApp(body=COMPLETION)
     front = LmiFrontMiddleware(stub, adapters={}, formatters={"fmt": _formatters(tmp_path)})
     status, _, body = run(front, {"inputs": "Q", "explode": True, "adapters": "fmt"})
     assert status == 424 and stub.calls == 0
-    assert json.loads(body) == {"error": "adapter 'fmt' input formatter failed: RuntimeError: bad payload",
-                                "code": 424}
+    answer = json.loads(body)
+    # The client learns which formatter failed and the request id; the exception text stays in the log.
+    assert answer == {"error": "adapter 'fmt' input formatter failed", "code": 424,
+                      "request_id": answer["request_id"]}
+    assert f"{answer['request_id']} /invocations -> 424" in caplog.text and "RuntimeError: bad payload" in caplog.text
     boom = StubApp(body={"choices": [{"index": 0, "text": "BOOM"}]})
     status, _, body = run(LmiFrontMiddleware(boom, adapters={}, formatters={"fmt": _formatters(tmp_path)}),
                           {"inputs": "Q", "adapters": "fmt"})
-    assert status == 424 and "output formatter failed: ValueError: cannot format BOOM" in json.loads(body)["error"]
+    assert status == 424 and json.loads(body)["error"] == "adapter 'fmt' output formatter failed"
+    assert "cannot format BOOM" not in body.decode() and "ValueError: cannot format BOOM" in caplog.text
     status, _, _ = run(front, {"inputs": "Q", "adapters": "fmt"})
     assert status == 200
 
@@ -143,7 +148,8 @@ def test_streamed_chunks_go_through_the_formatter_one_line_each(tmp_path: Path) 
     lines = [json.loads(line) for line in body.decode().splitlines()]
     assert lines[:2] == [{"custom": True, "text": " a"}, {"custom": True, "text": " b"}]
     # The formatter raised on the third chunk: LMI's error line with the reason, and the stream ends.
-    assert lines[2]["details"]["finish_reason"] == "error" and "cannot format BOOM" in lines[2]["error"]
+    assert lines[2]["details"]["finish_reason"] == "error"
+    assert lines[2]["error"] == "adapter 'fmt' output formatter failed" and lines[2]["request_id"]
     assert len(lines) == 3
 
 
@@ -156,7 +162,8 @@ def test_vllm_errors_keep_their_status_through_a_formatted_adapter(tmp_path: Pat
     assert status == 400 and json.loads(body) == {"error": {"message": "prompt too long", "code": 400}}
 
 
-def test_an_adapter_whose_model_py_fails_to_import_is_refused_with_424(tmp_path: Path) -> None:
+def test_an_adapter_whose_model_py_fails_to_import_is_refused_with_424(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
     from lmi_cache.devtools.tiny_lora import make_broken_lora
 
     adapters = tmp_path / "adapters"
@@ -176,7 +183,8 @@ def test_an_adapter_whose_model_py_fails_to_import_is_refused_with_424(tmp_path:
                           {"inputs": "Q", "adapters": "bad"})
     assert status == 424 and stub.calls == 0
     error = json.loads(body)["error"]
-    assert "adapter 'bad' failed registration: model.py failed to import: ModuleNotFoundError" in error
+    assert error == "adapter 'bad' failed registration; the server log says why"
+    assert "model.py failed to import: ModuleNotFoundError" in caplog.text
     # Without the option nothing is imported: no formatters, nobody refused for its model.py.
     registry, formatters = build_registry({ADAPTERS_DIR_ENV: str(adapters)})
     assert formatters == {} and registry["bad"].ok
@@ -205,10 +213,10 @@ def test_a_vllm_error_mid_stream_is_lmis_error_line_not_formatted(tmp_path: Path
     assert len(lines) == 2
 
 
-def test_session_requests_naming_a_formatted_adapter_keep_the_session_answer(tmp_path: Path) -> None:
-    value = b"abc; Expires=2030-01-01T00:00:00Z"
-    stub = StubApp(body="Session abc created", headers=[(b"x-amzn-sagemaker-new-session-id", value)])
-    front = LmiFrontMiddleware(stub, adapters={}, formatters={"fmt": _formatters(tmp_path)})
+def test_session_requests_naming_a_formatted_adapter_skip_the_formatters(tmp_path: Path) -> None:
+    stub = StubApp(body=COMPLETION)
+    sessions = FakeSessions()
+    front = LmiFrontMiddleware(stub, adapters={}, formatters={"fmt": _formatters(tmp_path)}, sessions=sessions)
     status, headers, body = run(front, {"requestType": "NEW_SESSION"}, {"X-Amzn-SageMaker-Adapter-Identifier": "fmt"})
-    assert status == 200 and json.loads(body) == "Session abc created"
-    assert headers[b"x-amzn-sagemaker-session-id"] == value
+    assert status == 200 and body == b"Session s1 created" and stub.calls == 0
+    assert headers[b"x-amzn-sagemaker-session-id"] == b"s1; Expires=2030-01-01T00:00:00Z"

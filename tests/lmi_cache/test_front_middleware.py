@@ -8,6 +8,7 @@ from typing import Any, MutableMapping
 
 from lmi_cache.front.adapters import Adapter
 from lmi_cache.front.middleware import LmiFrontMiddleware
+from lmi_cache.front.session_store import SessionGate
 
 Message = MutableMapping[str, Any]
 
@@ -19,6 +20,7 @@ class StubApp:
                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
         self.status, self.body, self.sse, self.extra_headers = status, body, sse, headers or []
         self.seen_body: Any = None
+        self.seen_raw = b""
         self.seen_headers: dict[bytes, bytes] = {}
         self.calls = 0
 
@@ -30,6 +32,7 @@ class StubApp:
             raw += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        self.seen_raw = raw
         self.seen_body = json.loads(raw) if raw else None
         self.seen_headers = dict(scope["headers"])
         if self.sse is not None:
@@ -69,12 +72,28 @@ def run(app: Any, payload: Any, headers: dict[str, str] | None = None,
 COMPLETION = {"choices": [{"index": 0, "text": " hi", "finish_reason": "length"}]}
 
 
+class FakeSessions(SessionGate):
+    """Session ids s1, s2, ... without AWS's library (the gate's own logic is tested on a real manager)."""
+
+    def __init__(self) -> None:
+        super().__init__(manager=None)
+        self.opened: list[str] = []
+        self.closed: list[str] = []
+
+    def create(self) -> tuple[str, str]:
+        self.opened.append(f"s{len(self.opened) + 1}")
+        return self.opened[-1], f"{self.opened[-1]}; Expires=2030-01-01T00:00:00Z"
+
+    def close(self, session_id: str) -> None:
+        self.closed.append(session_id)
+
+
 def test_an_lmi_request_reaches_vllm_as_a_completion_and_returns_lmis_shape() -> None:
     stub = StubApp(body=COMPLETION)
     status, headers, body = run(LmiFrontMiddleware(stub, adapters={}),
                                 {"inputs": "Q", "parameters": {"max_new_tokens": 3, "do_sample": False}})
     assert stub.seen_body == {"prompt": "Q", "max_tokens": 3, "temperature": 0.0}
-    assert stub.seen_headers[b"content-length"] == str(len(json.dumps(stub.seen_body))).encode()
+    assert stub.seen_headers[b"content-length"] == str(len(stub.seen_raw)).encode()
     assert status == 200 and json.loads(body) == {"generated_text": " hi"}
     assert headers[b"content-length"] == str(len(body)).encode()
 
@@ -128,7 +147,7 @@ def test_a_broken_adapter_is_answered_424_by_header_field_or_model() -> None:
         stub = StubApp(body=COMPLETION)
         status, _, body = run(LmiFrontMiddleware(stub, adapters=broken), payload, headers)
         assert status == 424 and stub.calls == 0
-        assert "adapter 'bad' failed registration: no adapter_config.json" in json.loads(body)["error"]
+        assert json.loads(body)["error"] == "adapter 'bad' failed registration; the server log says why"
 
 
 def test_session_ids_are_passed_bare_whichever_header_carries_them() -> None:
@@ -145,9 +164,13 @@ def test_session_ids_are_passed_bare_whichever_header_carries_them() -> None:
     assert b"x-session-id" not in stub.seen_headers
 
 
-def test_a_new_session_answer_also_carries_lmis_session_header() -> None:
-    value = b"abc; Expires=2030-01-01T00:00:00Z"
-    stub = StubApp(body="Session abc created", headers=[(b"x-amzn-sagemaker-new-session-id", value)])
-    _, headers, _ = run(LmiFrontMiddleware(stub, adapters={}), {"requestType": "NEW_SESSION"})
-    assert headers[b"x-amzn-sagemaker-session-id"] == value
-    assert headers[b"x-amzn-sagemaker-new-session-id"] == value
+def test_a_new_session_answer_carries_both_session_headers_and_close_names_the_session() -> None:
+    stub = StubApp(body=COMPLETION)
+    sessions = FakeSessions()
+    front = LmiFrontMiddleware(stub, adapters={}, sessions=sessions)
+    status, headers, body = run(front, {"requestType": "NEW_SESSION"})
+    value = b"s1; Expires=2030-01-01T00:00:00Z"
+    assert status == 200 and body == b"Session s1 created" and stub.calls == 0
+    assert headers[b"x-amzn-sagemaker-session-id"] == value and headers[b"x-amzn-sagemaker-new-session-id"] == value
+    status, headers, _ = run(front, {"requestType": "CLOSE"}, {"X-Amzn-SageMaker-Session-Id": value.decode()})
+    assert status == 200 and headers[b"x-amzn-sagemaker-closed-session-id"] == b"s1" and sessions.closed == ["s1"]

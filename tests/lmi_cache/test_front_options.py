@@ -11,17 +11,20 @@ from lmi_cache.front.options import MIDDLEWARE, FrontOptionError, front_launch
 
 
 def test_sessions_are_on_by_default_with_lmis_expiry_and_path() -> None:
-    launch = front_launch({}, None)
+    launch = front_launch({}, None, prepare=False)
     assert launch.argv == ["--middleware", MIDDLEWARE]
     assert launch.env == {"SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "true", "SAGEMAKER_SESSIONS_EXPIRATION": "1200",
-                          "SAGEMAKER_SESSIONS_PATH": "/dev/shm/djl_sessions"}
+                          "SAGEMAKER_SESSIONS_PATH": "/dev/shm/djl_sessions", "LMI_CACHE_MAX_SESSIONS": "10000",
+                          "LMI_CACHE_MAX_REQUEST_BYTES": str(8 << 20)}
 
 
-def test_sessions_can_be_turned_off_and_tuned() -> None:
-    assert front_launch({"enable_stateful_sessions": "false"}, None).env == {
-        "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "false"}
-    env = front_launch({"sessions_expiration": "60", "sessions_path": "/tmp/s"}, None).env
-    assert env["SAGEMAKER_SESSIONS_EXPIRATION"] == "60" and env["SAGEMAKER_SESSIONS_PATH"] == "/tmp/s"
+def test_sessions_can_be_turned_off_and_tuned(tmp_path: Path) -> None:
+    env = front_launch({"enable_stateful_sessions": "false"}, None).env
+    assert env["SAGEMAKER_ENABLE_STATEFUL_SESSIONS"] == "false" and "SAGEMAKER_SESSIONS_PATH" not in env
+    env = front_launch({"sessions_expiration": "60", "sessions_path": str(tmp_path / "s"), "max_sessions": "5"},
+                       None).env
+    assert env["SAGEMAKER_SESSIONS_EXPIRATION"] == "60" and env["SAGEMAKER_SESSIONS_PATH"] == str(tmp_path / "s")
+    assert env["LMI_CACHE_MAX_SESSIONS"] == "5"
 
 
 @pytest.mark.parametrize("options, words", [
