@@ -44,7 +44,7 @@ import torch
 from lmi_cache.blend.jobs import BlendConnectorMetadata
 from lmi_cache.blend.scheduler_plan import BlendScheduler, KeySpaceFactory
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
-from lmi_cache.metrics import blend_stats_follower
+from lmi_cache.metrics import BlendSchedulerMetrics, blend_stats_follower
 from lmi_cache.transfer.layouts import LayoutDescriptor
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 
@@ -138,10 +138,8 @@ class ConnectorBlending:
             logger.info("lmi-cache: blending on (separator %r = token ids %s, check layers %s, ratios %s)",
                         settings.special_str, list(sep), list(settings.check_layers), list(settings.recompute_ratios))
 
-    def _scheduler_metrics(self) -> Any:
+    def _scheduler_metrics(self) -> BlendSchedulerMetrics | None:
         """lmi_cache_blend_* series beside the scheduler's lmi_cache_* ones (same registry, same ``engine``)."""
-        from lmi_cache.metrics import BlendSchedulerMetrics
-
         base = self.context.scheduler_metrics
         return None if base is None else BlendSchedulerMetrics(base.registry, base.engine_label)
 

@@ -36,13 +36,18 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
 
 from lmi_cache.blend.settings import BlendSettings, load_blend_settings
 from lmi_cache.chunk_hashing import KeySpace
 from lmi_cache.transfer.layouts import ExpectedGeometry
 from lmi_cache.vllm_connector.blending import BlendContext, ConnectorBlending, check_model
-from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata
+from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 from lmi_cache.vllm_connector.scheduler_side import SchedulerGeometry, SchedulerSide
 from lmi_cache.vllm_connector.startup import (
     check_chunk_size,
@@ -64,7 +69,14 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from lmi_cache.engine import Engine
+
 logger = logging.getLogger(__name__)
+
+# The metadata module stays vLLM-free; here, where vLLM is imported anyway, its classes become virtual
+# subclasses of vLLM's abstract bases, so an isinstance check in vLLM (or another connector) still holds.
+KVConnectorMetadata.register(LmiConnectorMetadata)
+KVConnectorWorkerMetadata.register(LmiWorkerMeta)
 
 
 class LmiCacheConnector(KVConnectorBase_V1):
@@ -192,7 +204,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
         )
         config = self._config
 
-        def make_engine() -> Any:
+        def make_engine() -> Engine:
             from lmi_cache.engine import CacheEngine
             from lmi_cache.metrics import CacheMetrics
             from lmi_cache.metrics_server import serve_metrics
@@ -256,7 +268,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
         failed = self._worker.take_failed_block_ids() if self._worker is not None else set()
         return failed | self._blending.take_failed_block_ids() if self._blending is not None else failed
 
-    def build_connector_worker_meta(self) -> Any:
+    def build_connector_worker_meta(self) -> LmiWorkerMeta | None:
         return self._worker.build_worker_meta() if self._worker is not None else None
 
     def shutdown(self) -> None:

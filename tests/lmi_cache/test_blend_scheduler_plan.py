@@ -65,6 +65,15 @@ def _hold_all(sched: BlendScheduler, req: FakeRequest) -> None:
     sched.update_from_workers([k.digest for keys in state.segment_keys for k in keys], [])
 
 
+def _held() -> tuple[BlendScheduler, FakeRequest]:
+    """A scheduler that planned request "a" for PROMPT once, whose segments the workers now hold."""
+    sched = _scheduler()
+    req = FakeRequest("a", PROMPT)
+    sched.plan(req, 0, 0, "L")
+    _hold_all(sched, req)
+    return sched, req
+
+
 def test_a_cold_request_is_not_blended_and_stores_each_segment_once() -> None:
     sched = _scheduler()
     a, b = FakeRequest("a", PROMPT), FakeRequest("b", PROMPT)
@@ -77,10 +86,7 @@ def test_a_cold_request_is_not_blended_and_stores_each_segment_once() -> None:
 
 
 def test_cached_segments_blend_up_to_the_tail() -> None:
-    sched = _scheduler()
-    req = FakeRequest("a", PROMPT)
-    sched.plan(req, 0, 0, "L")
-    _hold_all(sched, req)
+    sched, req = _held()
     assert sched.plan(req, 0, 0, "L") == 36  # every segment; the 3-token question is prefilled
     sched.confirm("a", 36)
     meta = BlendConnectorMetadata()
@@ -92,10 +98,7 @@ def test_cached_segments_blend_up_to_the_tail() -> None:
 
 
 def test_vllm_prefix_hit_cuts_a_segment_which_is_then_computed() -> None:
-    sched = _scheduler()
-    req = FakeRequest("a", PROMPT)
-    sched.plan(req, 0, 0, "L")
-    _hold_all(sched, req)
+    sched, req = _held()
     assert sched.plan(req, 8, 8, "L") == 28
     sched.confirm("a", 28)
     meta = BlendConnectorMetadata()
@@ -105,20 +108,14 @@ def test_vllm_prefix_hit_cuts_a_segment_which_is_then_computed() -> None:
 
 
 def test_the_prefix_path_wins_when_it_reaches_as_far() -> None:
-    sched = _scheduler()
-    req = FakeRequest("a", PROMPT)
-    sched.plan(req, 0, 0, "L")
-    _hold_all(sched, req)
+    sched, req = _held()
     assert sched.plan(req, 0, 36, "L") is None
     # Chunks cut into the last segment: what is left of it is not cached, so there is nothing to blend.
     assert sched.plan(req, 0, 28, "L") is None
 
 
 def test_an_exact_prefix_hit_stays_exact_and_the_blend_starts_after_it() -> None:
-    sched = _scheduler()
-    req = FakeRequest("a", PROMPT)
-    sched.plan(req, 0, 0, "L")
-    _hold_all(sched, req)
+    sched, req = _held()
     # vLLM holds 4 tokens, the chunk cache 12 more: the blend covers [16, 36), the prefix path loads [4, 16).
     assert sched.plan(req, 4, 16, "L") == 32
     assert sched.confirm("a", 32) == 12
@@ -166,10 +163,7 @@ def test_opt_out_salt_and_min_tokens() -> None:
 
 
 def test_a_different_admitted_hit_drops_the_blend() -> None:
-    sched = _scheduler()
-    req = FakeRequest("a", PROMPT)
-    sched.plan(req, 0, 0, "L")
-    _hold_all(sched, req)
+    sched, req = _held()
     sched.plan(req, 0, 0, "L")
     sched.confirm("a", 12)
     meta = BlendConnectorMetadata()

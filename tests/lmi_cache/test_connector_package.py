@@ -17,6 +17,14 @@ def test_vllm_finds_the_connector_by_module_path_and_name() -> None:
     # The earlier module path of the blending connector still resolves (to the same class).
     assert getattr(importlib.import_module("lmi_cache.blend.connector"), "LmiBlendConnector") is LmiBlendConnector
     assert issubclass(LmiBlendConnector, LmiCacheConnector) and LmiBlendConnector.force_blending
+    # The vLLM-free metadata still satisfies vLLM's abstract bases (registered by the connector module).
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+    from lmi_cache.blend.jobs import BlendConnectorMetadata
+    from lmi_cache.vllm_connector.metadata import LmiWorkerMeta
+
+    assert isinstance(BlendConnectorMetadata(), KVConnectorMetadata)
+    assert isinstance(LmiWorkerMeta(), KVConnectorWorkerMetadata)
     for path in ("lmi_cache.vllm_connector", "lmi_cache.blend.connector"):
         with pytest.raises(AttributeError):
             getattr(importlib.import_module(path), "NoSuchConnector")
