@@ -266,10 +266,13 @@ class LmiCacheConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed = self._worker.take_failed_block_ids() if self._worker is not None else set()
-        return failed | self._blending.take_failed_block_ids() if self._blending is not None else failed
+        if self._blending is not None:
+            failed |= self._blending.take_failed_block_ids()
+        return failed
 
-    def build_connector_worker_meta(self) -> LmiWorkerMeta | None:
-        return self._worker.build_worker_meta() if self._worker is not None else None
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        meta: LmiWorkerMeta | None = self._worker.build_worker_meta() if self._worker is not None else None
+        return meta  # type: ignore[return-value]  # a registered virtual subclass (see above), which mypy does not see
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -317,7 +320,9 @@ class LmiCacheConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         meta = self._scheduler.build_connector_meta(scheduler_output)
-        return self._blending.add_jobs(meta, scheduler_output) if self._blending is not None else meta  # type: ignore[return-value]
+        if self._blending is not None:
+            meta = self._blending.add_jobs(meta, scheduler_output)
+        return meta  # type: ignore[return-value]  # a registered virtual subclass (see above), which mypy does not see
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
