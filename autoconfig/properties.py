@@ -45,6 +45,7 @@ from lmi_cache.errors import UserError
 
 PROPERTIES_FILE = "serving.properties"
 ENV_SOURCE = "environment"
+CLI_SOURCE = "command line"  # a flag of ``lmi-cache plan`` / ``validate``: wins over the file and the env
 T = TypeVar("T")
 
 
@@ -64,6 +65,8 @@ class RawOption:
         """How an error message names this option."""
         if self.source == ENV_SOURCE:
             return f"environment variable {self.key}"
+        if self.source == CLI_SOURCE:
+            return self.key
         return f"{self.source}: {self.key}"
 
 
@@ -90,17 +93,28 @@ class ResolvedProperties:
                 for o in sorted(self.options.values(), key=lambda o: o.name)]
 
 
-def collect_options(file_props: Mapping[str, str], source: str, env: Mapping[str, str]) -> dict[str, RawOption]:
-    """Merge ``option.*`` from the file and ``OPTION_*`` from env; the file wins (LMI's rule)."""
+def collect_options(file_props: Mapping[str, str], source: str, env: Mapping[str, str],
+                    cli: Mapping[str, str] | None = None, notes: list[str] | None = None) -> dict[str, RawOption]:
+    """Merge ``OPTION_*`` env, ``option.*`` from the file, then command-line flags; later wins.
+
+    The file beats the environment (LMI's rule); a flag (``cli``: option name ->
+    value, keyed by the flag as written, e.g. ``{"--tp": ...}`` through
+    ``CLI_OPTIONS``) beats both. Each override is noted once in ``notes``.
+    """
     merged: dict[str, RawOption] = {}
     for key, value in env.items():
         if key.startswith("OPTION_") and len(key) > len("OPTION_"):
             name = canonical_name(key[len("OPTION_"):])
             merged[name] = RawOption(name, value, key, ENV_SOURCE)
-    for key, value in file_props.items():
-        if key.startswith("option."):
-            name = canonical_name(key[len("option."):])
-            merged[name] = RawOption(name, value, key, source)
+    layers = [(key[len("option."):], key, value, source) for key, value in file_props.items()
+              if key.startswith("option.")]
+    layers += [(name, flag, value, CLI_SOURCE) for flag, (name, value) in (cli or {}).items()]
+    for raw_name, key, value, where in layers:
+        name = canonical_name(raw_name)
+        old = merged.get(name)
+        merged[name] = RawOption(name, value, key, where)
+        if old is not None and notes is not None and old.source != where:
+            notes.append(f"{merged[name].where} overrides {old.where}")
     return merged
 
 
@@ -110,11 +124,13 @@ def resolve_properties(
     *,
     gpu_count: int | None = None,
     fit_max_tp: Callable[[int], int] | None = None,
+    cli: Mapping[str, tuple[str, str]] | None = None,
 ) -> ResolvedProperties:
     """Read ``<model_dir>/serving.properties`` (if any) and env; type and check every known option.
 
     ``gpu_count`` resolves ``tensor_parallel_degree=max`` (None: treated as 1 GPU);
-    ``fit_max_tp`` lowers that "max" to a degree the model's heads allow (serve knows the model).
+    ``fit_max_tp`` lowers that "max" to a degree the model's heads allow (serve knows the model);
+    ``cli`` (flag as written -> (option name, value)) are command-line settings, above file and env.
     """
     env = dict(os.environ if env is None else env)
     mdir = Path(model_dir) if model_dir is not None else None
@@ -132,7 +148,7 @@ def resolve_properties(
     if starts is not None:
         # Each listed device starts one LMI worker; "max" then means the GPUs up to the next worker's.
         gpu_count = min(b - a for a, b in zip(starts, starts[1:] + [host_gpus]))
-    options = collect_options(file_props, str(path), env)
+    options = collect_options(file_props, str(path), env, cli, notes)
     _apply_env_defaults(options, env)
     get = _Getter(options)
 
@@ -195,7 +211,8 @@ def resolve_properties(
     devices = None
     if starts is not None:
         devices = worker_gpus(starts[:settings.dp], tp * pp, host_gpus, str(path))
-    if engine == "lmcache":
+    if engine == "lmcache" and options["lmcache_engine"].source != CLI_SOURCE:
+        # plan --engine lmcache is a what-if for an image that has LMCache, not this one.
         _check_upstream_lmcache(options["lmcache_engine"].where)
     blend, blend_where = resolve_blend(options, env, config_file, config_where or "option.lmcache_config_file", engine)
     settings = replace(settings, blend=blend, blend_where=blend_where)

@@ -214,7 +214,7 @@ def test_plan_explains_blending_and_refuses_engine_lmcache_with_it() -> None:
     refused = _cli(["plan", "--model", model, "--host", host, "--enable-blending", "--engine", "lmcache"])
     assert refused.exit_code == 2 and "--engine lmcache" in refused.output
     gemma = _cli(["plan", "--model", str(MODELS / "gemma-2-9b-it"), "--host", host, "--enable-blending"])
-    assert gemma.exit_code == 2 and "--enable-blending: " in gemma.output and "model_type 'gemma2'" in gemma.output
+    assert gemma.exit_code == 2 and "--enable-blending=true: " in gemma.output and "model_type 'gemma2'" in gemma.output
 
 
 def test_every_blend_option_is_kept_from_vllm() -> None:
