@@ -30,6 +30,7 @@ from autoconfig.serve_checks import (
     PORT_ENV,
     ServeError,
     check_parallelism,
+    check_start,
     check_user_config,
     lmcache_env_findings,
     model_argument,
@@ -145,6 +146,7 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
             env: dict[str, str], host: "HostSnapshot", port: int, python: str, run: tuple[bool, bool],
             cache_on: bool, env_findings: list[str]) -> ServeLaunch:
     dry_run, check_output = run
+    check_start(props, checked, host, env)  # what vLLM would refuse, before any file is written
     findings: list[str] = []
     if props.config_file is not None:
         findings = check_user_config(props, checked, host, env)

@@ -123,6 +123,20 @@ def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
     return lines
 
 
+def check_start(props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str]) -> None:
+    """What vLLM will refuse (autoconfig.start_checks), in every cache mode, when config.json can be read now."""
+    from autoconfig.model_source import hub_access_from_env, load_model_info
+    from autoconfig.start_checks import check_startable
+
+    try:
+        hf_home, allow_network = hub_access_from_env(env)
+        info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
+                               hf_home=hf_home, allow_network=allow_network)
+    except UserError:
+        return  # configure reports an unreadable model where it needs one; vLLM does otherwise
+    check_startable(info, props.settings, host, env, {n: o.where for n, o in props.options.items()})
+
+
 def largest_fitting_tp(num_gpus: int, heads: tuple[int, int]) -> int:
     """The largest TP <= ``num_gpus`` vLLM accepts for (attention heads, KV heads).
 
