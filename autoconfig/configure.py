@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoconfig.properties import ResolvedProperties, resolve_properties
+from lmi_cache.config_env import env_override_line, env_override_names
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class ConfigureError(UserError):
 
 @dataclass(frozen=True)
 class ConfigureResult:
-    mode: str  # "auto" (planned), "file" (user's lmcache_config_file) or "off"
+    mode: str  # "auto" (planned), "file" (the user's YAML), "env" (LMCACHE_* variables alone) or "off"
     output_dir: Path
     written: dict[str, Path]
     properties: ResolvedProperties
@@ -109,26 +110,27 @@ def configure(
         args = list(plan.vllm_args)
         messages += [f"warning: {w}" for w in plan.warnings]
         mode = "auto"
-    elif props.config_file is not None:
-        _check_user_config(props.config_file, props.config_where)
+    elif props.cache_on:  # the user's YAML, or LMCACHE_* variables alone
+        if props.config_file is not None:
+            _check_user_config(props.config_file, props.config_where)
         if props.settings.blend_connector:
             _check_blend_model(props, mdir, env, model)
             messages.append(f"note: blending on ({props.settings.blend_where}): vLLM loads LmiBlendConnector")
-        run_env = {"LMCACHE_CONFIG_FILE": str(props.config_file)}
+        run_env = {"LMCACHE_CONFIG_FILE": str(props.config_file)} if props.config_file is not None else {}
         args = render_args(None, props.settings)
-        mode = "file"
+        mode = "file" if props.config_file is not None else "env"
     else:
-        if props.settings.blend.enabled and "lmcache_enable_blending" in props.options:
-            raise ConfigureError(f"{props.settings.blend_where}: blending is part of the KV cache, which is off; "
-                                 "also set option.lmcache_auto_config=true (or option.lmcache_config_file)")
+        from autoconfig.cache_ways import refuse_cache_options
+
+        refuse_cache_options(props.options)
         # No cache requested: still hand vLLM the parallel flags, without a connector.
         args = render_args(None, props.settings)[2:]
         mode = "off"
         messages.append("LMCache off: set option.lmcache_auto_config=true or option.lmcache_config_file")
-    if mode != "off":  # LMCache's rule, which the engine follows: LMCACHE_<KEY> beats the YAML
-        from lmi_cache.config import env_override_names
-
-        messages += [f"warning: environment variable {name} overrides the LMCache YAML" for name in env_override_names(env)]
+    overrides = env_override_names(env) if mode in ("auto", "file") else []
+    if overrides:  # LMCache's rule, which the engine follows: LMCACHE_<KEY> beats the YAML
+        messages.append(f"warning: {env_override_line(overrides)}")
+    if mode != "off":
         from autoconfig.remote_probe import remote_store_messages
 
         messages += remote_store_messages(plan.lmcache_config if plan is not None else None, props.config_file, env)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
 from autoconfig.blend_options import resolve_blend
+from autoconfig.cache_ways import cache_source
 from autoconfig.java_properties import parse_properties
 from autoconfig.lmi_names import LMI_VALUES, SIMPLIFIED_ENV, masked
 from autoconfig.lmi_recipe import LmcacheRecipe, find_recipe
@@ -86,6 +87,12 @@ class ResolvedProperties:
     notes: list[str] = field(default_factory=list)  # defaults applied and translations, for the summary
     devices: list[int] | None = None  # GPUs of LMI's load_on_devices workers: all vLLM may use (None: all)
     tp_is_max: bool = False  # tensor_parallel_degree unset or "max" (serve may fit it to the model's heads)
+    env_only: bool = False  # the cache is on through LMCACHE_<KEY> variables alone (autoconfig.cache_ways)
+
+    @property
+    def cache_on(self) -> bool:
+        """Whether some way in turns the KV cache on (autoconfig.cache_ways)."""
+        return self.auto_config or self.config_file is not None or self.env_only
 
     def summary_lines(self) -> list[str]:
         """One line per option with its origin (secrets masked), for the configure log."""
@@ -189,24 +196,12 @@ def resolve_properties(
     )
     auto = get.value("lmcache_auto_config", parse_bool, False)
     config_file = get.value("lmcache_config_file", lambda v: _config_path(v, mdir), None)
-    config_where = options["lmcache_config_file"].where if "lmcache_config_file" in options else ""
-    if auto and config_file is not None:
-        raise PropertiesError(
-            f"{options['lmcache_auto_config'].where}=true and {options['lmcache_config_file'].where} are both "
-            "set: choose one (auto-configuration writes its own LMCache config)"
-        )
-    consumed: frozenset[str] = frozenset()
-    if recipe is not None:
-        consumed = frozenset({"kv_transfer_config"})
-        if not auto and config_file is None:
-            if recipe.env_config_file is not None:
-                config_file, config_where = recipe.env_config_file, "environment variable LMCACHE_CONFIG_FILE"
-            else:
-                auto = True
-        notes.append(recipe.describe(engine, auto, config_file))
+    way = cache_source(options, env, mdir, auto, config_file, recipe, engine, notes)
+    auto, config_file, config_where = way.auto, way.config_file, way.config_where
+    consumed = frozenset({"kv_transfer_config"}) if recipe is not None else frozenset()
     if dp_option is None:
         workers = host_gpus if starts is None else len(starts) * tp * pp
-        dp = default_replicas(tp * pp, workers, auto or config_file is not None, file_props, notes)
+        dp = default_replicas(tp * pp, workers, way.on, file_props, notes)
         settings = replace(settings, dp=dp)
     devices = None
     if starts is not None:
@@ -220,7 +215,7 @@ def resolve_properties(
     others = {k: v for k, v in file_props.items() if not k.startswith("option.") and not noted(k, notes)}
     return ResolvedProperties(mdir, path, model_id, auto, config_file, settings, options, others,
                               config_where or "option.lmcache_config_file", recipe, consumed, notes, devices,
-                              tp_is_max)
+                              tp_is_max, way.env_only)
 
 
 def _apply_env_defaults(options: dict[str, RawOption], env: Mapping[str, str]) -> None:

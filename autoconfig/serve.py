@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoconfig.configure import DEFAULT_MODEL_DIR, configure, default_output_dir, resolve_fitted
-from autoconfig.lmi_names import SECRET_OPTIONS, SERVER_KEYS_USED, is_secret_env, masked
+from autoconfig.lmi_names import SECRET_OPTIONS
 from autoconfig.lmi_to_vllm import MappedArgs, flag_to_name, map_lmi_options
 from autoconfig.properties import ResolvedProperties
 from autoconfig.s3_model import is_s3, materialize_s3_model
+from autoconfig.serve_summary import serve_summary
 from autoconfig.serve_checks import (
     DEFAULT_PORT,
     PORT_ENV,
@@ -71,7 +72,7 @@ class ServeLaunch:
     argv: list[str]
     env: dict[str, str]  # the whole environment vLLM gets
     env_set: dict[str, str]  # the variables serve added or changed
-    mode: str  # cache mode: "auto", "file" or "off"
+    mode: str  # cache mode: "auto", "file", "env" (LMCACHE_* alone) or "off"
     summary: list[str] = field(default_factory=list)
     props: ResolvedProperties | None = None  # the settings as resolved (plan prints them)
     plan: "TierPlan | None" = None  # the tier plan (auto mode)
@@ -123,7 +124,7 @@ def prepare_launch(
         {name: opt.where for name, opt in passed.items()},
         num_gpus=props.settings.tp,
     )
-    cache_on = props.auto_config or props.config_file is not None
+    cache_on = props.cache_on
     conflicting = sorted(CONNECTOR_ARGS & set(mapped.values)) if cache_on else []
     if conflicting:
         opt = props.options[mapped.sources[conflicting[0]]]
@@ -174,7 +175,8 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
     env_set.update(metrics_env)
     if not host.gpus:
         env_set.update(cpu_backend_env(env, env_set, host))
-    summary = _summary(props, result.mode, model, port, mapped, result.messages, findings, env_set, result.plan)
+    summary = serve_summary(props, result.mode, model, port, mapped.notes, result.messages, findings, env_set,
+                            result.plan, env)
     summary[-1:-1] = front.summary
     return ServeLaunch(argv, {**env, **env_set}, env_set, result.mode, summary, props, result.plan)
 
@@ -240,54 +242,6 @@ def cpu_backend_env(env: Mapping[str, str], env_set: Mapping[str, str], host: "H
 def _dests(args: list[str]) -> frozenset[str]:
     names = flag_to_name()
     return frozenset(names[a] for a in args if a in names)
-
-
-def _summary(props: ResolvedProperties, mode: str, model: str, port: int, mapped: MappedArgs,
-             messages: list[str], findings: list[str], env_set: Mapping[str, str], plan: object) -> list[str]:
-    s = props.settings
-    lines = [f"model: {model}",
-             f"parallel: tp={s.tp} pp={s.pp} dp={s.dp}; max_model_len={s.max_model_len or 'model default'}; "
-             f"dtype={s.dtype}; kv_cache_dtype={s.kv_cache_dtype}"]
-    for name, opt in sorted(props.options.items()):
-        lines.append(f"option {name} = {masked(name, opt.value)}  ({opt.where})")
-    lines += [f"note: {n}" for n in props.notes + mapped.notes]
-    lines += [f"note: {key}={value} in {props.properties_path}: " + (SERVER_KEYS_USED[key] if key in SERVER_KEYS_USED
-              else "ignored: this container always runs vLLM's OpenAI server")
-              for key, value in sorted(props.other_properties.items())]
-    lines += _cache_lines(mode, props, plan)
-    lines += [m for m in messages if m.startswith("warning:")]
-    lines += [f"config check: {f}" for f in findings]
-    lines += [f"env {k}={'***' if is_secret_env(k) else v}" for k, v in sorted(env_set.items())]
-    lines.append(f"vLLM OpenAI server on 0.0.0.0:{port} (/ping, /invocations)")
-    return lines
-
-
-def _cache_lines(mode: str, props: ResolvedProperties, plan: object) -> list[str]:
-    lines = _tier_lines(mode, props, plan)
-    if mode != "off" and props.settings.blend_connector:
-        b = props.settings.blend
-        lines.append(f"cache: blending on ({props.settings.blend_where}): LmiBlendConnector, separator "
-                     f"{b.special_str!r}, recompute ratios {list(b.recompute_ratios)} after layers {list(b.check_layers)}")
-    return lines
-
-
-def _tier_lines(mode: str, props: ResolvedProperties, plan: object) -> list[str]:
-    if mode == "file":
-        return [f"cache: LMCache config from {props.config_file} (checked against this host)"]
-    if mode == "off":
-        return ["cache: off (set option.lmcache_auto_config=true or option.lmcache_config_file to enable)"]
-    cpu = getattr(plan, "cpu", None)
-    disk = getattr(plan, "disk", None)
-    parts = []
-    if cpu is not None:
-        parts.append(f"CPU tier {cpu.bytes_per_rank / GIB:.2f} GiB/rank" if cpu.enabled else "CPU tier off")
-    if disk is not None:
-        parts.append(f"disk tier {disk.bytes_per_rank / GIB:.2f} GiB/rank at {disk.path}"
-                     if disk.enabled else "disk tier off")
-    chunk = getattr(plan, "chunk_size", None)
-    if chunk:
-        parts.append(f"chunk {chunk} tokens")
-    return [f"cache: auto-configured ({'; '.join(parts)})"]
 
 
 def run_serve(model_dir: str | None, dry_run: bool, host: "HostSnapshot | None" = None,

@@ -312,12 +312,17 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -
     """
     env = os.environ if env is None else env
     path = path or unquote_env(env.get(CONFIG_FILE_ENV, "")) or None
+    return config_with_env(read_yaml_mapping(path) if path else None, env, path or "environment")
+
+
+def config_with_env(data: Mapping[str, Any] | None, env: Mapping[str, str],
+                    source: str = "<dict>") -> tuple[CacheConfig, list[str]]:
+    """An LMCache mapping (``source`` names it; None: no file) with ``LMCACHE_<KEY>`` from ``env`` on top."""
     warnings: list[str] = []
     fields: dict[str, Any] = {}
-    source = path or "environment"
-    if path:
-        data = read_yaml_mapping(path)
-        fields.update(_merge({str(k): v for k, v in data.items()}, lambda k: f"{path}: key {show(k)}", path, warnings, True))
+    if data is not None:
+        fields.update(_merge({str(k): v for k, v in data.items()}, lambda k: f"{source}: key {show(k)}", source,
+                             warnings, True))
     # Only names from the tables are read: other LMCACHE_* vars (log level, ...) are not ours.
     env_values = {key: unquote_env(env[name]) for name, key in env_names().items() if name in env}
     fields.update(_merge(env_values, env_where, "environment", warnings, False))
