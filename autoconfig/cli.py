@@ -11,6 +11,7 @@ and exit status 2, never a traceback.
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import sys
@@ -39,6 +40,17 @@ class LmiCacheGroup(click.Group):
         except UserError as err:
             click.echo(f"lmi-cache: error: {_one_line(str(err))}", err=True)
             sys.exit(err.exit_code)
+        except click.UsageError as err:  # a mistyped flag or value: one line, with click's did-you-mean
+            where = f" (see '{err.ctx.command_path} --help')" if err.ctx is not None else ""
+            click.echo(f"lmi-cache: error: {_one_line(err.format_message())}{where}", err=True)
+            sys.exit(err.exit_code)
+        except OSError as err:
+            if err.errno != errno.ENAMETOOLONG:
+                raise
+            name = str(err.filename or "")
+            click.echo(f"lmi-cache: error: path {name[:60]!r}... is longer than the system allows; shorten it",
+                       err=True)
+            sys.exit(2)
         except click.ClickException as err:
             err.show()
             sys.exit(err.exit_code)
@@ -46,6 +58,18 @@ class LmiCacheGroup(click.Group):
             click.echo("Aborted!", err=True)
             sys.exit(1)
         sys.exit(result if isinstance(result, int) else 0)
+
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        """click's, with a did-you-mean for a mistyped command name."""
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            import difflib
+
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            ctx.fail(f"No such command {name[:60]!r}.{hint}")
+        return super().resolve_command(ctx, args)
 
 
 def _one_line(message: str) -> str:

@@ -111,6 +111,9 @@ def collect_options(file_props: Mapping[str, str], source: str, env: Mapping[str
     merged: dict[str, RawOption] = {}
     for key, value in env.items():
         if key.startswith("OPTION_") and len(key) > len("OPTION_"):
+            if _has_surrogate(key + value):  # bytes that are not UTF-8 (Python keeps them as lone surrogates)
+                raise PropertiesError(f"environment variable {key.encode('utf-8', 'replace').decode()}: not UTF-8 "
+                                      "text; set it again as UTF-8")
             name = canonical_name(key[len("OPTION_"):])
             merged[name] = RawOption(name, value, key, ENV_SOURCE)
     layers = [(key[len("option."):], key, value, source) for key, value in file_props.items()
@@ -216,6 +219,10 @@ def resolve_properties(
     return ResolvedProperties(mdir, path, model_id, auto, config_file, settings, options, others,
                               config_where or "option.lmcache_config_file", recipe, consumed, notes, devices,
                               tp_is_max, way.env_only)
+
+
+def _has_surrogate(text: str) -> bool:
+    return any("\ud800" <= c <= "\udfff" for c in text)
 
 
 def _apply_env_defaults(options: dict[str, RawOption], env: Mapping[str, str]) -> None:

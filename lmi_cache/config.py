@@ -24,6 +24,7 @@ from lmi_cache.config_keys import (
     SERVED_REMOTE_SCHEMES,
     UNSUPPORTED_FEATURES,
 )
+from lmi_cache.config_yaml import load_yaml
 from lmi_cache.config_remote import REMOTE_EXTRA_KEYS, parse_lookup_timeout, parse_remote_extra, parse_serde, remote_settings
 from lmi_cache.config_env import env_names, env_override_names, env_where, misspelt_env_warnings  # noqa: F401 (re-exported)
 from lmi_cache.config_values import (
@@ -141,23 +142,32 @@ def _parse_extra(
     if plugin_keys:
         warnings.append(f"{where_of('extra_config')}: keys for LMCache's own backends, not read by lmi_cache, "
                         f"ignored: {', '.join(plugin_keys)}")
+    problems: list[str] = []  # every bad value at once: one fix-and-retry round, not one per key
     for key in sorted(EXTRA_CONFIG_KEYS & set(extra)):
-        kw = where_of(f"extra_config.{key}")
-        value = extra[key]
-        if key in REMOTE_EXTRA_KEYS:
-            fields[key] = parse_remote_extra(key, value, kw)
-        elif key == "session_retention_share":
-            fields[key] = parse_retention_share(value, kw)
-        elif key in ("use_odirect", "disk_fsync"):
-            fields[key] = parse_bool(value, kw)
-        elif key == "disk_feed":
-            feed = str(value).strip().lower().replace("-", "_")
-            if feed not in DISK_FEEDS:
-                raise ConfigError(f"{kw}: expected one of {', '.join(DISK_FEEDS)}, got {show(value)}")
-            fields[key] = feed
-        else:
-            fields[key] = parse_int(value, kw, minimum=1, maximum=_EXTRA_INT_MAX[key])
+        try:
+            fields[key] = _parse_extra_value(key, extra[key], where_of(f"extra_config.{key}"))
+        except ConfigError as err:
+            problems.append(str(err))
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems in extra_config: " + "; ".join(problems))
     return fields
+
+
+def _parse_extra_value(key: str, value: Any, kw: str) -> Any:
+    if key in REMOTE_EXTRA_KEYS:
+        return parse_remote_extra(key, value, kw)
+    if key == "session_retention_share":
+        return parse_retention_share(value, kw)
+    if key in ("use_odirect", "disk_fsync"):
+        return parse_bool(value, kw)
+    if key == "disk_feed":
+        feed = value.strip().lower().replace("-", "_") if isinstance(value, str) else None
+        if feed not in DISK_FEEDS:
+            raise ConfigError(f"{kw}: expected one of {', '.join(DISK_FEEDS)}, got {show(value)}")
+        return feed
+    return parse_int(value, kw, minimum=1, maximum=_EXTRA_INT_MAX[key])
 
 
 # ---------------------------------------------------------------- loaders
@@ -287,7 +297,7 @@ def read_yaml_mapping(path: str) -> Mapping[str, Any]:
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {err.start}); save it as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text, path)  # duplicate keys and alias bombs are ConfigErrors naming the line
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark is not None else ""
