@@ -48,7 +48,7 @@ class TensorParallel(click.ParamType):
         if text == "max":
             return text
         try:
-            return str(PARALLEL_DEGREE.convert(text, param, ctx))
+            return str(PARALLEL_DEGREE.convert(text, param, ctx))  # type: ignore[arg-type]  # click parses text
         except click.BadParameter:
             self.fail(f"{str(value)[:40]!r} is not 'max' or an integer from 1 to {MAX_PARALLEL_DEGREE}", param, ctx)
 

@@ -14,8 +14,6 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import yaml
-
 from lmi_cache.config_keys import (
     DEPRECATED_ALIASES,
     EXTRA_CONFIG_KEYS,
@@ -24,7 +22,11 @@ from lmi_cache.config_keys import (
     SERVED_REMOTE_SCHEMES,
     UNSUPPORTED_FEATURES,
 )
-from lmi_cache.config_yaml import load_yaml
+from lmi_cache.config_yaml import (  # noqa: F401 (re-exported)
+    CONFIG_FILE_ENV,
+    MAX_CONFIG_FILE_BYTES,
+    read_yaml_mapping,
+)
 from lmi_cache.config_remote import REMOTE_EXTRA_KEYS, parse_lookup_timeout, parse_remote_extra, parse_serde, remote_settings
 from lmi_cache.config_env import env_names, env_override_names, env_where, misspelt_env_warnings  # noqa: F401 (re-exported)
 from lmi_cache.config_values import (
@@ -44,12 +46,10 @@ from lmi_cache.config_values import (
 from lmi_cache.errors import ConfigError
 from lmi_cache.eviction.retaining import DEFAULT_RETENTION_SHARE, parse_retention_share
 
-CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 DISK_FEEDS = ("write_through", "demote")
 CACHE_POLICIES = ("LRU", "FIFO")
 # LMCache policies we do not implement: accepted with a warning, LRU is used.
 _FALLBACK_POLICIES = ("LFU", "MRU")
-MAX_CONFIG_FILE_BYTES = 1 << 20  # an LMCache YAML is a few hundred bytes; refuse anything absurd
 
 
 @dataclass(frozen=True)
@@ -277,41 +277,6 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> tuple[C
     return config, warnings
 
 
-def read_yaml_mapping(path: str) -> Mapping[str, Any]:
-    """The top-level mapping of an LMCache YAML file; ConfigError (one line naming the file) otherwise.
-
-    Read as bytes and decoded as UTF-8 here, so a bad encoding, an oversized file or
-    a nesting too deep for the parser each give one clear line, never a traceback.
-    """
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_CONFIG_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file; fix {CONFIG_FILE_ENV} or the path given") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read config file ({err.strerror or err}); check the path") from None
-    if len(raw) > MAX_CONFIG_FILE_BYTES:
-        raise ConfigError(f"{path}: larger than {MAX_CONFIG_FILE_BYTES // 1024} KiB; is this an LMCache YAML file?")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {err.start}); save it as UTF-8") from None
-    try:
-        data = load_yaml(text, path)  # duplicate keys and alias bombs are ConfigErrors naming the line
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}: not valid YAML{line}; check indentation and quoting") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: nested too deeply to be an LMCache config; use flat key: value lines") from None
-    except (ValueError, OverflowError, TypeError):  # PyYAML's constructors: a 5000-digit int, a bad date, ...
-        raise ConfigError(f"{path}: a value cannot be read (an over-long number or a malformed date?); "
-                          "write plain numbers and strings") from None
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping of LMCache keys at the top level")
-    return data
 
 
 def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -> tuple[CacheConfig, list[str]]:

@@ -9,17 +9,20 @@ PyYAML's ``safe_load`` with two additions an LMCache config needs:
   expands to hundreds of millions of values, which any later walk, print or
   copy would take minutes over. A real LMCache config has a few dozen nodes.
 
-Errors are ``ConfigError`` lines naming ``source`` and the line.
+Errors are ``ConfigError`` lines naming ``source`` and the line. ``read_yaml_mapping``
+reads a config file with it (bounded size, UTF-8, one line for every failure).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from lmi_cache.errors import ConfigError
 
+CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+MAX_CONFIG_FILE_BYTES = 1 << 20  # an LMCache YAML is a few hundred bytes; refuse anything absurd
 MAX_EXPANDED_NODES = 100_000
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -37,10 +40,47 @@ def load_yaml(text: str, source: str) -> Any:
         loader.dispose()
 
 
+def read_yaml_mapping(path: str) -> Mapping[str, Any]:
+    """The top-level mapping of an LMCache YAML file; ConfigError (one line naming the file) otherwise.
+
+    Read as bytes and decoded as UTF-8 here, so a bad encoding, an oversized file or
+    a nesting too deep for the parser each give one clear line, never a traceback.
+    """
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; fix {CONFIG_FILE_ENV} or the path given") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config file ({err.strerror or err}); check the path") from None
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_FILE_BYTES // 1024} KiB; is this an LMCache YAML file?")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {err.start}); save it as UTF-8") from None
+    try:
+        data = load_yaml(text, path)  # duplicate keys and alias bombs are ConfigErrors naming the line
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{line}; check indentation and quoting") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be an LMCache config; use flat key: value lines") from None
+    except (ValueError, OverflowError, TypeError):  # PyYAML's constructors: a 5000-digit int, a bad date, ...
+        raise ConfigError(f"{path}: a value cannot be read (an over-long number or a malformed date?); "
+                          "write plain numbers and strings") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of LMCache keys at the top level")
+    return data
+
+
 class _StrictLoader(yaml.SafeLoader):
     source = "<yaml>"
 
-    def compose_document(self) -> Node:
+    def compose_document(self) -> Node | None:
         node = super().compose_document()
         _check_expansion(node, self.source)
         return node

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import one_line_error
 from click.testing import CliRunner, Result
 
 from autoconfig.cli import main
@@ -23,16 +24,6 @@ def invoke(args: list[str], tmp_path: Path, **env: str) -> tuple[Result, float]:
     return result, time.monotonic() - start
 
 
-def one_line(result: Result, *needles: str) -> str:
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lmi-cache: error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
 def model_dir(tmp_path: Path, properties: str) -> Path:
     mdir = tmp_path / "model"
     mdir.mkdir()
@@ -46,7 +37,7 @@ def model_dir(tmp_path: Path, properties: str) -> Path:
 def test_a_lone_surrogate_escape_in_serving_properties(line: str, tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, line + "\n")
     result, took = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host", str(HOST)], tmp_path)
-    one_line(result, "serving.properties", "without its other half")
+    one_line_error(result, "serving.properties", "without its other half")
     assert took < 1.0
 
 
@@ -61,7 +52,7 @@ def test_an_option_variable_that_is_not_utf8(tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "option.max_model_len=8192\n")
     result, _ = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host", str(HOST)], tmp_path,
                        OPTION_SERVED_MODEL_NAME="bad\udcff")
-    one_line(result, "environment variable OPTION_SERVED_MODEL_NAME", "not UTF-8")
+    one_line_error(result, "environment variable OPTION_SERVED_MODEL_NAME", "not UTF-8")
 
 
 @pytest.mark.parametrize("command", [["validate", "{yaml}", "--model", str(MODEL), "--host", str(HOST)],
@@ -72,14 +63,14 @@ def test_an_alias_bomb_in_extra_config(command: list[str], tmp_path: Path) -> No
     (mdir / "lmcache.yaml").write_text("chunk_size: 256\nextra_config:\n" + BOMB + "  disk_feed: *i\n")
     args = [a.format(yaml=mdir / "lmcache.yaml", mdir=mdir) for a in command]
     result, took = invoke(args, tmp_path)
-    one_line(result, "lmcache.yaml", "alias bomb")
+    one_line_error(result, "lmcache.yaml", "alias bomb")
     assert took < 1.0
 
 
 @pytest.mark.parametrize("flag", ["--model", "--model-dir"])
 def test_an_over_long_path(flag: str, tmp_path: Path) -> None:
     result, took = invoke(["plan", f"{flag}={'a' * 300}", "--host", str(HOST)], tmp_path)
-    one_line(result, "longer than the system")
+    one_line_error(result, "longer than the system")
     assert took < 1.0
 
 
@@ -87,7 +78,7 @@ def test_a_duplicate_yaml_key_names_the_line(tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "option.max_model_len=8192\noption.lmcache_config_file=lmcache.yaml\n")
     (mdir / "lmcache.yaml").write_text("chunk_size: 256\nmax_local_cpu_size: 4\nchunk_size: 512\n")
     result, _ = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host", str(HOST)], tmp_path)
-    one_line(result, "line 3: key 'chunk_size' is already set on line 1")
+    one_line_error(result, "line 3: key 'chunk_size' is already set on line 1")
 
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -98,7 +89,7 @@ def test_a_duplicate_yaml_key_names_the_line(tmp_path: Path) -> None:
 def test_a_mistyped_flag_or_command_is_one_line_with_a_suggestion(args: list[str], needle: str,
                                                                   tmp_path: Path) -> None:
     result, _ = invoke(args, tmp_path)
-    one_line(result, needle, "--help")
+    one_line_error(result, needle, "--help")
 
 
 def test_a_property_that_overrides_an_option_variable_says_so(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import one_line_error
 from click.testing import CliRunner, Result
 
 from autoconfig.cli import main
@@ -31,15 +32,6 @@ def run(command: list[str], mdir: Path, tmp_path: Path, **env: str) -> Result:
     return CliRunner().invoke(main, [*command, "--model-dir", str(mdir)], env={**base, **env})  # type: ignore[dict-item]
 
 
-def refused(result: Result, *needles: str) -> str:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lmi-cache: error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
 COMMANDS = [["serve", "--dry-run", "--instance-type", "ml.g6e.xlarge"], ["plan", "--instance-type", "ml.g6e.xlarge"]]
 
 
@@ -47,12 +39,12 @@ COMMANDS = [["serve", "--dry-run", "--instance-type", "ml.g6e.xlarge"], ["plan",
 @pytest.mark.parametrize("cache", ["option.lmcache_auto_config=true\n", ""], ids=["auto", "off"])
 def test_max_model_len_above_the_models_is_refused(command: list[str], cache: str, tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "llama-3.1-8b-instruct", "option.max_model_len=1000000\n" + cache)
-    refused(run(command, mdir, tmp_path), "option.max_model_len=1000000", "131,072", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    one_line_error(run(command, mdir, tmp_path), "option.max_model_len=1000000", "131,072", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
 
 
 def test_allow_long_max_model_len_moves_on_to_the_kv_check(tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "llama-3.1-8b-instruct", "option.max_model_len=1000000\n")
-    line = refused(run(COMMANDS[0], mdir, tmp_path, VLLM_ALLOW_LONG_MAX_MODEL_LEN="1"), "GPU KV cache holds")
+    line = one_line_error(run(COMMANDS[0], mdir, tmp_path, VLLM_ALLOW_LONG_MAX_MODEL_LEN="1"), "GPU KV cache holds")
     assert "131,072" not in line
 
 
@@ -61,20 +53,20 @@ def test_kv_cache_smaller_than_one_sequence_names_the_length_that_fits(command: 
     # Llama-3.1-8B's own 131,072 tokens need 16 GiB of KV; one 24 GiB A10G keeps a few GiB after the weights.
     mdir = model_dir(tmp_path, "llama-3.1-8b-instruct", "option.lmcache_auto_config=true\n")
     command = [c if c != "ml.g6e.xlarge" else "ml.g5.2xlarge" for c in command]
-    line = refused(run(command, mdir, tmp_path), "max_model_len=131072", "less than one sequence")
+    line = one_line_error(run(command, mdir, tmp_path), "max_model_len=131072", "less than one sequence")
     fits = int(re.search(r"set max_model_len to (\d+) or less", line).group(1))
     assert 10_000 < fits < 131_072
     (mdir / "serving.properties").write_text(f"option.lmcache_auto_config=true\noption.max_model_len={fits}\n")
     assert run(command, mdir, tmp_path).exit_code == 0
     (mdir / "serving.properties").write_text(f"option.lmcache_auto_config=true\noption.max_model_len={fits + 16}\n")
-    refused(run(command, mdir, tmp_path), "less than one sequence")
+    one_line_error(run(command, mdir, tmp_path), "less than one sequence")
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=["serve", "plan"])
 def test_tp_that_does_not_split_the_heads_is_refused_in_every_mode(command: list[str], tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "qwen2.5-7b-instruct", "option.tensor_parallel_degree=3\noption.max_model_len=8192\n")
     cmd = [c if c != "ml.g6e.xlarge" else "ml.g6e.12xlarge" for c in command]
-    refused(run(cmd, mdir, tmp_path), "option.tensor_parallel_degree=3", "28 attention heads", "use one of")
+    one_line_error(run(cmd, mdir, tmp_path), "option.tensor_parallel_degree=3", "28 attention heads", "use one of")
 
 
 def test_pp_above_the_layers_is_refused(tmp_path: Path) -> None:
@@ -83,7 +75,7 @@ def test_pp_above_the_layers_is_refused(tmp_path: Path) -> None:
     snap = json.loads(CliRunner().invoke(main, ["probe", "--instance-type", "ml.p4d.24xlarge", "--json"]).stdout)
     snap["gpus"] = [dict(snap["gpus"][0], index=i) for i in range(32)]
     host.write_text(json.dumps(snap))
-    refused(run(["serve", "--dry-run", "--host", str(host)], mdir, tmp_path), "pipeline_parallel_degree=32",
+    one_line_error(run(["serve", "--dry-run", "--host", str(host)], mdir, tmp_path), "pipeline_parallel_degree=32",
             "24 layers")
 
 

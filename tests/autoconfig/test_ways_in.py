@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_helpers import one_line_error
 from click.testing import CliRunner, Result
 
 from autoconfig.cli import main
@@ -40,14 +41,6 @@ def connector(result: Result) -> str | None:
 
 def cache_line(result: Result) -> str:
     return next(ln for ln in result.stdout.splitlines() if ": cache: " in ln).split(": cache: ", 1)[1]
-
-
-def one_line_error(result: Result, *needles: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lmi-cache: error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def test_lmcache_config_file_alone_turns_the_cache_on(tmp_path: Path) -> None:
