@@ -97,8 +97,8 @@ def run_validate(config: str | None, model_dir: str | None, flags: Mapping[str, 
     hf_home, allow_network = hub_access_from_env(env)
     info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
                            hf_home=hf_home, allow_network=allow_network)
-    findings = blend_findings(path, info) + validate_config(path, info, props.settings, host,
-                                                            check_local_paths=source.live)
+    findings = blend_findings(path, info) + start_findings(info, props, env) + validate_config(
+        path, info, props.settings, host, check_local_paths=source.live)
     findings += env_findings(env)
     findings.sort(key=lambda f: f.level != "error")
     for finding in findings:
@@ -106,6 +106,20 @@ def run_validate(config: str | None, model_dir: str | None, flags: Mapping[str, 
     errors = sum(f.level == "error" for f in findings)
     echo(f"{path}: {errors} error(s), {len(findings) - errors} warning(s) (host from {source.label})")
     return 1 if errors else 0
+
+
+def start_findings(info: Any, props: Any, env: Mapping[str, str]) -> list["Finding"]:
+    """A max_model_len vLLM would refuse for this model (the size checks follow in validate_config)."""
+    from autoconfig.plan_types import PlanError
+    from autoconfig.start_checks import check_max_model_len
+    from autoconfig.validate import Finding
+
+    opt = props.options.get("max_model_len")
+    try:
+        check_max_model_len(info.config, props.settings, env, opt.where if opt is not None else "max_model_len")
+    except PlanError as err:
+        return [Finding("error", "settings", str(err))]
+    return []
 
 
 def env_findings(env: Mapping[str, str]) -> list["Finding"]:

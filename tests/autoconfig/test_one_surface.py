@@ -183,3 +183,11 @@ def test_validate_reads_the_yaml_the_model_dir_names_and_lmcache_env(tmp_path: P
     assert bad.exit_code == 1 and "LMCACHE_CHUNK_SIZE" in bad.stdout, bad.output
     override = cli(common, tmp_path, LMCACHE_CHUNK_SIZE="512")
     assert override.exit_code == 0 and "LMCACHE_CHUNK_SIZE override the file" in override.stdout
+
+
+def test_validate_refuses_a_max_model_len_vllm_would_refuse(tmp_path: Path) -> None:
+    mdir = stage(tmp_path, "manual-lmcache-yaml")
+    common = ["validate", "--model-dir", str(mdir), "--instance-type", "ml.g6e.12xlarge", "--max-model-len", "200000"]
+    result = cli(common, tmp_path)
+    assert result.exit_code == 1 and "--max-model-len=200000: above the model's 131,072" in result.stdout, result.output
+    assert cli(common, tmp_path, VLLM_ALLOW_LONG_MAX_MODEL_LEN="1").stdout.count("above the model's") == 0
