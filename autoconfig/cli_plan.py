@@ -42,7 +42,7 @@ def run_plan(model_dir: str | None, flags: Mapping[str, Any], source: HostSource
     if model_dir is None:
         if "--model" not in cli:
             raise click.UsageError("give --model-dir DIR (serving.properties and/or the model) or --model MODEL")
-        if not env.get("OPTION_LMCACHE_CONFIG_FILE"):
+        if not env.get("OPTION_LMCACHE_CONFIG_FILE") and not env.get("LMCACHE_CONFIG_FILE"):
             # plan --model alone answers "what would auto-configuration size": it asks for it.
             cli = {"plan": ("lmcache_auto_config", "true"), **cli}
     mdir = Path(model_dir) if model_dir is not None else NO_MODEL_DIR

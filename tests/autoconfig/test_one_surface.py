@@ -191,3 +191,14 @@ def test_validate_refuses_a_max_model_len_vllm_would_refuse(tmp_path: Path) -> N
     result = cli(common, tmp_path)
     assert result.exit_code == 1 and "--max-model-len=200000: above the model's 131,072" in result.stdout, result.output
     assert cli(common, tmp_path, VLLM_ALLOW_LONG_MAX_MODEL_LEN="1").stdout.count("above the model's") == 0
+
+
+def test_plan_model_alone_follows_a_yaml_named_in_the_environment(tmp_path: Path) -> None:
+    """plan --model plans auto-configuration unless the environment names a YAML: then it says serve uses that."""
+    yaml_path = tmp_path / "lmcache.yaml"
+    yaml_path.write_text("chunk_size: 256\nmax_local_cpu_size: 4\n")
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b-instruct"), "--instance-type", "ml.g6e.xlarge",
+            "--max-model-len", "8192", "--json"]
+    plan = json.loads(cli(args, tmp_path, LMCACHE_CONFIG_FILE=str(yaml_path)).stdout)
+    assert plan["serve"]["cache_mode"] == "file" and str(yaml_path) in plan["serve"]["cache"]
+    assert json.loads(cli(args, tmp_path).stdout)["serve"]["cache_mode"] == "auto"
