@@ -7,15 +7,14 @@ cache off and exit 0.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from server_process import resend_until_cached, running_server
+from server_process import resend_until_cached
 
-from tests.e2e.test_serve_e2e import LONG_PROMPT, REPO, Server, free_port, post, serve_command
+from tests.e2e.test_serve_e2e import LONG_PROMPT, Server, free_port, post, running_serve, serve_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,25 +33,11 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
         "option.enable_prefix_caching=false",
         "option.enable_prompt_tokens_details=true",
     ]) + "\n")
-    for sub in ("rpc", "vllm-cache"):
-        (root / sub).mkdir()
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SM_", "HF_MODEL_ID", "LMCACHE_"))}
-    env.update({
-        "LMCACHE_CHUNK_SIZE": "256",
-        "LMCACHE_LOCAL_CPU": "true",
-        "LMCACHE_MAX_LOCAL_CPU_SIZE": "1",
-        "SAGEMAKER_BIND_TO_PORT": str(port),
-        "LMI_CACHE_RUNTIME_DIR": str(root / "runtime"),
-        "VLLM_RPC_BASE_PATH": str(root / "rpc"),
-        "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-    })
-    log_path = root / "serve.log"
-    with running_server([*serve_command(), "--model-dir", str(model_dir)], env=env, cwd=root,
-                        log_path=log_path, ready_url=f"http://127.0.0.1:{port}/ping") as proc:
-        yield Server(proc, f"http://127.0.0.1:{port}", log_path)
+    env = serve_env(root, port, {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "true",
+                                 "LMCACHE_MAX_LOCAL_CPU_SIZE": "1"})  # no YAML, no cache option: these alone
+    with running_serve(model_dir, root, env, port) as running:
+        yield running
 
 
 def test_lmcache_variables_alone_start_the_connector_and_say_so(server: Server) -> None:
