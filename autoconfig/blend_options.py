@@ -3,8 +3,8 @@
 Run by ``configure`` / ``serve`` (through ``autoconfig.properties``) before vLLM
 starts; torch-free. The server reads blending from the LMCache YAML with
 ``LMCACHE_<KEY>`` on top (``lmi_cache.blend.connector.load_blend_settings``);
-this module computes the same answer beforehand, so the rendered vLLM arguments
-select ``LmiBlendConnector`` exactly when the server will blend:
+this module computes the same answer beforehand, so the plan, the summary and
+the start-up checks say blending is on exactly when ``LmiCacheConnector`` will blend:
 
 - auto-configuration: ``option.lmcache_enable_blending`` and the
   ``option.lmcache_blend_*`` knobs (``OPTION_*`` alike), written into the

@@ -115,7 +115,7 @@ def configure(
             _check_user_config(props.config_file, props.config_where)
         if props.settings.blend_connector:
             _check_blend_model(props, mdir, env, model)
-            messages.append(f"note: blending on ({props.settings.blend_where}): vLLM loads LmiBlendConnector")
+            messages.append(f"note: blending on ({props.settings.blend_where}): LmiCacheConnector blends")
         run_env = {"LMCACHE_CONFIG_FILE": str(props.config_file)} if props.config_file is not None else {}
         args = render_args(None, props.settings)
         mode = "file" if props.config_file is not None else "env"

@@ -66,7 +66,7 @@ def plan_blending(m: PlanModel, s: ServingSettings, why: list[str], warn: list[s
     covered = (f"model_type {m.config.get('model_type')!r} is covered" if m.config is not None
                else "the model type is checked when the server starts")
     why.append(
-        f"blending = on ({s.blend_where}): vLLM loads LmiBlendConnector (lmi_cache.blend.connector). Each prompt "
+        f"blending = on ({s.blend_where}): LmiCacheConnector blends (enable_blending in the YAML). Each prompt "
         f"segment that ends in blend_special_str {b.special_str!r} is stored on its own and reused wherever it "
         f"appears again; {_ratios(b)} of its tokens are recomputed after check layer(s) "
         f"{list(b.check_layers)}; only requests with >= {b.min_tokens} tokens from cached segments are blended; "

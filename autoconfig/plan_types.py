@@ -187,7 +187,7 @@ class TierPlan:
     warnings: list[str] = field(default_factory=list)
     explanation: list[str] = field(default_factory=list)
     remote_url: str | None = None  # the fleet's shared store behind the local tiers (None: no remote tier)
-    blend: BlendSettings | None = None  # blending wired through LmiBlendConnector (None: off or not ours)
+    blend: BlendSettings | None = None  # blending in LmiCacheConnector (None: off or not ours)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``plan --json`` contract (issue 2); byte counts are ints; ``remote`` only with a remote tier."""
@@ -198,7 +198,7 @@ class TierPlan:
             data["tiers"]["remote"] = {"url": redact_url(self.remote_url),
                                        "chunk_bytes_per_rank": self.kv_bytes_per_token_per_rank * self.chunk_size}
         if self.blend is not None:  # only when on: plans without blending keep their documented shape
-            data["blending"] = {"connector": "LmiBlendConnector", **self.blend.to_lmcache_dict()}
+            data["blending"] = {"connector": "LmiCacheConnector", **self.blend.to_lmcache_dict()}
         return data
 
     def _to_dict(self) -> dict[str, Any]:

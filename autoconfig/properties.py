@@ -17,7 +17,7 @@ came from. Tier overrides the planner honours (per rank, LMCache semantics):
   valkeys://, unix:// or s3://bucket/prefix (the remote tier behind CPU and disk)
 - ``option.lmcache_engine``              ``lmi_cache`` (default) or ``lmcache`` (upstream
   LMCache's connector, when that package is installed)
-- ``option.lmcache_enable_blending``     true/false: blending (vLLM loads LmiBlendConnector); with
+- ``option.lmcache_enable_blending``     true/false: blending in LmiCacheConnector; with
   ``option.lmcache_blend_special_str``, ``_blend_check_layers``, ``_blend_recompute_ratios``,
   ``_blend_min_tokens`` (LMCache's keys; see ``autoconfig.blend_options``)
 

@@ -164,7 +164,8 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
     argv += _upstream_recipe(props, result.vllm_args)
     argv += mapped.argv(skip=SETTINGS_ARGS | _dests(result.vllm_args))
     front = front_launch({n: o.value for n, o in props.options.items()}, mdir if mdir.is_dir() else None,
-                         {n: o.where for n, o in props.options.items()}, Path(model) if Path(model).is_dir() else None)
+                         {n: o.where for n, o in props.options.items()}, Path(model) if Path(model).is_dir() else None,
+                         prepare=not dry_run)  # a dry run leaves the sessions folder as it is
     argv += front.argv
     env_set = dict(result.env)
     env_set.update(secret_env)

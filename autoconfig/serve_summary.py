@@ -43,7 +43,7 @@ def cache_lines(mode: str, props: ResolvedProperties, plan: "TierPlan | None", e
     lines = [_tier_line(mode, props, plan, env)]
     if mode != "off" and props.settings.blend_connector:
         b = props.settings.blend
-        lines.append(f"cache: blending on ({props.settings.blend_where}): LmiBlendConnector, separator "
+        lines.append(f"cache: blending on ({props.settings.blend_where}): LmiCacheConnector, separator "
                      f"{b.special_str!r}, recompute ratios {list(b.recompute_ratios)} after layers {list(b.check_layers)}")
     return lines
 

@@ -46,7 +46,7 @@ class ServingSettings:
 
     @property
     def blend_connector(self) -> bool:
-        """Whether vLLM loads LmiBlendConnector (blending on, with this project's engine)."""
+        """Whether LmiCacheConnector blends (blending on, with this project's engine)."""
         return self.blend.enabled and self.engine == "lmi_cache"
 
     @property

@@ -84,9 +84,9 @@ def test_options_select_the_blending_connector_and_the_yaml_carries_the_keys(tmp
     assert data["blend_special_str"] == " # # "
     assert BlendSettings.from_mapping(data).recompute_ratios == (0.3,)  # what the connector reads back
     line = next(s for s in launch.summary if "blending on" in s)
-    assert "option.lmcache_enable_blending=true" in line and "LmiBlendConnector" in line
+    assert "option.lmcache_enable_blending=true" in line and "LmiCacheConnector" in line
     plan = json.loads((tmp_path / "runtime" / "plan.json").read_text())
-    assert plan["blending"]["connector"] == "LmiBlendConnector"
+    assert plan["blending"]["connector"] == "LmiCacheConnector"
 
 
 def test_option_env_variables_are_the_same_setting(tmp_path: Path) -> None:
@@ -209,7 +209,7 @@ def test_plan_explains_blending_and_refuses_engine_lmcache_with_it() -> None:
     assert result.exit_code == 0, result.output
     (line,) = [ln for ln in result.output.splitlines() if "blending = on" in ln]
     assert "--enable-blending" in line and "30%" in line and "model_type 'llama' is covered" in line
-    assert "LmiBlendConnector" in result.output
+    assert "LmiCacheConnector blends" in line
     plain = _cli(["plan", "--model", model, "--host", host])
     assert "blending" not in plain.output and "LmiCacheConnector" in plain.output
     refused = _cli(["plan", "--model", model, "--host", host, "--enable-blending", "--engine", "lmcache"])
