@@ -212,6 +212,45 @@ def unknown_series(path: Path, root: Path = REPO) -> list[str]:
     return problems
 
 
+def yaml_blocks(path: Path) -> Iterator[tuple[int, str]]:
+    """(first line, text) of every yaml code block."""
+    _, code = split_markdown(path.read_text(encoding="utf-8"))
+    block: list[str] = []
+    start = previous = 0
+    for number, lang, line in [*code, (0, "", "")]:
+        if block and (lang != "yaml" or number != previous + 1):  # a block ends where its lines stop
+            yield start, "\n".join(block)
+            block = []
+        if lang == "yaml":
+            start = start if block else number
+            block.append(line)
+        previous = number
+
+
+def bad_yaml_examples(path: Path) -> list[str]:
+    """YAML blocks that do not parse; LMCache configurations among them that lmi-cache's loader refuses."""
+    import yaml
+
+    from lmi_cache.config import config_from_dict
+    from lmi_cache.errors import UserError
+
+    problems = []
+    for number, text in yaml_blocks(path):
+        where = f"{path.name}:{number}"
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            problems.append(f"{where}: not YAML: {' '.join(str(err).split())}")
+            continue
+        if isinstance(data, dict) and "groups" in data:  # Prometheus alert rules, not an LMCache file
+            continue
+        try:
+            config_from_dict(data, where)
+        except UserError as err:
+            problems.append(f"{where}: {err}")
+    return problems
+
+
 def readme_too_long(path: Path, limit: int = README_MAX_LINES) -> list[str]:
     lines = len(path.read_text(encoding="utf-8").splitlines())
     return [f"{path.name}: {lines} lines, more than {limit}: move detail into docs/"] if lines > limit else []

@@ -18,6 +18,7 @@ from tests.docs_checks import (
     REPO,
     bad_benchmark_commands,
     bad_cli_examples,
+    bad_yaml_examples,
     broken_links,
     doc_files,
     readme_too_long,
@@ -49,6 +50,11 @@ def test_benchmark_commands_name_real_scripts_and_flags(path: Path) -> None:
 @pytest.mark.parametrize("path", DOCS)
 def test_metric_series_exist(path: Path) -> None:
     assert unknown_series(path) == []
+
+
+@pytest.mark.parametrize("path", DOCS)
+def test_yaml_examples_load(path: Path) -> None:
+    assert bad_yaml_examples(path) == []
 
 
 def test_readme_is_a_front_page() -> None:
@@ -108,3 +114,10 @@ def test_series_checker_finds_unknown_series(tmp_path: Path) -> None:
 def test_readme_length_check_fails_past_the_limit(tmp_path: Path) -> None:
     assert readme_too_long(_write(tmp_path, "README.md", "line\n" * README_MAX_LINES)) == []
     assert readme_too_long(_write(tmp_path, "README.md", "line\n" * (README_MAX_LINES + 1))) != []
+
+
+def test_yaml_checker_finds_bad_files(tmp_path: Path) -> None:
+    doc = _write(tmp_path, "y.md", "```yaml\nchunk_size: 256\nextra_config:\n  remote_compression: off\n```\n"
+                 "```yaml\ngroups: []\n```\n```yaml\nchunk_sise: 512\n```\n```yaml\na: [1\n```\n")
+    problems = bad_yaml_examples(doc)
+    assert len(problems) == 2 and "chunk_sise" in problems[0] and "not YAML" in problems[1], problems
