@@ -32,29 +32,16 @@ def test_docs_index_exists() -> None:
     assert (REPO / "docs" / "README.md").is_file() and len(DOCS) > 5
 
 
-@pytest.mark.parametrize("path", DOCS)
-def test_relative_links_resolve(path: Path) -> None:
-    assert broken_links(path) == []
+# What each guide must hold: relative links resolve, `lmi-cache` examples parse, benchmark commands name
+# real scripts, flags and configs, named series exist, YAML examples load.
+CHECKS = {"links": broken_links, "cli": bad_cli_examples, "benchmarks": bad_benchmark_commands,
+          "series": unknown_series, "yaml": bad_yaml_examples}
 
 
 @pytest.mark.parametrize("path", DOCS)
-def test_cli_examples_parse(path: Path) -> None:
-    assert bad_cli_examples(path) == []
-
-
-@pytest.mark.parametrize("path", DOCS)
-def test_benchmark_commands_name_real_scripts_and_flags(path: Path) -> None:
-    assert bad_benchmark_commands(path) == []
-
-
-@pytest.mark.parametrize("path", DOCS)
-def test_metric_series_exist(path: Path) -> None:
-    assert unknown_series(path) == []
-
-
-@pytest.mark.parametrize("path", DOCS)
-def test_yaml_examples_load(path: Path) -> None:
-    assert bad_yaml_examples(path) == []
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_docs_hold(check: str, path: Path) -> None:
+    assert CHECKS[check](path) == []
 
 
 def test_readme_is_a_front_page() -> None:
