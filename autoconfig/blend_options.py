@@ -90,7 +90,7 @@ def _named(where: str, key: str) -> str:
 
 def _yaml_blend_keys(path: Path) -> dict[str, Any]:
     """The blending keys of the user's YAML; an unreadable file is reported by the config checks, not here."""
-    from lmi_cache.config import read_yaml_mapping
+    from lmi_cache.config.cache_config import read_yaml_mapping
 
     try:
         data = read_yaml_mapping(str(path))

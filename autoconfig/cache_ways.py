@@ -52,8 +52,8 @@ def cache_source(options: Mapping[str, "RawOption"], env: Mapping[str, str], mod
                  config_file: Path | None, recipe: LmcacheRecipe | None, engine: str,
                  notes: list[str]) -> CacheSource:
     """The way in these settings take; notes say which one, and what another setting gave way to."""
-    from lmi_cache.config import unquote_env
-    from lmi_cache.config_env import env_override_names
+    from lmi_cache.config.cache_config import unquote_env
+    from lmi_cache.config.env import env_override_names
 
     where = options["lmcache_config_file"].where if "lmcache_config_file" in options else ""
     env_file = _env_config_file(unquote_env(env.get(CONFIG_ENV, "")).strip(), model_dir)

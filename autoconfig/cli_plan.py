@@ -125,7 +125,7 @@ def start_findings(info: Any, props: Any, env: Mapping[str, str]) -> list["Findi
 def env_findings(env: Mapping[str, str]) -> list["Finding"]:
     """The LMCACHE_* variables the server reads on top of the file: a bad value is an error, overrides a warning."""
     from autoconfig.validate import Finding
-    from lmi_cache.config import CONFIG_FILE_ENV, env_override_names, load_config
+    from lmi_cache.config.cache_config import CONFIG_FILE_ENV, env_override_names, load_config
     from lmi_cache.errors import ConfigError
 
     lmcache_env = {k: v for k, v in env.items() if k.startswith("LMCACHE_") and k != CONFIG_FILE_ENV}

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoconfig.properties import ResolvedProperties, resolve_properties
-from lmi_cache.config_env import env_override_line, env_override_names
+from lmi_cache.config.env import env_override_line, env_override_names
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
@@ -219,7 +219,7 @@ def _yaml_text(plan: "TierPlan") -> str:
 
 
 def _check_user_config(path: Path, where: str) -> None:
-    from lmi_cache.config import load_config
+    from lmi_cache.config.cache_config import load_config
 
     if not path.is_file():
         raise ConfigureError(f"{where}: {path} does not exist; fix the path "

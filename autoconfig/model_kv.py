@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from lmi_cache.config_values import show
+from lmi_cache.config.values import show
 from lmi_cache.errors import UserError
 from lmi_cache.kv_layout import KV_DTYPE_BYTES, KvLayout
 

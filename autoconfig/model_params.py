@@ -11,7 +11,7 @@ import math
 from typing import Any, Mapping
 
 from autoconfig.model_kv import ModelConfigError, text_section
-from lmi_cache.config_values import show
+from lmi_cache.config.values import show
 
 __all__ = ["bytes_per_param", "estimate_num_params"]
 

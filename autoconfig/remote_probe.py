@@ -15,8 +15,8 @@ PROBE_TIMEOUT_S = 1.0
 def remote_store_messages(lmcache_config: Mapping[str, Any] | None, config_file: Path | None,
                           env: Mapping[str, str], timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
     """``note:``/``warning:`` lines about the remote store of the planned dict or the user's YAML (+ env)."""
-    from lmi_cache.config import config_from_dict, load_config
-    from lmi_cache.config_remote import remote_settings
+    from lmi_cache.config.cache_config import config_from_dict, load_config
+    from lmi_cache.config.remote import remote_settings
     from lmi_cache.errors import ConfigError
 
     try:

@@ -102,7 +102,7 @@ def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
     Which of them override the YAML is said once, by configure (names only: values
     can hold credentials).
     """
-    from lmi_cache.config import CONFIG_FILE_ENV, load_config
+    from lmi_cache.config.cache_config import CONFIG_FILE_ENV, load_config
 
     lmcache_env = {k: v for k, v in env.items() if k.startswith("LMCACHE_") and k != CONFIG_FILE_ENV}
     if not cache_on:

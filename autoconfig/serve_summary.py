@@ -13,7 +13,7 @@ from autoconfig.properties import ResolvedProperties
 
 if TYPE_CHECKING:
     from autoconfig.plan_types import TierPlan
-    from lmi_cache.config import CacheConfig
+    from lmi_cache.config.cache_config import CacheConfig
 
 GIB = 1 << 30
 
@@ -49,8 +49,8 @@ def cache_lines(mode: str, props: ResolvedProperties, plan: "TierPlan | None", e
 
 
 def _tier_line(mode: str, props: ResolvedProperties, plan: "TierPlan | None", env: Mapping[str, str]) -> str:
-    from lmi_cache.config import config_with_env
-    from lmi_cache.config_env import env_override_names
+    from lmi_cache.config.cache_config import config_with_env
+    from lmi_cache.config.env import env_override_names
 
     if mode == "file":
         return f"cache: LMCache config from {props.config_file} (checked against this host)"

@@ -50,7 +50,7 @@ def validate_config(
     check_local_paths: bool = True,
 ) -> list[Finding]:
     """All findings for ``config_path``; errors first. ``check_local_paths``: the host is this machine."""
-    from lmi_cache.config import config_from_dict
+    from lmi_cache.config.cache_config import config_from_dict
 
     data = _read(config_path)
     findings = _key_typos(data, config_path)
@@ -104,7 +104,7 @@ def blend_findings(config_path: str, model: PlanModel | ModelInfoLike) -> list[F
 
 
 def _read(path: str) -> dict[str, Any]:
-    from lmi_cache.config import read_yaml_mapping
+    from lmi_cache.config.cache_config import read_yaml_mapping
 
     try:
         data = read_yaml_mapping(path)
@@ -115,8 +115,8 @@ def _read(path: str) -> dict[str, Any]:
 
 def _key_typos(data: Mapping[str, Any], path: str) -> list[Finding]:
     """Keys no LMCache release defines: errors with a did-you-mean (the engine's own rule, one reader)."""
-    from lmi_cache.config import unknown_key_problem
-    from lmi_cache.config_keys import DEPRECATED_ALIASES, LEGACY_KEYS, LMCACHE_KEYS
+    from lmi_cache.config.cache_config import unknown_key_problem
+    from lmi_cache.config.keys import DEPRECATED_ALIASES, LEGACY_KEYS, LMCACHE_KEYS
 
     valid = set(LMCACHE_KEYS) | set(DEPRECATED_ALIASES) | set(LEGACY_KEYS)
     out = []

@@ -231,7 +231,7 @@ def bad_yaml_examples(path: Path) -> list[str]:
     """YAML blocks that do not parse; LMCache configurations among them that lmi-cache's loader refuses."""
     import yaml
 
-    from lmi_cache.config import config_from_dict
+    from lmi_cache.config.cache_config import config_from_dict
     from lmi_cache.errors import UserError
 
     problems = []

@@ -91,7 +91,7 @@ def test_benchmark_checker_finds_unknown_scripts_flags_and_configs(tmp_path: Pat
 
 
 def test_series_checker_finds_unknown_series(tmp_path: Path) -> None:
-    _write(tmp_path, "lmi_cache/metrics.py", 'Counter("lmi_cache_hits", "")\nCounter("lmi_cache_blend_jobs", "")\n')
+    _write(tmp_path, "lmi_cache/metrics/series.py", 'Counter("lmi_cache_hits", "")\nCounter("lmi_cache_blend_jobs", "")\n')
     doc = _write(tmp_path, "m.md", "`lmi_cache_hits_total`, `lmi_cache_blend_*`, `lmi_cache_misses_total`, "
                  "`lmi_cache_front_*`\n")
     assert unknown_series(doc, root=tmp_path) == ["m.md: lmi_cache_front_*: no such series in lmi_cache/",

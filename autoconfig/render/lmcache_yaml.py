@@ -1,7 +1,7 @@
 """Render a TierPlan as the LMCache-format config (dict and YAML text).
 
 Run by ``plan``/``configure`` (container-start process). The dict is what both
-upstream LMCache and ``lmi_cache.config`` read: sizes are GiB per rank, rounded
+upstream LMCache and ``lmi_cache.config.cache_config`` read: sizes are GiB per rank, rounded
 DOWN to two decimals so the file never asks for more than the plan sized.
 """
 from __future__ import annotations

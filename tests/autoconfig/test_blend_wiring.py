@@ -104,7 +104,7 @@ def test_lmcache_env_turns_it_on_over_auto_configuration(tmp_path: Path) -> None
     assert _connector(launch.argv) == BLEND
     assert _written_yaml(tmp_path)["enable_blending"] is True
     assert any("environment variable LMCACHE_ENABLE_BLENDING=true" in s for s in launch.summary)
-    # lmi_cache.config's hint for the exact-prefix connector is not shown when the blending one is loaded.
+    # lmi_cache.config.cache_config's hint for the exact-prefix connector is not shown when the blending one is loaded.
     assert not any("blending needs the blending connector" in s for s in launch.summary)
     off = _launch(tmp_path, "option.lmcache_auto_config=true\n", {"LMCACHE_ENABLE_BLENDING": "false"})
     assert _connector(off.argv)["kv_connector"] == "LmiCacheConnector"

@@ -10,7 +10,7 @@ from autoconfig.planner import plan_tiers
 from autoconfig.properties import PropertiesError, resolve_properties
 from autoconfig.render.plan_text import format_plan
 from autoconfig.settings import ServingSettings, TierOverrides
-from lmi_cache.config import config_from_dict
+from lmi_cache.config.cache_config import config_from_dict
 from lmi_cache.errors import ConfigError
 from tests.autoconfig.plan_helpers import LLAMA8B, host
 

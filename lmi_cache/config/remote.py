@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lmi_cache.config_values import parse_bool, parse_int, parse_optional_str, show
+from lmi_cache.config.values import parse_bool, parse_int, parse_optional_str, show
 from lmi_cache.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lmi_cache.config import CacheConfig
+    from lmi_cache.config.cache_config import CacheConfig
     from lmi_cache.remote.settings import RemoteSettings
 
 MAX_TIMEOUT_MS = 600_000  # ten minutes: anything longer is a typo
@@ -82,7 +82,7 @@ def remote_settings(config: CacheConfig, source: str = "config") -> RemoteSettin
     Raises ConfigError (one line, credentials redacted, naming ``source``) for a URL
     the store cannot use (no host, bad port, no bucket).
     """
-    from lmi_cache.config_keys import SERVED_REMOTE_SCHEMES
+    from lmi_cache.config.keys import SERVED_REMOTE_SCHEMES
 
     url = config.remote_url
     if not url or url.partition("://")[0].lower() not in SERVED_REMOTE_SCHEMES:

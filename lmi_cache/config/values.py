@@ -1,6 +1,6 @@
 """Typed value parsers for the LMCache-format configuration (YAML values and LMCACHE_* env strings).
 
-Used by ``lmi_cache.config`` in every process that reads the engine settings
+Used by ``lmi_cache.config.cache_config`` in every process that reads the engine settings
 (vLLM workers and scheduler, autoconfig at container start), so torch-free.
 Each parser takes ``(value, where)`` and returns the typed value or raises a
 one-line ``ConfigError`` naming ``where`` ("FILE: key 'k'" or "env LMCACHE_K").
@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from lmi_cache.config_keys import REMOTE_URL_SCHEMES
-from lmi_cache.config_yaml import load_yaml
+from lmi_cache.config.keys import REMOTE_URL_SCHEMES
+from lmi_cache.config.yaml_reader import load_yaml
 from lmi_cache.errors import ConfigError
 
 # Upper bounds: far above any real deployment, low enough that sizes stay exact
@@ -122,7 +122,7 @@ def parse_local_disk(value: Any, where: str) -> tuple[str, ...]:
                         f"{where}: {_show(part)} is not a local path; use file:///dir/ (remote stores go in remote_url)"
                     )
                 # file://tmp/cache/ (two slashes, as in LMI's LMCache page, "fixed for SM customers")
-                # means /tmp/cache/; lmi_cache.config warns that file:///tmp/cache/ is the spelling.
+                # means /tmp/cache/; lmi_cache.config.cache_config warns that file:///tmp/cache/ is the spelling.
                 part = rest if rest.startswith("/") else "/" + rest
             if any(ord(c) < 32 for c in part):
                 raise ConfigError(f"{where}: {_show(part)} contains a control character; use a plain directory path")
@@ -138,7 +138,7 @@ def parse_remote_url(value: Any, where: str) -> str | None:
     if url is None:
         return None
     scheme = url.partition("://")[0].lower() if "://" in url else ""
-    if scheme == "file":  # LMI's LMCache guide shows it; not a remote store (see lmi_cache.config._check)
+    if scheme == "file":  # LMI's LMCache guide shows it; not a remote store (see lmi_cache.config.cache_config._check)
         return url
     if scheme not in REMOTE_URL_SCHEMES:
         shown = f"scheme {show(scheme)}" if scheme else "a value without a scheme://"

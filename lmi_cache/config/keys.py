@@ -1,6 +1,6 @@
 """The LMCache 0.5.6 configuration key table (facts, torch-free, any process).
 
-``lmi_cache.config`` parses against this table; autoconfig renders from the
+``lmi_cache.config.cache_config`` parses against this table; autoconfig renders from the
 same names. Each entry is ``key -> (LMCache type, LMCache default)``. The
 environment variable of a key is ``LMCACHE_`` + the key in upper case.
 """

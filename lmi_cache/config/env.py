@@ -1,6 +1,6 @@
 """The LMCACHE_* environment side of the configuration: which variables are keys, which override a file.
 
-Used by ``lmi_cache.config`` (every process that reads engine settings) and by
+Used by ``lmi_cache.config.cache_config`` (every process that reads engine settings) and by
 ``autoconfig`` at container start, to list the variables that override a YAML.
 Torch-free.
 """
@@ -10,7 +10,7 @@ import difflib
 import os
 from typing import Mapping
 
-from lmi_cache.config_keys import (
+from lmi_cache.config.keys import (
     DEPRECATED_ALIASES,
     ENV_NON_KEY_NAMES,
     ENV_NON_KEY_PREFIXES,

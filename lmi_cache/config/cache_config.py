@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from lmi_cache.config_keys import (
+from lmi_cache.config.keys import (
     DEPRECATED_ALIASES,
     EXTRA_CONFIG_KEYS,
     LEGACY_KEYS,
@@ -22,14 +22,14 @@ from lmi_cache.config_keys import (
     SERVED_REMOTE_SCHEMES,
     UNSUPPORTED_FEATURES,
 )
-from lmi_cache.config_yaml import (  # noqa: F401 (re-exported)
+from lmi_cache.config.yaml_reader import (  # noqa: F401 (re-exported)
     CONFIG_FILE_ENV,
     MAX_CONFIG_FILE_BYTES,
     read_yaml_mapping,
 )
-from lmi_cache.config_remote import REMOTE_EXTRA_KEYS, parse_lookup_timeout, parse_remote_extra, parse_serde, remote_settings
-from lmi_cache.config_env import env_names, env_override_names, env_where, misspelt_env_warnings  # noqa: F401 (re-exported)
-from lmi_cache.config_values import (
+from lmi_cache.config.remote import REMOTE_EXTRA_KEYS, parse_lookup_timeout, parse_remote_extra, parse_serde, remote_settings
+from lmi_cache.config.env import env_names, env_override_names, env_where, misspelt_env_warnings  # noqa: F401 (re-exported)
+from lmi_cache.config.values import (
     MAX_CHUNK_TOKENS,
     MAX_DISK_WORKERS,
     MAX_QUEUE_DEPTH,
@@ -79,7 +79,7 @@ class CacheConfig:
     # LMCache's enable_blending as given: the blending connector reads it with the blend_* keys
     # (lmi_cache.blend.settings); the exact-prefix connector only says that it does not blend.
     enable_blending: bool = False
-    # extra_config keys of the remote tier (lmi_cache.config_remote; RemoteSettings documents each).
+    # extra_config keys of the remote tier (lmi_cache.config.remote; RemoteSettings documents each).
     remote_compression: str = "off"  # off | zstd | zstd-planes (lossless)
     remote_io_timeout_ms: int = 2000  # a batched remote load or store batch gives up after this
     remote_put_queue_bytes: int = 256 << 20  # stores waiting for the network; beyond: dropped, counted
