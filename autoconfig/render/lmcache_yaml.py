@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from autoconfig.plan_types import GIB
+from autoconfig.plan.types import GIB
 
 if TYPE_CHECKING:
-    from autoconfig.plan_types import TierPlan
+    from autoconfig.plan.types import TierPlan
 
 
 def gib_2dp_floor(num_bytes: int) -> float:

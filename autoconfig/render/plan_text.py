@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autoconfig.plan_types import GIB
+from autoconfig.plan.types import GIB
 
 if TYPE_CHECKING:
-    from autoconfig.plan_types import TierPlan
+    from autoconfig.plan.types import TierPlan
 
 
 def _gib(num_bytes: int) -> str:

@@ -19,17 +19,17 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from autoconfig.blend_options import BLEND_OPTIONS, BlendOptionError, resolve_blend
+from autoconfig.lmi.blend_options import BLEND_OPTIONS, BlendOptionError, resolve_blend
 from autoconfig.cli import main
-from autoconfig.configure import configure
-from autoconfig.host import GpuInfo, HostSnapshot, MemoryInfo
-from autoconfig.lmi_to_vllm import LMCACHE_OPTIONS
-from autoconfig.model_source import load_model_info
-from autoconfig.plan_types import PlanError
-from autoconfig.planner import plan_tiers
-from autoconfig.properties import RawOption
-from autoconfig.serve import ServeLaunch, prepare_launch
-from autoconfig.settings import ServingSettings
+from autoconfig.serve.configure import configure
+from autoconfig.probe.snapshot import GpuInfo, HostSnapshot, MemoryInfo
+from autoconfig.lmi.to_vllm import LMCACHE_OPTIONS
+from autoconfig.model.source import load_model_info
+from autoconfig.plan.types import PlanError
+from autoconfig.plan.planner import plan_tiers
+from autoconfig.lmi.properties import RawOption
+from autoconfig.serve.launch import ServeLaunch, prepare_launch
+from autoconfig.plan.settings import ServingSettings
 from lmi_cache.blend.settings import BlendSettings
 from lmi_cache.errors import UserError
 
@@ -229,7 +229,7 @@ def test_prepare_launch_with_blending_imports_neither_vllm_nor_torch(tmp_path: P
     host.write_text(json.dumps(_host().to_dict()))
     code = textwrap.dedent(f"""
         import json, sys
-        from autoconfig.serve import load_host_file, prepare_launch
+        from autoconfig.serve.launch import load_host_file, prepare_launch
         launch = prepare_launch({str(mdir)!r}, {{}}, host=load_host_file({str(host)!r}),
                                 output_dir={str(tmp_path / 'rt')!r}, dry_run=True)
         assert json.loads(launch.argv[launch.argv.index("--kv-transfer-config") + 1])["kv_connector"] == "LmiCacheConnector"
@@ -261,8 +261,8 @@ def test_the_blending_option_without_the_cache_is_an_error_not_a_silent_no(tmp_p
 
 
 def test_on_the_cpu_backend_the_plan_reserves_the_blend_heap_per_worker() -> None:
-    from autoconfig.host import load_snapshot_file
-    from autoconfig.settings import ServingSettings
+    from autoconfig.probe.snapshot import load_snapshot_file
+    from autoconfig.plan.settings import ServingSettings
     from lmi_cache.blend.host_heap import blend_heap_bytes
 
     import dataclasses

@@ -12,8 +12,8 @@ from plan_helpers import disk, host
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lmi_cache"))
 from remote_fixtures import redis_server  # noqa: E402,F401
 
-from autoconfig.configure import configure  # noqa: E402
-from autoconfig.properties import PropertiesError  # noqa: E402
+from autoconfig.serve.configure import configure  # noqa: E402
+from autoconfig.lmi.properties import PropertiesError  # noqa: E402
 from autoconfig.render.plan_text import format_plan  # noqa: E402
 from lmi_cache.config.cache_config import load_config  # noqa: E402
 from lmi_cache.devtools.redis_server import RedisServer, free_port  # noqa: E402

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from autoconfig.catalog import host_snapshot_for
-from autoconfig.model_source import load_model_info
-from autoconfig.settings import ServingSettings
+from autoconfig.probe.catalog import host_snapshot_for
+from autoconfig.model.source import load_model_info
+from autoconfig.plan.settings import ServingSettings
 from autoconfig.validate import validate_config
 from lmi_cache.config.cache_config import load_config
 from lmi_cache.errors import ConfigError

@@ -1,6 +1,6 @@
 """Blending settings at container start: LMI options, the user's LMCache YAML, ``LMCACHE_*`` env -> BlendSettings.
 
-Run by ``configure`` / ``serve`` (through ``autoconfig.properties``) before vLLM
+Run by ``configure`` / ``serve`` (through ``autoconfig.lmi.properties``) before vLLM
 starts; torch-free. The server reads blending from the LMCache YAML with
 ``LMCACHE_<KEY>`` on top (``lmi_cache.blend.connector.load_blend_settings``);
 this module computes the same answer beforehand, so the plan, the summary and
@@ -29,7 +29,7 @@ from lmi_cache.blend.settings import BLEND_KEYS, BlendConfigError, BlendSettings
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
-    from autoconfig.properties import RawOption
+    from autoconfig.lmi.properties import RawOption
 
 # LMI option -> LMCache key (option.lmcache_<key>, as every other lmcache_* option).
 BLEND_OPTIONS: dict[str, str] = {f"lmcache_{key}": key for key in BLEND_KEYS}

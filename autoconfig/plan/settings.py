@@ -1,7 +1,7 @@
 """Serving settings: what the planner needs to know about how vLLM will run.
 
 Filled from CLI flags (``plan``) or from serving.properties / OPTION_* env
-(``configure``, ``serve``) by ``autoconfig.properties``. Pure data.
+(``configure``, ``serve``) by ``autoconfig.lmi.properties``. Pure data.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class ServingSettings:
     engine: str = "lmi_cache"  # "lmi_cache" or "lmcache" (upstream LMCacheConnectorV1)
     overrides: TierOverrides = TierOverrides()
     # Blending (enable_blending and the blend_* keys) as the server will read them: LMI options, or the
-    # user's LMCache YAML, then LMCACHE_* env on top (see autoconfig.blend_options).
+    # user's LMCache YAML, then LMCACHE_* env on top (see autoconfig.lmi.blend_options).
     blend: BlendSettings = BlendSettings()
     blend_where: str = ""  # the enable_blending setting that counts, for messages ("OPTION_...=true"; "": off)
 

@@ -4,7 +4,7 @@ Runs as PID 1's first program in the container: resolves serving.properties
 and ``OPTION_*`` env exactly as ``configure`` does, sets up the KV cache
 (auto-config, a user YAML checked against the host, or none), maps the LMI
 options to vLLM arguments, prints a short summary and then runs vLLM's
-OpenAI server as its child (``autoconfig.supervise``): signals are forwarded
+OpenAI server as its child (``autoconfig.serve.supervise``): signals are forwarded
 to it, its exit status becomes the container's, and a server that stops on
 its own with status 0 (what vLLM does after its engine died) exits 1.
 Everything that can be wrong with the settings is found here, before vLLM is
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from autoconfig.configure import DEFAULT_MODEL_DIR, configure, default_output_dir, resolve_fitted
-from autoconfig.lmi_names import SECRET_OPTIONS
-from autoconfig.lmi_to_vllm import MappedArgs, flag_to_name, map_lmi_options
-from autoconfig.properties import ResolvedProperties
-from autoconfig.s3_model import is_s3, materialize_s3_model
-from autoconfig.serve_summary import serve_summary
-from autoconfig.serve_checks import (
+from autoconfig.serve.configure import DEFAULT_MODEL_DIR, configure, default_output_dir, resolve_fitted
+from autoconfig.lmi.names import SECRET_OPTIONS
+from autoconfig.lmi.to_vllm import MappedArgs, flag_to_name, map_lmi_options
+from autoconfig.lmi.properties import ResolvedProperties
+from autoconfig.model.s3 import is_s3, materialize_s3_model
+from autoconfig.serve.summary import serve_summary
+from autoconfig.serve.checks import (
     DEFAULT_PORT,
     PORT_ENV,
     ServeError,
@@ -41,8 +41,8 @@ from lmi_cache.front.options import FRONT_OPTIONS, front_launch
 from lmi_cache.metrics.settings import multiproc_env
 
 if TYPE_CHECKING:
-    from autoconfig.host import HostSnapshot
-    from autoconfig.plan_types import TierPlan
+    from autoconfig.probe.snapshot import HostSnapshot
+    from autoconfig.plan.types import TierPlan
 
 __all__ = ["DEFAULT_PORT", "PORT_ENV", "ServeError", "ServeLaunch", "load_host_file", "prepare_launch",
            "run_launch", "run_serve"]
@@ -212,14 +212,14 @@ def _upstream_recipe(props: ResolvedProperties, args: list[str]) -> list[str]:
 
 def load_host_file(path: str) -> "HostSnapshot":
     """A ``probe --json`` snapshot instead of this machine (dry-run what-ifs, tests): the one ``--host`` reader."""
-    from autoconfig.host import load_snapshot_file
+    from autoconfig.probe.snapshot import load_snapshot_file
 
     return load_snapshot_file(path)
 
 
 def run_launch(launch: ServeLaunch) -> int:
     """Run the server as this process's child until it ends; the container's exit status."""
-    from autoconfig.supervise import run_supervised
+    from autoconfig.serve.supervise import run_supervised
 
     sys.stdout.flush()
     sys.stderr.flush()

@@ -19,14 +19,14 @@ came from. Tier overrides the planner honours (per rank, LMCache semantics):
   LMCache's connector, when that package is installed)
 - ``option.lmcache_enable_blending``     true/false: blending in LmiCacheConnector; with
   ``option.lmcache_blend_special_str``, ``_blend_check_layers``, ``_blend_recompute_ratios``,
-  ``_blend_min_tokens`` (LMCache's keys; see ``autoconfig.blend_options``)
+  ``_blend_min_tokens`` (LMCache's keys; see ``autoconfig.lmi.blend_options``)
 
 LMI's own LMCache recipe (``option.kv_transfer_config`` naming
 ``LMCacheConnectorV1`` plus ``option.lmcache_config_file`` or the
 ``LMCACHE_CONFIG_FILE`` environment variable) turns the cache on with that YAML
-(auto-configured when no YAML is given); see ``autoconfig.lmi_recipe``.
+(auto-configured when no YAML is given); see ``autoconfig.lmi.recipe``.
 LMI's simplified environment variables and defaults are in
-``autoconfig.lmi_names`` with the pages they follow.
+``autoconfig.lmi.names`` with the pages they follow.
 """
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
-from autoconfig.blend_options import resolve_blend
-from autoconfig.cache_ways import cache_source
-from autoconfig.java_properties import parse_properties
-from autoconfig.lmi_names import SIMPLIFIED_ENV, masked
-from autoconfig.lmi_recipe import LmcacheRecipe, find_recipe
-from autoconfig.option_values import (
+from autoconfig.lmi.blend_options import resolve_blend
+from autoconfig.lmi.cache_ways import cache_source
+from autoconfig.lmi.java_properties import parse_properties
+from autoconfig.lmi.names import SIMPLIFIED_ENV, masked
+from autoconfig.lmi.recipe import LmcacheRecipe, find_recipe
+from autoconfig.lmi.option_values import (
     abs_dir_path,
     config_path,
     engine_name,
@@ -54,8 +54,8 @@ from autoconfig.option_values import (
     positive_int,
     share,
 )
-from autoconfig.lmi_workers import canonical_name, check_server_keys, default_replicas, lmi_devices, noted, worker_gpus
-from autoconfig.settings import ServingSettings, TierOverrides
+from autoconfig.lmi.workers import canonical_name, check_server_keys, default_replicas, lmi_devices, noted, worker_gpus
+from autoconfig.plan.settings import ServingSettings, TierOverrides
 from lmi_cache.errors import UserError
 
 PROPERTIES_FILE = "serving.properties"
@@ -101,11 +101,11 @@ class ResolvedProperties:
     notes: list[str] = field(default_factory=list)  # defaults applied and translations, for the summary
     devices: list[int] | None = None  # GPUs of LMI's load_on_devices workers: all vLLM may use (None: all)
     tp_is_max: bool = False  # tensor_parallel_degree unset or "max" (serve may fit it to the model's heads)
-    env_only: bool = False  # the cache is on through LMCACHE_<KEY> variables alone (autoconfig.cache_ways)
+    env_only: bool = False  # the cache is on through LMCACHE_<KEY> variables alone (autoconfig.lmi.cache_ways)
 
     @property
     def cache_on(self) -> bool:
-        """Whether some way in turns the KV cache on (autoconfig.cache_ways)."""
+        """Whether some way in turns the KV cache on (autoconfig.lmi.cache_ways)."""
         return self.auto_config or self.config_file is not None or self.env_only
 
     def summary_lines(self) -> list[str]:

@@ -17,8 +17,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping
 
-from autoconfig.blend_options import BLEND_OPTIONS
-from autoconfig.lmi_names import (
+from autoconfig.lmi.blend_options import BLEND_OPTIONS
+from autoconfig.lmi.names import (
     FRONT_OPTION_NAMES,
     LMI_IGNORED,
     LMI_RENAMES,
@@ -36,7 +36,7 @@ class LmiOptionError(UserError):
 
 
 # Options consumed elsewhere: the model location, and the cache setup that
-# autoconfig.properties reads (keep in step with its module docstring).
+# autoconfig.lmi.properties reads (keep in step with its module docstring).
 MODEL_OPTION = "model_id"
 LMCACHE_OPTIONS = frozenset({
     "lmcache_auto_config", "lmcache_config_file", "lmcache_max_local_cpu_size",
@@ -57,7 +57,7 @@ RESERVED: dict[str, str] = {
     "config": "put the settings in serving.properties",
 }
 _SIZE_RE = re.compile(r"^\d+$|^\d+(\.\d+)?[kKmMgGtT]$")
-_TRUE = {"true"}  # LMI booleans are true/false only (as autoconfig.properties)
+_TRUE = {"true"}  # LMI booleans are true/false only (as autoconfig.lmi.properties)
 _FALSE = {"false"}
 
 
@@ -138,7 +138,7 @@ def map_lmi_options(
         raw = options[name]
         label = origins.get(name) or f"option.{name}"
         if name == MODEL_OPTION or name in LMCACHE_OPTIONS or name in FRONT_OPTION_NAMES:
-            continue  # read by autoconfig.properties / the front door (lmi_cache.front.options), not vLLM
+            continue  # read by autoconfig.lmi.properties / the front door (lmi_cache.front.options), not vLLM
         if name in LMI_IGNORED:
             notes.append(f"option.{name}={raw} ignored: {LMI_IGNORED[name]}")
             continue
@@ -152,7 +152,7 @@ def map_lmi_options(
         if spec is None:
             raise LmiOptionError(f"{label}: unknown option{_did_you_mean(name)}")
         if target == "tensor_parallel_size" and raw.strip().lower() == "max":
-            # LMI's "all GPUs": only the container knows the count (autoconfig.properties resolves it).
+            # LMI's "all GPUs": only the container knows the count (autoconfig.lmi.properties resolves it).
             value: Any = num_gpus if num_gpus is not None else "max"
         else:
             value = parse_value(spec, LMI_VALUES.get(target, {}).get(raw.strip().lower(), raw), label)

@@ -1,6 +1,6 @@
 """Planner inputs and outputs: plain dataclasses, the ``plan --json`` contract.
 
-Built by ``autoconfig.planner.plan_tiers`` (container-start process, or the
+Built by ``autoconfig.plan.planner.plan_tiers`` (container-start process, or the
 ``lmi-cache plan`` CLI) and read by the renderers, ``configure`` and tests.
 Pure data: no I/O.
 """
@@ -33,7 +33,7 @@ class _KvLike(Protocol):
 
 
 class ModelInfoLike(Protocol):
-    """What the planner reads from ``autoconfig.model_source.ModelInfo`` (read-only members)."""
+    """What the planner reads from ``autoconfig.model.source.ModelInfo`` (read-only members)."""
 
     @property
     def name(self) -> str: ...

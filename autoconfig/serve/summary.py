@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping
 
-from autoconfig.lmi_names import SERVER_KEYS_USED, is_secret_env, masked
-from autoconfig.properties import ResolvedProperties
+from autoconfig.lmi.names import SERVER_KEYS_USED, is_secret_env, masked
+from autoconfig.lmi.properties import ResolvedProperties
 
 if TYPE_CHECKING:
-    from autoconfig.plan_types import TierPlan
+    from autoconfig.plan.types import TierPlan
     from lmi_cache.config.cache_config import CacheConfig
 
 GIB = 1 << 30

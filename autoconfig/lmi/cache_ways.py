@@ -1,4 +1,4 @@
-"""Which documented way in turns the KV cache on (container start, through ``autoconfig.properties``).
+"""Which documented way in turns the KV cache on (container start, through ``autoconfig.lmi.properties``).
 
 Run by every command's settings resolution, before anything is planned. The
 ways in, first match wins:
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from autoconfig.lmi_recipe import CONFIG_ENV, LmcacheRecipe
+from autoconfig.lmi.recipe import CONFIG_ENV, LmcacheRecipe
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
-    from autoconfig.properties import RawOption
+    from autoconfig.lmi.properties import RawOption
 
 ENV_WHERE = f"environment variable {CONFIG_ENV}"
 TURN_ON = ("add option.lmcache_auto_config=true (or option.lmcache_config_file, or LMCACHE_CONFIG_FILE) "

@@ -4,7 +4,7 @@ LMI's user guide (serving/docs/lmi/user_guides/lmcache_user_guide.md in
 deepjavalibrary/djl-serving) turns LMCache on with
 ``option.kv_transfer_config={"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}``
 plus the YAML in ``option.lmcache_config_file`` or ``LMCACHE_CONFIG_FILE``.
-Read at container start by ``autoconfig.properties``: such a file runs
+Read at container start by ``autoconfig.lmi.properties``: such a file runs
 lmi-cache's own connector with that YAML (validated against the host like
 any ``lmcache_config_file``), or an auto-configured one when no YAML is given.
 Upstream LMCache runs only with ``option.lmcache_engine=lmcache``. Pure.
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
-    from autoconfig.properties import RawOption
+    from autoconfig.lmi.properties import RawOption
 
 # Connector names LMCache registers in vLLM (LMCacheConnector was the V0 name).
 LMCACHE_CONNECTORS = frozenset({"LMCacheConnectorV1", "LMCacheConnector", "LMCacheConnectorV1Dynamic"})

@@ -9,14 +9,14 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from autoconfig.host import HostSnapshot
-from autoconfig.plan_checks import check_disk_path_on_host, check_parallel_fits_model, check_settings
-from autoconfig.plan_disk import mount_of
-from autoconfig.plan_types import (
+from autoconfig.probe.snapshot import HostSnapshot
+from autoconfig.plan.checks import check_disk_path_on_host, check_parallel_fits_model, check_settings
+from autoconfig.plan.disk import mount_of
+from autoconfig.plan.types import (
     GIB, KIB, CpuTierPlan, GpuPlan, LmiReference, ModelInfoLike, PlanError, PlanModel, TierPlan,
 )
-from autoconfig.plan_sizing import cpu_tier, disk_tier, gib_floor_bytes  # noqa: F401 (re-exported)
-from autoconfig.settings import ServingSettings
+from autoconfig.plan.sizing import cpu_tier, disk_tier, gib_floor_bytes  # noqa: F401 (re-exported)
+from autoconfig.plan.settings import ServingSettings
 from lmi_cache.kv_layout import KvLayout
 
 # vLLM's KV block size: 16 on CUDA by default; the CPU backend (vllm/platforms/cpu.py,
@@ -49,7 +49,7 @@ def plan_tiers(
     ``cpu_kvcache_space_gib`` is VLLM_CPU_KVCACHE_SPACE when already set by the
     user (CPU backend only); None lets the planner choose it.
     """
-    from autoconfig.plan_blend import plan_blending
+    from autoconfig.plan.blend import plan_blending
     from autoconfig.render.lmcache_yaml import lmcache_dict
     from autoconfig.render.vllm_args import vllm_args
 

@@ -1,6 +1,6 @@
 """CPU- and disk-tier sizing for the planner (host RAM and local disk, per rank).
 
-Pure functions called by ``autoconfig.planner.plan_tiers`` (container-start
+Pure functions called by ``autoconfig.plan.planner.plan_tiers`` (container-start
 process or the ``lmi-cache plan`` CLI). Each appends its one-line reasons to
 ``why`` and its warnings to ``warn``.
 """
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import math
 
-from autoconfig.host import HostSnapshot
-from autoconfig.plan_disk import (
+from autoconfig.probe.snapshot import HostSnapshot
+from autoconfig.plan.disk import (
     cache_dir_on, choose_disk, disk_reserve_bytes, mount_of, normalize_disk_path, unsuitable_reason,
 )
-from autoconfig.plan_types import GIB, CpuTierPlan, DiskTierPlan, GpuPlan, PlanError, PlanModel
-from autoconfig.settings import ServingSettings
+from autoconfig.plan.types import GIB, CpuTierPlan, DiskTierPlan, GpuPlan, PlanError, PlanModel
+from autoconfig.plan.settings import ServingSettings
 
 # Host RAM the serving processes need besides the cache tiers.
 FRONTEND_BYTES = 2 * GIB  # API server + engine core + tokenizer

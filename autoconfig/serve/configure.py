@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from autoconfig.properties import ResolvedProperties, resolve_properties
+from autoconfig.lmi.properties import ResolvedProperties, resolve_properties
 from lmi_cache.config.env import env_override_line, env_override_names
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
-    from autoconfig.host import HostSnapshot
-    from autoconfig.plan_types import TierPlan
+    from autoconfig.probe.snapshot import HostSnapshot
+    from autoconfig.plan.types import TierPlan
 
 DEFAULT_MODEL_DIR = "/opt/ml/model"  # SageMaker / LMI convention
 # "No model directory" (``plan --model X`` alone): not a directory, so no serving.properties is read.
@@ -120,7 +120,7 @@ def configure(
         args = render_args(None, props.settings)
         mode = "file" if props.config_file is not None else "env"
     else:
-        from autoconfig.cache_ways import refuse_cache_options
+        from autoconfig.lmi.cache_ways import refuse_cache_options
 
         refuse_cache_options(props.options)
         # No cache requested: still hand vLLM the parallel flags, without a connector.
@@ -131,7 +131,7 @@ def configure(
     if overrides:  # LMCache's rule, which the engine follows: LMCACHE_<KEY> beats the YAML
         messages.append(f"warning: {env_override_line(overrides)}")
     if mode != "off":
-        from autoconfig.remote_probe import remote_store_messages
+        from autoconfig.probe.remote_store import remote_store_messages
 
         messages += remote_store_messages(plan.lmcache_config if plan is not None else None, props.config_file, env)
     files["vllm_args.json"] = json.dumps(args) + "\n"
@@ -150,8 +150,8 @@ def configure(
 def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str],
              model_override: str | None = None) -> "TierPlan":
     """The auto-configuration plan for these settings (configure's, and ``plan``'s what-if in other modes)."""
-    from autoconfig.model_source import hub_access_from_env, load_model_info
-    from autoconfig.planner import plan_tiers
+    from autoconfig.model.source import hub_access_from_env, load_model_info
+    from autoconfig.plan.planner import plan_tiers
 
     model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
     if model is None:
@@ -166,9 +166,9 @@ def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: M
 def _check_blend_model(props: ResolvedProperties, mdir: Path, env: Mapping[str, str],
                        model_override: str | None) -> None:
     """With the user's YAML blending: refuse a model the blender does not cover now, when config.json is at hand."""
-    from autoconfig.model_source import hub_access_from_env, load_model_info
-    from autoconfig.plan_blend import check_blend_model
-    from autoconfig.s3_model import is_s3
+    from autoconfig.model.source import hub_access_from_env, load_model_info
+    from autoconfig.plan.blend import check_blend_model
+    from autoconfig.model.s3 import is_s3
 
     model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
     if model is None or is_s3(model):
@@ -185,7 +185,7 @@ def resolve_fitted(mdir: Path, env: Mapping[str, str], num_gpus: int,
 
     LMI's tensor_parallel_degree "max" is fitted to the model's heads when they can be read.
     """
-    from autoconfig.serve_checks import largest_fitting_tp, model_heads
+    from autoconfig.serve.checks import largest_fitting_tp, model_heads
 
     directory = mdir if mdir.is_dir() else None
     props = resolve_properties(directory, env, gpu_count=num_gpus, cli=cli)

@@ -1,6 +1,6 @@
 """A Java ``.properties`` parser (the syntax of LMI's serving.properties).
 
-Used by ``autoconfig.properties`` at container start. Implements the rules of
+Used by ``autoconfig.lmi.properties`` at container start. Implements the rules of
 ``java.util.Properties.load``: ``#``/``!`` comment lines, ``=``/``:``/whitespace
 separators, backslash line continuations (leading whitespace of the next line
 dropped), and the escapes ``\\t \\n \\r \\f \\uXXXX`` (any other ``\\c`` is ``c``).

@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from autoconfig.properties import ResolvedProperties
-from autoconfig.s3_model import is_s3
+from autoconfig.lmi.properties import ResolvedProperties
+from autoconfig.model.s3 import is_s3
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
-    from autoconfig.host import HostSnapshot
+    from autoconfig.probe.snapshot import HostSnapshot
 
 PORT_ENV = "SAGEMAKER_BIND_TO_PORT"
 DEFAULT_PORT = 8080
@@ -42,7 +42,7 @@ def model_argument(props: ResolvedProperties, model_dir: Path) -> str:
     """What vLLM's --model gets: option.model_id (path or hub id) or the model directory itself."""
     if props.model_id is not None:
         if is_s3(props.model_id):
-            return props.model_id  # copied from S3 before the start (autoconfig.s3_model)
+            return props.model_id  # copied from S3 before the start (autoconfig.model.s3)
         candidate = Path(props.model_id)
         if not candidate.is_absolute() and (model_dir / candidate).exists():
             return str(model_dir / candidate)
@@ -73,7 +73,7 @@ def check_user_config(
     props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str]
 ) -> list[str]:
     """Validate option.lmcache_config_file against this host; errors fail, warnings are returned."""
-    from autoconfig.model_source import hub_access_from_env, load_model_info
+    from autoconfig.model.source import hub_access_from_env, load_model_info
     from autoconfig.validate import validate_config
 
     assert props.config_file is not None
@@ -118,9 +118,9 @@ def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
 
 
 def check_start(props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str]) -> None:
-    """What vLLM will refuse (autoconfig.start_checks), in every cache mode, when config.json can be read now."""
-    from autoconfig.model_source import hub_access_from_env, load_model_info
-    from autoconfig.start_checks import check_startable
+    """What vLLM will refuse (autoconfig.plan.start_checks), in every cache mode, when config.json can be read now."""
+    from autoconfig.model.source import hub_access_from_env, load_model_info
+    from autoconfig.plan.start_checks import check_startable
 
     try:
         hf_home, allow_network = hub_access_from_env(env)
@@ -147,7 +147,7 @@ def largest_fitting_tp(num_gpus: int, heads: tuple[int, int]) -> int:
 
 def model_heads(props: ResolvedProperties, model_dir: Path, env: Mapping[str, str]) -> tuple[int, int] | None:
     """(attention heads, KV heads) of the model when its config.json can be read now, else None."""
-    from autoconfig.model_source import hub_access_from_env, load_model_info
+    from autoconfig.model.source import hub_access_from_env, load_model_info
 
     model = props.model_id or (str(model_dir) if (model_dir / "config.json").is_file() else None)
     if model is None or is_s3(model):

@@ -1,6 +1,6 @@
 """A model's parameter count and bytes per parameter, estimated from its config.json alone.
 
-Used by ``autoconfig.model_source`` (container-start process and the CLI) when
+Used by ``autoconfig.model.source`` (container-start process and the CLI) when
 a model directory has neither a safetensors index nor weight files. Every field
 is read through ``_count``: a bounded non-negative integer or a one-line
 ``ModelConfigError``, so a garbage or huge value can neither crash nor hang it.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from autoconfig.model_kv import ModelConfigError, text_section
+from autoconfig.model.kv import ModelConfigError, text_section
 from lmi_cache.config.values import show
 
 __all__ = ["bytes_per_param", "estimate_num_params"]

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from autoconfig.host import HostSnapshot
-from autoconfig.model_kv import text_section
-from autoconfig.plan_types import PlanError
-from autoconfig.settings import ServingSettings, TierOverrides
+from autoconfig.probe.snapshot import HostSnapshot
+from autoconfig.model.kv import text_section
+from autoconfig.plan.types import PlanError
+from autoconfig.plan.settings import ServingSettings, TierOverrides
 
 ALLOW_LONG_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 # config.json keys vLLM takes the model's length from (the smallest one present wins), in vLLM 0.32's order.
@@ -68,7 +68,7 @@ def check_startable(info: Any, settings: ServingSettings, host: HostSnapshot, en
     The planner is run without tier overrides: only its model and GPU checks matter here
     (the tiers are checked by configure, or by validate for a user's YAML).
     """
-    from autoconfig.planner import plan_tiers
+    from autoconfig.plan.planner import plan_tiers
 
     check_max_model_len(info.config, settings, env, where.get("max_model_len", "max_model_len"))
     try:

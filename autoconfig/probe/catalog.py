@@ -27,13 +27,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from autoconfig.host import DiskInfo, GpuInfo, HostSnapshot, MemoryInfo
+from autoconfig.probe.snapshot import DiskInfo, GpuInfo, HostSnapshot, MemoryInfo
 from lmi_cache.errors import UserError
 
 __all__ = ["InstanceType", "UnknownInstanceError", "get_instance", "host_snapshot_for", "list_instances",
            "INSTANCE_STORE_MOUNT", "HOST_RAM_RESERVE_FRACTION", "HOST_RAM_RESERVE_MIN_BYTES"]
 
-_DATA = Path(__file__).parent / "data" / "sagemaker_instances.json"
+_DATA = Path(__file__).parents[1] / "data" / "sagemaker_instances.json"
 _GIB = 1024**3
 
 INSTANCE_STORE_MOUNT = "/tmp"  # assumed, see the module docstring

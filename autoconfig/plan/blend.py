@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from autoconfig.plan_types import PlanError
+from autoconfig.plan.types import PlanError
 
 if TYPE_CHECKING:
-    from autoconfig.plan_types import PlanModel
-    from autoconfig.settings import ServingSettings
+    from autoconfig.plan.types import PlanModel
+    from autoconfig.plan.settings import ServingSettings
     from lmi_cache.blend.settings import BlendSettings
 
 

@@ -1,6 +1,6 @@
 """LMI's server keys (no ``option.`` prefix): where workers run, how many, and misspelt prefixes.
 
-Read at container start by ``autoconfig.properties``. DJL Serving (LMI's model
+Read at container start by ``autoconfig.lmi.properties``. DJL Serving (LMI's model
 server) reads ``load_on_devices`` (the GPU each worker starts on) and
 ``maxWorkers``/``gpu.maxWorkers``; LMI starts as many workers as the GPUs hold
 (serving/docs/lmi/deployment_guide/configurations.md in deepjavalibrary/djl-serving)
@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 from typing import Mapping
 
-from autoconfig.lmi_names import SERVER_KEYS
+from autoconfig.lmi.names import SERVER_KEYS
 from lmi_cache.errors import UserError
 
 
@@ -86,7 +86,7 @@ def check_server_keys(file_props: Mapping[str, str], source: str) -> list[str]:
     An exact engine name without the prefix (``rolling_batch=scheduler`` in
     LMI's own tests) is what LMI ignores too: a loud note, not an error.
     """
-    from autoconfig.lmi_to_vllm import known_option_names
+    from autoconfig.lmi.to_vllm import known_option_names
 
     known = known_option_names()
     notes: list[str] = []

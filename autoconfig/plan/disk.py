@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import posixpath
 
-from autoconfig.host import DiskInfo, HostSnapshot
+from autoconfig.probe.snapshot import DiskInfo, HostSnapshot
 
 # Filesystem types that are RAM, kernel views or remote: never a cache disk.
 RAM_FS_TYPES = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})

@@ -1,6 +1,6 @@
 """Planner input checks: plans only promise what vLLM and the disk tier can really start with.
 
-Pure functions called first by ``autoconfig.planner.plan_tiers`` (container-start
+Pure functions called first by ``autoconfig.plan.planner.plan_tiers`` (container-start
 process or the ``lmi-cache plan`` / ``validate`` CLI), before any arithmetic and
 long before vLLM is imported. Each failure is one ``PlanError`` line naming the
 option (the serving.properties / LMCache name) and what to do.
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 
-from autoconfig.host import HostSnapshot
-from autoconfig.plan_disk import PSEUDO_FS_TYPES, mount_of, normalize_disk_path
-from autoconfig.plan_types import PlanError, PlanModel
-from autoconfig.settings import ServingSettings
+from autoconfig.probe.snapshot import HostSnapshot
+from autoconfig.plan.disk import PSEUDO_FS_TYPES, mount_of, normalize_disk_path
+from autoconfig.plan.types import PlanError, PlanModel
+from autoconfig.plan.settings import ServingSettings
 
 # Bounds far above any deployment; they keep every product below exact in floats and 64-bit ints.
 MAX_PARALLEL_DEGREE = 1 << 12

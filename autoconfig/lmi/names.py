@@ -1,7 +1,7 @@
 """AWS LMI's names, values and environment variables, and what each becomes here.
 
-Pure tables read at container start by ``autoconfig.properties`` (settings and
-environment variables) and ``autoconfig.lmi_to_vllm`` (option -> vLLM
+Pure tables read at container start by ``autoconfig.lmi.properties`` (settings and
+environment variables) and ``autoconfig.lmi.to_vllm`` (option -> vLLM
 argument). Each table cites the LMI source it follows, in the public
 ``deepjavalibrary/djl-serving`` repository (LMI containers are built from it):
 

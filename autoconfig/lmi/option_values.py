@@ -1,6 +1,6 @@
 """Value parsers for LMI options (serving.properties, ``OPTION_*`` and the flags that stand for them).
 
-Pure functions used by ``autoconfig.properties`` at container start and in the
+Pure functions used by ``autoconfig.lmi.properties`` at container start and in the
 CLI: each takes the text as written and returns the typed value, or raises
 ``ValueError`` with what the value must be (the caller adds where it came from).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autoconfig.lmi_names import LMI_VALUES
+from autoconfig.lmi.names import LMI_VALUES
 
 
 def parse_bool(value: str) -> bool:

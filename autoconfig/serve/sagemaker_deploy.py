@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from autoconfig.lmi_names import is_secret_env
-from autoconfig.lmi_to_vllm import map_lmi_options
+from autoconfig.lmi.names import is_secret_env
+from autoconfig.lmi.to_vllm import map_lmi_options
 from lmi_cache.errors import UserError
 
 
@@ -228,7 +228,7 @@ def _validate(spec: DeploySpec) -> None:
 
 def _check_instance(spec: DeploySpec) -> None:
     """The instance type must be in the catalog and hold tp x pp x dp GPUs."""
-    from autoconfig.catalog import UnknownInstanceError, get_instance
+    from autoconfig.probe.catalog import UnknownInstanceError, get_instance
 
     try:
         inst = get_instance(spec.instance_type)

@@ -4,7 +4,7 @@ Run by autoconfig in the container-start process and by the CLI. Reads local
 files only, unless the caller allows the network, in which case it fetches
 config.json alone through huggingface_hub (imported lazily). The weights size
 comes from the safetensors index, else the weight files, else an estimate
-from the config (``autoconfig.model_params.estimate_num_params``).
+from the config (``autoconfig.model.params.estimate_num_params``).
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from autoconfig.model_kv import KvLayoutInfo, ModelConfigError, kv_layout_from_config
-from autoconfig.model_params import bytes_per_param, estimate_num_params
+from autoconfig.model.kv import KvLayoutInfo, ModelConfigError, kv_layout_from_config
+from autoconfig.model.params import bytes_per_param, estimate_num_params
 from lmi_cache.errors import UserError, path_length_problem
 
 __all__ = ["ModelInfo", "ModelNotFoundError", "estimate_num_params", "hf_hub_cache_dir",
