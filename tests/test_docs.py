@@ -73,7 +73,7 @@ def test_cli_checker_finds_examples_that_do_not_parse(tmp_path: Path) -> None:
             "lmi-cache plan --model m --tp 2 && .venv/bin/lmi-cache probe --json > snap.json\n"
             "X=1 lmi-cache sagemaker deploy --name n --image i --instance-type t \\\n    --role r --dry-run\n"
             "lmi-cache plan --model m --tp two            # a bad value\n"
-            "lmi-cache plan --tp 2                        # --model is required\n"
+            "lmi-cache sagemaker deploy --name n --image i  # --instance-type and --role are required\n"
             "lmi-cache serve --dry-runn                   # a mistyped flag\n"
             "lmi-cache sagemaker undeploy --name n        # no such command\n"
             "```\n```text\nlmi-cache not checked in a text block\n```\n")
