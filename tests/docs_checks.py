@@ -3,7 +3,8 @@
 Used by tests/test_docs.py in pytest's process (no vLLM, no torch imported). Links: GitHub's slug rules
 for ``#anchors``. CLI examples: ``lmi-cache ...`` lines of bash blocks parsed by the real click command
 tree without running it. Benchmarks: scripts, flags and ``--configs`` names that exist. Series:
-``lmi_cache_*`` names some module of lmi_cache/ declares.
+``lmi_cache_*`` names some module of lmi_cache/ declares. Paths: source files and folders named in code
+spans exist in the tree.
 """
 from __future__ import annotations
 
@@ -248,6 +249,27 @@ def bad_yaml_examples(path: Path) -> list[str]:
             config_from_dict(data, where)
         except UserError as err:
             problems.append(f"{where}: {err}")
+    return problems
+
+
+# A code span that names a file of the tree: a relative path of word characters with a source ending, or a
+# folder written with a trailing slash. Paths the user chooses (/opt/ml/model, s3://..., globs) are not it.
+SOURCE_PATH = re.compile(r"^(?:[\w.-]+/)*[\w.-]+(?:\.(?:py|cpp|cu|h|toml|json|sh)|/)$")
+# Guides name modules relative to the package that holds them (``tiers/cpu_tier.py``, ``vllm_connector/``).
+PATH_BASES = ("", "lmi_cache", "autoconfig")
+
+
+def missing_source_paths(path: Path, root: Path = REPO) -> list[str]:
+    """Code spans of ``path``'s prose that name a file or folder of the tree which does not exist."""
+    problems: list[str] = []
+    prose, _ = split_markdown(path.read_text(encoding="utf-8"))
+    for number, line in prose:
+        for _, span in CODE_SPAN.findall(line):
+            name = span.strip()
+            if "/" not in name.rstrip("/") or not SOURCE_PATH.match(name):  # one word: a user's folder name
+                continue
+            if not any((root / base / name).exists() for base in PATH_BASES):
+                problems.append(f"{path.name}:{number}: {name}: no such file or folder in the tree")
     return problems
 
 

@@ -5,7 +5,8 @@ point to a file that exists, and a ``#anchor`` to a heading of that file under G
 Every ``lmi-cache ...`` line of a bash code block must parse against the real click command tree
 (options, types, required options), without running the command. Every ``benchmarks/*.py`` command must
 name a script that exists and flags it defines, and every ``lmi_cache_*`` series named must be one the
-code writes. Each checker is also run on a broken copy in a temporary folder, to show it can fail.
+code writes, and every source file or folder named in a code span (``tiers/cpu_tier.py``) must exist.
+Each checker is also run on a broken copy in a temporary folder, to show it can fail.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.docs_checks import (
     bad_yaml_examples,
     broken_links,
     doc_files,
+    missing_source_paths,
     readme_too_long,
     unknown_series,
 )
@@ -33,9 +35,9 @@ def test_docs_index_exists() -> None:
 
 
 # What each guide must hold: relative links resolve, `lmi-cache` examples parse, benchmark commands name
-# real scripts, flags and configs, named series exist, YAML examples load.
+# real scripts, flags and configs, named series exist, YAML examples load, named source files exist.
 CHECKS = {"links": broken_links, "cli": bad_cli_examples, "benchmarks": bad_benchmark_commands,
-          "series": unknown_series, "yaml": bad_yaml_examples}
+          "series": unknown_series, "yaml": bad_yaml_examples, "paths": missing_source_paths}
 
 
 @pytest.mark.parametrize("path", DOCS)
@@ -73,7 +75,7 @@ def test_cli_checker_finds_examples_that_do_not_parse(tmp_path: Path) -> None:
             "lmi-cache plan --model m --tp 2 && .venv/bin/lmi-cache probe --json > snap.json\n"
             "X=1 lmi-cache sagemaker deploy --name n --image i --instance-type t \\\n    --role r --dry-run\n"
             "lmi-cache plan --model m --tp two            # a bad value\n"
-            "lmi-cache plan --tp 2                        # --model is required\n"
+            "lmi-cache sagemaker deploy --name n --image i  # --instance-type and --role are required\n"
             "lmi-cache serve --dry-runn                   # a mistyped flag\n"
             "lmi-cache sagemaker undeploy --name n        # no such command\n"
             "```\n```text\nlmi-cache not checked in a text block\n```\n")
@@ -108,3 +110,14 @@ def test_yaml_checker_finds_bad_files(tmp_path: Path) -> None:
                  "```yaml\ngroups: []\n```\n```yaml\nchunk_sise: 512\n```\n```yaml\na: [1\n```\n")
     problems = bad_yaml_examples(doc)
     assert len(problems) == 2 and "chunk_sise" in problems[0] and "not YAML" in problems[1], problems
+
+
+def test_path_checker_finds_moved_files(tmp_path: Path) -> None:
+    _write(tmp_path, "lmi_cache/tiers/cpu_tier.py", "")
+    _write(tmp_path, "autoconfig/probe/__init__.py", "")
+    doc = _write(tmp_path, "a.md", "`lmi_cache/tiers/cpu_tier.py`, `tiers/cpu_tier.py`, `probe/`, `adapters/`, "
+                 "`/opt/ml/model/x.py`, `s3://b/p/`, `lmi_cache/metrics.py`, `tiers/disk_tier.py`\n"
+                 "```bash\npython lmi_cache/gone.py\n```\n")
+    assert missing_source_paths(doc, root=tmp_path) == [
+        "a.md:1: lmi_cache/metrics.py: no such file or folder in the tree",
+        "a.md:1: tiers/disk_tier.py: no such file or folder in the tree"]
