@@ -116,8 +116,8 @@ def test_path_checker_finds_moved_files(tmp_path: Path) -> None:
     _write(tmp_path, "lmi_cache/tiers/cpu_tier.py", "")
     _write(tmp_path, "autoconfig/probe/__init__.py", "")
     doc = _write(tmp_path, "a.md", "`lmi_cache/tiers/cpu_tier.py`, `tiers/cpu_tier.py`, `probe/`, `adapters/`, "
-                 "`/opt/ml/model/x.py`, `s3://b/p/`, `lmi_cache/metrics.py`, `tiers/disk_tier.py`\n"
+                 "`/opt/ml/model/x.py`, `s3://b/p/`, `lmi_cache/metrics/series.py`, `tiers/disk_tier.py`\n"
                  "```bash\npython lmi_cache/gone.py\n```\n")
     assert missing_source_paths(doc, root=tmp_path) == [
-        "a.md:1: lmi_cache/metrics.py: no such file or folder in the tree",
+        "a.md:1: lmi_cache/metrics/series.py: no such file or folder in the tree",
         "a.md:1: tiers/disk_tier.py: no such file or folder in the tree"]
