@@ -267,10 +267,10 @@ def _remote_url(options: Mapping[str, RawOption]) -> str | None:
     if opt is None or not opt.value.strip():
         return None
     from lmi_cache.errors import ConfigError
-    from lmi_cache.remote.settings import store_kind
+    from lmi_cache.remote.url import parse_remote_url
 
     try:
-        store_kind(opt.value.strip())
+        parse_remote_url(opt.value.strip()).store_kind()
     except ConfigError as err:
         raise PropertiesError(f"{opt.where}: {err}") from None
     return opt.value.strip()

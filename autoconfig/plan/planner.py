@@ -126,10 +126,10 @@ def _with_session_retention(cpu: CpuTierPlan, s: ServingSettings, bpt_rank: int,
 
 
 def _remote_text(url: str, chunk_bytes: int, engine: str) -> str:
-    from lmi_cache.remote.settings import redact_url, store_kind
+    from lmi_cache.remote.url import parse_remote_url
 
-    kind = store_kind(url)
-    return (f"remote tier = {kind} store {redact_url(url)} (option.lmcache_remote_url), shared by every server and "
+    remote = parse_remote_url(url)
+    return (f"remote tier = {remote.store_kind()} store {remote.redacted} (option.lmcache_remote_url), shared by every server and "
             f"rank of the fleet: each chunk is {chunk_bytes / 2**20:,.1f} MiB per rank (kv_bytes_per_token_per_rank "
             f"x chunk_size; {chunk_bytes * 8 / 10e9 * 1e3:,.0f} ms to move at 10 Gb/s, {chunk_bytes * 8 / 100e9 * 1e3:,.1f} ms "
             f"at 100 Gb/s); every stored chunk is also queued for it (never waited for), and a chunk no local tier "

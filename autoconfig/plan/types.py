@@ -193,7 +193,7 @@ class TierPlan:
         """The ``plan --json`` contract (issue 2); byte counts are ints; ``remote`` only with a remote tier."""
         data = self._to_dict()
         if self.remote_url:
-            from lmi_cache.remote.settings import redact_url
+            from lmi_cache.remote.url import redact_url
 
             data["tiers"]["remote"] = {"url": redact_url(self.remote_url),
                                        "chunk_bytes_per_rank": self.kv_bytes_per_token_per_rank * self.chunk_size}

@@ -19,7 +19,6 @@ from lmi_cache.config.keys import (
     EXTRA_CONFIG_KEYS,
     LEGACY_KEYS,
     LMCACHE_KEYS,
-    SERVED_REMOTE_SCHEMES,
     UNSUPPORTED_FEATURES,
 )
 from lmi_cache.config.yaml_reader import (  # noqa: F401 (re-exported)
@@ -44,6 +43,7 @@ from lmi_cache.config.values import (
     unquote_env,
 )
 from lmi_cache.errors import ConfigError
+from lmi_cache.remote.url import parse_remote_url as parse_url
 from lmi_cache.eviction.retaining import DEFAULT_RETENTION_SHARE, parse_retention_share
 
 DISK_FEEDS = ("write_through", "demote")
@@ -255,12 +255,13 @@ def _check(config: CacheConfig, source: str, warnings: list[str]) -> None:
         warnings.append(f"{source}: local_disk is set but max_local_disk_size is 0, so the disk tier is off")
     if config.max_local_disk_size > 0 and not config.local_disk:
         warnings.append(f"{source}: max_local_disk_size is set but local_disk is empty, so the disk tier is off")
-    scheme = (config.remote_url or "").partition("://")[0].lower()
-    if config.remote_url and scheme not in SERVED_REMOTE_SCHEMES:
+    remote = parse_url(config.remote_url) if config.remote_url else None  # parsed at load
+    scheme = remote.scheme if remote is not None else ""
+    if remote is not None and not remote.served:
         warnings.append(f"{source}: remote_url ({scheme}://) is a valid LMCache remote store, but lmi_cache has "
                         "no store for it: the remote tier is off (the local tiers still serve); lmi_cache serves "
                         "redis://, rediss://, valkey://, valkeys://, unix:// and s3://")
-    if config.remote_url and scheme not in SERVED_REMOTE_SCHEMES and config.remote_serde != "naive":
+    if remote is not None and not remote.served and config.remote_serde != "naive":
         warnings.append(f"{source}: remote_serde {config.remote_serde} is not used (no remote tier for "
                         f"{scheme}://); lmi_cache's remote tier stores KV losslessly (remote_serde: naive)")
     remote_settings(config, source)  # a served URL the store cannot use is an error now, not at the first request

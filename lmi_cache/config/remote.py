@@ -82,10 +82,10 @@ def remote_settings(config: CacheConfig, source: str = "config") -> RemoteSettin
     Raises ConfigError (one line, credentials redacted, naming ``source``) for a URL
     the store cannot use (no host, bad port, no bucket).
     """
-    from lmi_cache.config.keys import SERVED_REMOTE_SCHEMES
+    from lmi_cache.remote.url import parse_remote_url
 
     url = config.remote_url
-    if not url or url.partition("://")[0].lower() not in SERVED_REMOTE_SCHEMES:
+    if not url or not parse_remote_url(url).served:
         return None
     from lmi_cache.remote.settings import RemoteSettings
 

@@ -14,11 +14,9 @@ import math
 import os
 import reprlib
 from typing import Any, Mapping
-from urllib.parse import urlsplit
 
 import yaml
 
-from lmi_cache.config.keys import REMOTE_URL_SCHEMES
 from lmi_cache.config.yaml_reader import load_yaml
 from lmi_cache.errors import ConfigError
 
@@ -133,27 +131,17 @@ def parse_local_disk(value: Any, where: str) -> tuple[str, ...]:
 
 
 def parse_remote_url(value: Any, where: str) -> str | None:
-    """Any remote_url scheme LMCache accepts; a typo'd scheme is an error. The URL is never echoed (it may hold a password)."""
+    """Any remote_url scheme LMCache accepts, checked by the one parser every reader shares
+    (``lmi_cache.remote.url``); a typo'd scheme is an error. Credentials are never echoed."""
     url = parse_optional_str(value, where)
     if url is None:
         return None
-    scheme = url.partition("://")[0].lower() if "://" in url else ""
-    if scheme == "file":  # LMI's LMCache guide shows it; not a remote store (see lmi_cache.config.cache_config._check)
-        return url
-    if scheme not in REMOTE_URL_SCHEMES:
-        shown = f"scheme {show(scheme)}" if scheme else "a value without a scheme://"
-        raise ConfigError(f"{where}: remote_url has {shown}, which LMCache does not know; use one of "
-                          f"{', '.join(s + '://' for s in REMOTE_URL_SCHEMES[:8])}, ... (see LMCache's remote backends)")
-    if scheme in ("redis", "rediss"):
-        try:
-            parts = urlsplit(url)
-            host, port = parts.hostname, parts.port
-        except ValueError:
-            raise ConfigError(f"{where}: remote_url ({scheme}://) has a bad port; use a number 1-65535") from None
-        if not host:
-            raise ConfigError(f"{where}: remote_url ({scheme}://) has no host; e.g. {scheme}://cache:6379")
-        if port is None:
-            raise ConfigError(f"{where}: remote_url ({scheme}://) needs a port, e.g. {scheme}://{host}:6379")
+    from lmi_cache.remote.url import parse_remote_url as check_url
+
+    try:
+        check_url(url)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
     return url
 
 

@@ -82,3 +82,13 @@ def test_a_bad_remote_url_is_one_line_without_the_password(tmp_path: Path, url: 
     assert "option.lmcache_remote_url" in message and needle in message
     assert "pw-secret" not in message and "\n" not in message
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("url", ["redis://cache", "valkey://cache", "rediss://u:pw@cache:6380/2?cluster=true",
+                                 "unix:///run/redis.sock", "s3://bucket/kv"])
+def test_a_url_the_option_accepts_is_one_the_engine_loads(tmp_path: Path, url: str) -> None:
+    # One parser: auto-configuration never writes a remote_url the engine then refuses when vLLM starts.
+    mdir = _model_dir(tmp_path, AUTO + f"option.lmcache_remote_url={url}\n")
+    configure(mdir, tmp_path / "out", {}, host=HOST, check_output=False)
+    config, _ = load_config(str(tmp_path / "out" / "lmcache.yaml"), env={})
+    assert config.remote_url == url

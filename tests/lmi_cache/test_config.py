@@ -117,7 +117,7 @@ def test_legacy_and_deprecated_keys_warn_with_replacement() -> None:
         ({"local_disk": "relative/path"}, "local_disk"),
         ({"local_disk": "gds:///x"}, "local_disk"),
         ({"remote_url": "ftp://x"}, "remote_url"),
-        ({"remote_url": "redis://host"}, "remote_url"),
+        ({"remote_url": "redis://:6379"}, "remote_url"),
         ({"remote_url": "redis://host:notaport"}, "remote_url"),
         ({"cache_policy": "RANDOM"}, "cache_policy"),
         ({"extra_config": {"disk_feed": "sideways"}}, "disk_feed"),

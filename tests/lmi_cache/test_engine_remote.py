@@ -136,7 +136,7 @@ def test_config_refuses_a_lossy_serde_and_a_bad_store_url() -> None:
 
     with pytest.raises(ConfigError, match="remote_serde.*lossy"):
         config_from_dict({"remote_url": "redis://cache:6379", "remote_serde": "cachegen"}, "c.yaml")
-    with pytest.raises(ConfigError, match="c.yaml: remote_url 's3://' needs a bucket"):
+    with pytest.raises(ConfigError, match="c.yaml: key 'remote_url': remote_url 's3://' needs a bucket"):
         config_from_dict({"remote_url": "s3://"}, "c.yaml")
     with pytest.raises(ConfigError, match="extra_config.remote_compression"):
         config_from_dict({"remote_url": "redis://cache:6379", "extra_config": {"remote_compression": "lz9"}}, "c.yaml")
