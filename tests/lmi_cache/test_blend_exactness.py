@@ -89,7 +89,8 @@ def test_partial_blend_keeps_exact_layers_and_cached_rows(llama: Any) -> None:
         exact = prefix_kv.cat(prefill(adapter, torch.cat(segments), prefix_kv)[0])
         cached = [segment_kv(adapter, s) for s in segments]
         naive = naive_concat(adapter, prefix_kv, cached)
-        out: BlendOutcome = blend(adapter, prefix_kv, segments, cached, check_layers=[1], recompute_counts=[14])
+        out: BlendOutcome = blend(adapter, prefix_kv, segments, cached, check_layers=[1], recompute_counts=[14],
+                                  gradual=False)
     p = prefix.numel()
     assert out.recomputed.numel() == 14
     torch.testing.assert_close(out.kv.k[:2], exact.k[:2], rtol=1e-5, atol=1e-5)
@@ -99,6 +100,27 @@ def test_partial_blend_keeps_exact_layers_and_cached_rows(llama: Any) -> None:
     kept[out.recomputed] = False
     assert torch.equal(out.kv.k[2:, p:][:, kept], naive.k[2:, p:][:, kept])
     assert not torch.allclose(out.kv.k[2:, p:][:, ~kept], naive.k[2:, p:][:, ~kept])
+
+
+def test_one_check_layer_is_gradual_filtering(llama: Any) -> None:
+    """Check layer 1 keeping 14: layer 2 recomputes 28 rows, layer 3 (the last) 21, and 14 of those stay."""
+    adapter = HFLayerwiseModel(llama)
+    prefix, segments, _ = _case(5)
+    with torch.no_grad():
+        prefix_kv, _ = prefill(adapter, prefix)
+        exact = prefix_kv.cat(prefill(adapter, torch.cat(segments), prefix_kv)[0])
+        cached = [segment_kv(adapter, s) for s in segments]
+        naive = naive_concat(adapter, prefix_kv, cached)
+        out = blend(adapter, prefix_kv, segments, cached, check_layers=[1], recompute_counts=[14])
+        same = blend(adapter, prefix_kv, segments, cached, check_layers=[1, 2, 3], recompute_counts=[28, 21, 14],
+                     gradual=False)
+    p = prefix.numel()
+    torch.testing.assert_close(out.kv.k[:2], exact.k[:2], rtol=1e-5, atol=1e-5)
+    fresh = [(out.kv.k[layer, p:] != naive.k[layer, p:]).flatten(1).any(dim=1) for layer in (2, 3)]
+    assert [int(f.sum()) for f in fresh] == [28, 21]
+    assert bool(fresh[0][fresh[1]].all())  # layer 3's rows are among layer 2's
+    assert out.recomputed.numel() == 14 and bool(fresh[1][out.recomputed].all())
+    assert torch.equal(out.kv.k, same.kv.k) and torch.equal(out.recomputed, same.recomputed)
 
 
 def test_random_blend_needs_a_generator(llama: Any) -> None:
