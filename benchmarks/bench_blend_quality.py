@@ -4,6 +4,7 @@ Usage (one thread; about 6 minutes on a shared 2-core machine):
 
     .venv/bin/python benchmarks/bench_blend_quality.py
     .venv/bin/python benchmarks/bench_blend_quality.py --prompts 4 --recall-prompts 100 --no-ablation   # a smoke run
+    .venv/bin/python benchmarks/bench_blend_quality.py --time-blend    # blend time, gradual against one check
 
 Two models:
 
@@ -182,6 +183,40 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def time_blend(repeats: int) -> str:
+    """Median blend time with gradual filtering and with one check, interleaved (8 layers, 32M widths, 4 x 2,000 tokens)."""
+    import statistics
+    import time
+
+    import transformers
+
+    from lmi_cache.blend.blender import blend, segment_kv
+
+    spec = SPECS["32m"]
+    config = transformers.LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=16384, initializer_range=0.12, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    adapter = HFLayerwiseModel(transformers.LlamaForCausalLM(config).float().eval())
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, spec.vocab_size, (64,), generator=gen)
+    segments = [torch.randint(0, spec.vocab_size, (2000,), generator=gen) for _ in range(4)]
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    with torch.inference_mode():
+        prefix_kv, _ = prefill(adapter, prefix)
+        cached = [segment_kv(adapter, s) for s in segments]
+        for i in range(repeats):
+            for gradual in (True, False) if i % 2 else (False, True):
+                started = time.perf_counter()
+                blend(adapter, prefix_kv, segments, cached, [1], [1200], include_prefix=False, gradual=gradual)
+                seconds[gradual].append(time.perf_counter() - started)
+    ratio = statistics.median(a / b for a, b in zip(seconds[True], seconds[False]))
+    return (f"blend of 4 x 2,000 tokens at ratio 0.15 ({repeats} runs each, interleaved): gradual filtering "
+            f"{statistics.median(seconds[True]):.2f} s, one check {statistics.median(seconds[False]):.2f} s "
+            f"(median), {ratio:.3f}x per pair")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=16, help="layers of the deep random model")
@@ -193,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks/results/blend_quality")
+    parser.add_argument("--time-blend", type=int, nargs="?", const=4, metavar="RUNS",
+                        help="only time blends, gradual against one check (RUNS each, default 4)")
     args = parser.parse_args(argv)
+    if args.time_blend:
+        torch.set_num_threads(args.threads)
+        print(time_blend(args.time_blend))
+        return 0
     if not (args.recall_model / "config.json").is_file():
         print(f"{args.recall_model}/config.json: no recall model there; train one with "
               "benchmarks/train_recall_model.py or pass --recall-model", file=sys.stderr)
