@@ -1,6 +1,6 @@
 """Blending quality on CPU: first-token KL to full prefill and answer accuracy, with an ablation against a reference.
 
-Usage (one thread; about 6 minutes on a shared 2-core machine):
+Usage (one thread; 10 to 15 minutes on a busy shared 2-core machine):
 
     .venv/bin/python benchmarks/bench_blend_quality.py
     .venv/bin/python benchmarks/bench_blend_quality.py --prompts 4 --recall-prompts 100 --no-ablation   # a smoke run
