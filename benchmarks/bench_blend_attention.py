@@ -26,7 +26,7 @@ import torch
 from interleaved import medians  # benchmarks/, beside this script
 
 from lmi_cache.blend.attention import merge_attention
-from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
+from lmi_cache.vllm_connector.cpu_paged_attention import CpuPagedAttention
 from lmi_cache.blend.rope import _rotate
 from lmi_cache.transfer import kernels
 

@@ -9,7 +9,7 @@ alone with ``max_tokens=1`` and its wall time is its TTFT.
 
 Configurations: ``no_cache`` (no connector, vLLM prefix caching off),
 ``vllm_prefix`` (vLLM's prefix cache), ``lmi_prefix`` (LmiCacheConnector,
-exact prefix chunks), ``blend`` (LmiBlendConnector at the configured ratio,
+exact prefix chunks), ``blend`` (the connector with blending on, at the configured ratio,
 vLLM's prefix cache on). The first generated token of every measured prompt is
 compared with ``no_cache`` (greedy agreement; a random-weight model, so only a
 sanity check of the blended KV, not a quality figure).
@@ -45,7 +45,7 @@ def _child(job_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     if job["config"] == "blend":
-        from lmi_cache.blend import vllm_plugin
+        from lmi_cache.vllm_connector import plugin as vllm_plugin
 
         vllm_plugin.register()  # what the installed entry point does in every vLLM process
     kwargs: dict[str, Any] = dict(model=job["model"], dtype="float32", enforce_eager=True, seed=0,
@@ -56,7 +56,7 @@ def _child(job_path: str) -> None:
             kv_connector="LmiCacheConnector", kv_connector_module_path="lmi_cache.vllm_connector", kv_role="kv_both")
     if job["config"] == "blend":
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LmiBlendConnector", kv_connector_module_path="lmi_cache.blend.connector", kv_role="kv_both")
+            kv_connector="LmiCacheConnector", kv_connector_module_path="lmi_cache.vllm_connector", kv_role="kv_both")
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     if job.get("paired"):
@@ -73,7 +73,7 @@ def _child(job_path: str) -> None:
     if job["config"] == "blend":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        stats = dict(vars(getattr(get_kv_transfer_group(), "blend_worker").stats))
+        stats = dict(vars(get_kv_transfer_group().blending.worker.stats))
     sys.stdout.write("RESULT_JSON:" + json.dumps({"ttft_s": ttft, "first_tokens": first, "blend_stats": stats}) + "\n")
     sys.stdout.flush()
     os._exit(0)
@@ -82,7 +82,7 @@ def _child(job_path: str) -> None:
 def _paired(llm: Any, job: dict[str, Any]) -> None:
     """One blending vLLM; every prompt served three ways back to back, so machine load hits all alike.
 
-    Order per prompt: blend (``LmiBlendConnector``), no cache (blending off and a fresh
+    Order per prompt: blend (blending on), no cache (blending off and a fresh
     ``cache_salt``: neither vLLM's prefix cache nor the chunk cache can hit), prefix only
     (blending off: vLLM's prefix cache and the chunk cache, both exact). Blending goes
     first because the exact run puts the whole prompt into vLLM's prefix cache.
@@ -110,7 +110,7 @@ def _paired(llm: Any, job: dict[str, Any]) -> None:
         rows.append({"blend_s": blend_s, "no_cache_s": none_s, "prefix_s": prefix_s, "same_first": blend_tok == none_tok})
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    stats = dict(vars(getattr(get_kv_transfer_group(), "blend_worker").stats))
+    stats = dict(vars(get_kv_transfer_group().blending.worker.stats))
     sys.stdout.write("RESULT_JSON:" + json.dumps({"rows": rows, "blend_stats": stats}) + "\n")
     sys.stdout.flush()
     os._exit(0)

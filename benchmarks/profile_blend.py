@@ -51,7 +51,8 @@ def _timed(name: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[.
 
 
 def _instrument(prewarm_mib: int | None) -> None:
-    from lmi_cache.blend import blender, cpu_paged_attention, host_heap, vllm_model, worker_jobs
+    from lmi_cache.blend import blender, host_heap, worker_jobs
+    from lmi_cache.vllm_connector import blend_model as vllm_model, cpu_paged_attention
 
     blender.rerotated_segments = _timed("rerotate", blender.rerotated_segments)
     blender._select = _timed("select", blender._select)
@@ -106,7 +107,7 @@ def main() -> None:
     os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "true",
                        "LMCACHE_MAX_LOCAL_CPU_SIZE": "6", "LMCACHE_ENABLE_BLENDING": "true"})
-    from lmi_cache.blend import vllm_plugin
+    from lmi_cache.vllm_connector import plugin as vllm_plugin
     from lmi_cache.devtools.tiny_model import make_tiny_model
 
     work = Path(os.environ.get("LMI_CACHE_BENCH_MODEL_DIR", "/tmp/lmi-cache-bench-models"))
@@ -125,8 +126,8 @@ def main() -> None:
 
     llm = LLM(model=str(model), dtype="float32", enforce_eager=True, seed=0, enable_prefix_caching=True,
               max_model_len=max(len(p) for p in warmup + prompts) + 16,
-              kv_transfer_config=KVTransferConfig(kv_connector="LmiBlendConnector",
-                                                  kv_connector_module_path="lmi_cache.blend.connector",
+              kv_transfer_config=KVTransferConfig(kv_connector="LmiCacheConnector",
+                                                  kv_connector_module_path="lmi_cache.vllm_connector",
                                                   kv_role="kv_both"))
     blend = SamplingParams(temperature=0.0, max_tokens=1)
     exact = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"blend": False}})

@@ -38,6 +38,9 @@ The serving verbs (the vLLM connector uses exactly these):
 - ``flush(timeout_s)``, ``clear()``, ``stats()``, ``close()``, ``metrics``,
   ``tiers``.
 
+``Engine`` is the typed seam: the verbs the connector's worker side and its
+blending component call, which ``CacheEngine`` implements (test doubles too).
+
 CPU-to-disk feeding (``extra_config.disk_feed``): ``write_through`` (default)
 puts every saved chunk to disk at once, so a restart or crash loses at most
 the write queue and the scheduler's index of disk contents stays accurate;
@@ -49,7 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -69,6 +72,22 @@ logger = logging.getLogger(__name__)
 
 # Writes every chunk's payload: given one tensor per chunk (stored dtype and shape), in key order.
 FillMany = Callable[[list[torch.Tensor]], None]
+
+
+class Engine(Protocol):
+    """A rank's engine as the vLLM connector's worker side and blending use it (see the module docstring)."""
+
+    metrics: CacheMetrics
+
+    def expect_chunks(self, payload_bytes: int) -> None: ...
+    def save_many(self, keys: Sequence[ChunkKey], shape: tuple[int, ...], dtype: torch.dtype,
+                  fill: FillMany) -> list[bool]: ...
+    def load(self, keys: Sequence[ChunkKey]) -> Iterator[HitBatch]: ...
+    def retain(self, session: str, digests: Sequence[bytes]) -> None: ...
+    def release(self, session: str) -> None: ...
+    def drain_events(self) -> tuple[list[bytes], list[bytes]]: ...
+    def flush(self, timeout_s: float = 30.0) -> None: ...
+    def close(self) -> None: ...
 
 
 class CacheEngine:

@@ -2,7 +2,7 @@
 
 Run by ``plan``/``configure`` (container-start process); ``serve`` appends the
 rest of the engine arguments. Our connector is loaded out of tree by module
-path (``LmiBlendConnector`` when blending is on); ``--engine lmcache`` targets
+path (blending is switched by ``enable_blending`` in the YAML); ``--engine lmcache`` targets
 upstream LMCache's connector instead.
 """
 from __future__ import annotations
@@ -19,12 +19,8 @@ LMI_CACHE_CONNECTOR = {
     "kv_connector_module_path": "lmi_cache.vllm_connector",
     "kv_role": "kv_both",
 }
-# The exact-prefix connector plus blending (enable_blending); see lmi_cache.blend.connector.
-LMI_BLEND_CONNECTOR = {
-    "kv_connector": "LmiBlendConnector",
-    "kv_connector_module_path": "lmi_cache.blend.connector",
-    "kv_role": "kv_both",
-}
+# Blending is switched on by enable_blending in the rendered YAML: the same connector loads.
+LMI_BLEND_CONNECTOR = LMI_CACHE_CONNECTOR
 UPSTREAM_LMCACHE_CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 
 

@@ -2,9 +2,10 @@
 
 The algorithm (``blender``, ``rope``, ``selection``, ``attention``) runs on plain
 tensors, for the reference blender over Hugging Face models (``hf_adapter``,
-``quality``, ``recall_task``) and inside vLLM: ``connector.LmiBlendConnector``
-(scheduler: ``scheduler_plan``, ``jobs``; worker: ``worker_jobs``,
-``vllm_model``, ``paged_kv``, ``cpu_paged_attention``, ``engine_io``) with the
-model reached through ``vllm_plugin``. ``settings`` and ``segments`` are
-torch-free; the vLLM modules import vLLM.
+``quality``, ``recall_task``) and inside vLLM through the connector's blending
+component (``lmi_cache.vllm_connector.blending``), which drives this package's
+scheduler half (``scheduler_plan``, ``jobs``) and worker half (``worker_jobs``,
+``paged_kv``, ``engine_io``). Nothing here imports vLLM: the parts that touch
+it (the model adapter, vLLM's CPU attention kernel, the model-loader plugin)
+live in ``lmi_cache.vllm_connector``. ``settings`` and ``segments`` are torch-free.
 """

@@ -8,8 +8,7 @@ travel beside the blend work of this step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata
 
 
@@ -19,7 +18,7 @@ class BlendPiece:
 
     start: int
     end: int
-    keys: tuple[Any, ...] | None  # lmi_cache.keys.hashing.ChunkKey per rank (segment keys, start 0)
+    keys: tuple[ChunkKey, ...] | None  # per rank (segment keys, start 0)
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class SegmentStore:
 
     req_id: str
     token_ids: tuple[int, ...]
-    keys: tuple[Any, ...]  # ChunkKey per rank
+    keys: tuple[ChunkKey, ...]  # per rank
 
 
 @dataclass

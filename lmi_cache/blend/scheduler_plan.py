@@ -4,28 +4,34 @@ Torch-free bookkeeping beside the base connector's ``SchedulerSide``. Per
 request with blendable segments (a ``blend_special_str`` separator in its
 prompt, or explicit segment ends in ``kv_transfer_params["blend_segment_ends"]``):
 
-* ``plan``: the segment keys (namespace with the request's own ``cache_salt`` and
-  LoRA, the segment's tokens alone), which segments the workers hold (an index
-  fed by the digests their engines report), and ``segments.plan_blend`` after
-  vLLM's own exact prefix hit. The answer is the number of tokens the blend
-  provides, or None when the prefix path serves the request better.
+* ``plan``: the segment keys (the deployment's ``KeySpace`` under its segment
+  variant, with the request's own ``cache_salt`` and LoRA, the segment's tokens
+  alone), which segments the workers hold (an index fed by the digests their
+  engines report), and ``segments.plan_blend`` after the exact prefix: vLLM's
+  own hit plus the chunks the prefix path loads. An exact prefix hit always
+  wins: the blend starts where it ends, so a prompt whose prefix chunks are
+  cached is served from them exactly, and only segments after them are blended.
+  The answer is the number of tokens the blend provides, or None when the
+  prefix path serves the request alone.
 * ``take_jobs``: on the step a request is first scheduled, its ``BlendJob``
   (pieces, block ids) and one ``SegmentStore`` per segment no worker holds yet
   (each issued once across concurrent requests).
 
-The connector isolates a blended request from vLLM's prefix cache (see
-``LmiBlendConnector``); this class only says which requests are blended.
+The connector's blending component (``lmi_cache.vllm_connector.blending``)
+isolates a blended request's blocks from vLLM's prefix cache and keeps the
+prefix path from saving them; this class only says which requests are blended.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from lmi_cache.blend.jobs import BlendConnectorMetadata, BlendJob, BlendPiece, SegmentStore
 from lmi_cache.blend.segments import BlendPlan, SegmentSplit, Span, plan_blend, split_segments
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
+from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.vllm_connector.key_index import KeyIndex
 
 if TYPE_CHECKING:
@@ -33,8 +39,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# (segment token ids, rank, layout tag, lora name, cache salt) -> that rank's segment key (a ChunkKey).
-SegmentKeyFn = Callable[[Sequence[int], int, str, "str | None", "str | None"], Any]
+# The deployment's key space for a KV layout tag (the connector builds it; segments use its variant below).
+KeySpaceFactory = Callable[[str], KeySpace]
+
+# Segment payloads ([layers, 2, T, heads, dim], K at positions 0..T-1) are not chunk payloads: own layout tag.
+SEGMENT_LAYOUT_SUFFIX = "+blend-seg-v1"
+# A segment is one "chunk" of itself: no segment is this long, so its key covers tokens [0, n) whatever n is.
+SEGMENT_CHUNK_TOKENS = 2**31 - 1
+
+
+def segment_key_space(space: KeySpace) -> KeySpace:
+    """The key space of segments: the deployment's, with the segment layout tag and one chunk per segment.
+
+    Both fields enter every key's seed, so a segment key never equals a prefix chunk key.
+    """
+    return replace(space, layout=space.layout + SEGMENT_LAYOUT_SUFFIX, chunk_size=SEGMENT_CHUNK_TOKENS)
 
 # Per-request keys of ``kv_transfer_params`` (SamplingParams.extra_args["kv_transfer_params"]).
 SEGMENT_ENDS_PARAM = "blend_segment_ends"  # explicit segment ends (token offsets) instead of the separator
@@ -50,14 +69,13 @@ class BlendRequestError(ValueError):
 class _BlendState:
     prompt: list[int]
     split: SegmentSplit
-    segment_keys: list[tuple[Any, ...]]  # per segment, per rank
-    original_salt: str | None
+    segment_keys: list[tuple[ChunkKey, ...]]  # per segment, per rank
     opted_out: bool = False
     ratios: tuple[float, ...] | None = None
     blend: BlendPlan | None = None
+    num_computed_tokens: int = 0  # vLLM's own hit when ``blend`` was planned
     confirmed: bool = False
     stores_issued: bool = False
-    isolated: bool = False  # the connector salted its vLLM block hashes
 
 
 @dataclass
@@ -85,13 +103,13 @@ class BlendScheduler:
     """Blend bookkeeping for one scheduler; see the module docstring."""
 
     def __init__(
-        self, settings: BlendSettings, separator_ids: Sequence[int], world_size: int, segment_key_fn: SegmentKeyFn,
+        self, settings: BlendSettings, separator_ids: Sequence[int], key_space: KeySpaceFactory,
         metrics: BlendSchedulerMetrics | None = None,
     ) -> None:
         self.settings = settings
         self._sep = tuple(separator_ids)
-        self._world_size = world_size
-        self._key_fn = segment_key_fn
+        self._key_space = key_space
+        self._segment_spaces: dict[str, KeySpace] = {}  # per layout tag
         self.index = KeyIndex()
         self._states: dict[str, _BlendState] = {}
         self.stats = BlendSchedulerStats()
@@ -125,11 +143,12 @@ class BlendScheduler:
         lora = getattr(request, "lora_request", None)
         lora_name = getattr(lora, "lora_name", None) if lora is not None else None
         salt = getattr(request, "cache_salt", None)
-        keys = [
-            tuple(self._key_fn(prompt[span.start : span.end], rank, layout_tag, lora_name, salt) for rank in range(self._world_size))
-            for span in split.segments
-        ]
-        state = _BlendState(prompt, split, keys, salt)
+        space = self._segment_spaces.get(layout_tag)
+        if space is None:
+            space = self._segment_spaces[layout_tag] = segment_key_space(self._key_space(layout_tag))
+        keys = [space.for_request(prompt[span.start : span.end], lora_name, salt, include_partial=True).per_chunk[0]
+                for span in split.segments]
+        state = _BlendState(prompt, split, keys)
         params = getattr(request, "kv_transfer_params", None) or {}
         if isinstance(params, dict):
             state.opted_out = params.get(BLEND_PARAM, True) is False
@@ -145,10 +164,11 @@ class BlendScheduler:
         return state
 
     def plan(self, request: Any, num_computed_tokens: int, prefix_path_end: int, layout_tag: str) -> int | None:
-        """External tokens the blend provides beyond ``num_computed_tokens``, or None (prefix path).
+        """External tokens beyond ``num_computed_tokens`` (vLLM's hit) with the blend, or None (prefix path alone).
 
         ``prefix_path_end``: where the exact prefix path (vLLM's hit plus the chunk
-        cache) would end; a blend that does not reach past it is not worth it.
+        cache) ends. Those tokens stay exact: the blend starts there, and the
+        answer counts the prefix path's chunks too.
         """
         state = self._states.get(request.request_id)
         if state is None:
@@ -160,25 +180,27 @@ class BlendScheduler:
         if not self.settings.enabled or state.opted_out:
             return None
         cached = [self.index.has_all(keys) for keys in state.segment_keys]
-        blend = plan_blend(state.split, num_computed_tokens, cached, self.settings.min_tokens)
-        if blend is None or blend.tail.num_tokens == 0 or blend.tail.start <= prefix_path_end:
+        blend = plan_blend(state.split, max(prefix_path_end, num_computed_tokens), cached, self.settings.min_tokens)
+        if blend is None or blend.tail.num_tokens == 0:
             return None
-        state.blend = blend
+        state.blend, state.num_computed_tokens = blend, num_computed_tokens
         return blend.tail.start - num_computed_tokens
 
-    def confirm(self, req_id: str, num_external_tokens: int) -> None:
+    def confirm(self, req_id: str, num_external_tokens: int) -> int | None:
+        """After vLLM allocated ``num_external_tokens``: the prefix path's share of them if the blend stands, else None."""
         state = self._states.get(req_id)
         if state is None or state.blend is None:
-            return
-        if num_external_tokens != state.blend.tail.start - state.blend.prefix_tokens:
+            return None
+        if num_external_tokens != state.blend.tail.start - state.num_computed_tokens:
             state.blend, state.confirmed = None, False  # vLLM took a different hit: no blend
-            return
+            return None
         state.confirmed = True
         self.stats.num_blend_plans += 1
         self.stats.num_blend_tokens += state.blend.blended_tokens
         if self.metrics is not None:
             self.metrics.blended(state.blend.blended_tokens)
         self.stats.requests_blended.append(req_id)
+        return state.blend.prefix_tokens - state.num_computed_tokens
 
     def take_jobs(self, scheduler_output: Any, meta: BlendConnectorMetadata) -> None:
         """Add this step's blends and segment stores to ``meta``."""
@@ -222,7 +244,7 @@ class BlendScheduler:
                 self.metrics.segment_stores()
 
     @staticmethod
-    def _keys_of(state: _BlendState, span: Span) -> tuple[Any, ...]:
+    def _keys_of(state: _BlendState, span: Span) -> tuple[ChunkKey, ...]:
         for seg, keys in zip(state.split.segments, state.segment_keys):
             if seg == span:
                 return keys

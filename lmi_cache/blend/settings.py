@@ -198,3 +198,16 @@ def _to_ratio(value: Any, where: str) -> float:
     if not math.isfinite(ratio) or not 0.0 <= ratio <= 1.0:
         raise BlendConfigError(f"{where}: {value!r} is outside [0, 1]; give a fraction such as 0.15")
     return ratio
+
+
+def load_blend_settings(env: Mapping[str, str] | None = None) -> BlendSettings:
+    """Blending keys from the LMCache YAML (``LMCACHE_CONFIG_FILE``) overridden by ``LMCACHE_<KEY>`` env."""
+    import os
+
+    from lmi_cache.config import CONFIG_FILE_ENV, read_yaml_mapping
+
+    env = os.environ if env is None else env
+    path = unquote_env(env.get(CONFIG_FILE_ENV, ""))
+    values: dict[str, Any] = blend_keys_in(read_yaml_mapping(path)) if path else {}
+    values.update(blend_keys_in_env(env))
+    return BlendSettings.from_mapping(values, path or "environment")

@@ -13,7 +13,7 @@
   (``layer0_reuse``); without it, layer 0 is attended in full.
 * ``run_stores`` (from ``wait_for_save``): each ``SegmentStore`` is one small
   forward of the segment alone at positions 0..T-1 (``blender.segment_kv``)
-  stored with ``engine.store_from``; the engine reports the digest so the
+  stored with ``engine.save_many``; the engine reports the digest so the
   scheduler learns the segment is cached. With the native kernel the segment's
   layer-0 attention over itself is stored beside it.
 """
@@ -23,20 +23,43 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from lmi_cache.blend import layer0_reuse
 from lmi_cache.blend.attention import SegmentAttention
-from lmi_cache.blend.blender import KVStack, LayerwiseModel, blend, prefill, segment_kv
-from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
+from lmi_cache.blend.blender import CrossAttention, KVStack, LayerAttention, LayerwiseModel, blend, prefill, segment_kv
 from lmi_cache.blend.engine_io import load_segments, save_segment
 from lmi_cache.blend.jobs import BlendJob, SegmentStore
 from lmi_cache.blend.paged_kv import PagedKV
 from lmi_cache.blend.settings import BlendSettings
 
+if TYPE_CHECKING:
+    from lmi_cache.keys.hashing import ChunkKey
+    from lmi_cache.engine import Engine
+
 logger = logging.getLogger(__name__)
+
+
+class PagedAttention(Protocol):
+    """A device's attention kernel over one request's paged KV (``lmi_cache.vllm_connector.cpu_paged_attention``)."""
+
+    native_scattered: bool  # scattered queries and layer-0 log-sum-exps come from lmi-cache's native kernel
+    num_heads: int
+    head_dim: int
+    written: set[int]  # layers the bound request's blocks already hold (``layer_attention`` wrote them)
+    write_seconds: float
+    native_calls: int
+    cross_tokens: int
+
+    def bind(self, block_ids: Sequence[int]) -> None: ...
+    def scratch(self, num_tokens: int) -> PagedAttention: ...
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def layer_attention(self, start: int, prefix: KVStack | None = None) -> LayerAttention: ...
+    def cross_attention(self, prefix: KVStack) -> CrossAttention: ...
+    def attend_with_lse(self, q: torch.Tensor, limits: torch.Tensor, keys: Sequence[torch.Tensor],
+                        values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -62,7 +85,7 @@ class BlendWorker:
     """One rank's blending; ``model`` and ``paged`` are attached once the KV caches are registered."""
 
     def __init__(self, settings: BlendSettings, model: LayerwiseModel, paged: PagedKV, rank_index: int,
-                 paged_attention: CpuPagedAttention | None = None) -> None:
+                 paged_attention: PagedAttention | None = None) -> None:
         self.settings = settings
         self.model = model
         self.paged = paged
@@ -72,7 +95,7 @@ class BlendWorker:
 
     # -- blends --------------------------------------------------------------------------
 
-    def run_blends(self, jobs: Sequence[BlendJob], engine: Any) -> set[int]:
+    def run_blends(self, jobs: Sequence[BlendJob], engine: Engine) -> set[int]:
         """Blend each job into its blocks; the block ids of jobs that failed (vLLM recomputes them)."""
         failed: set[int] = set()
         for job in jobs:
@@ -109,7 +132,7 @@ class BlendWorker:
         assert self.paged_attention is not None
         return layer0_reuse.unpack(data, num_tokens, self.paged_attention.num_heads, self.paged_attention.head_dim)
 
-    def _blend_one(self, job: BlendJob, engine: Any) -> None:
+    def _blend_one(self, job: BlendJob, engine: Engine) -> None:
         started = time.perf_counter()
         prefix_k, prefix_v = self.paged.read(job.block_ids, 0, job.prefix_tokens)
         prefix = KVStack(prefix_k, prefix_v)
@@ -174,7 +197,7 @@ class BlendWorker:
 
     # -- segment stores ------------------------------------------------------------------
 
-    def run_stores(self, stores: Sequence[SegmentStore], engine: Any) -> None:
+    def run_stores(self, stores: Sequence[SegmentStore], engine: Engine) -> None:
         for store in stores:
             started = time.perf_counter()
             key = store.keys[self.rank_index]
@@ -211,7 +234,7 @@ class BlendWorker:
                 logger.warning("lmi-cache: segment KV of request %s not stored (%r)", store.req_id, err)
             self.stats.store_seconds += time.perf_counter() - started
 
-    def _store_layer0_attention(self, engine: Any, key: Any, att: SegmentAttention) -> None:
+    def _store_layer0_attention(self, engine: Engine, key: ChunkKey, att: SegmentAttention) -> None:
         """Store the segment's layer-0 attention over itself (``layer0_reuse``) beside its KV.
 
         A failure here is logged, not a store fault: the segment's KV is stored, and a blend
@@ -222,7 +245,7 @@ class BlendWorker:
         except Exception as err:  # noqa: BLE001 - a missing attention object only costs layer 0 in full
             logger.warning("lmi-cache: layer-0 attention of a segment not stored (%r)", err)
 
-    def _save_layer0_attention(self, engine: Any, key: Any, att: SegmentAttention) -> None:
+    def _save_layer0_attention(self, engine: Engine, key: ChunkKey, att: SegmentAttention) -> None:
         if not (bool(torch.isfinite(att.out.sum())) and bool(torch.isfinite(att.lse.sum()))):
             raise ValueError("layer-0 attention is not finite")
         shape = layer0_reuse.packed_shape(*att.out.shape)

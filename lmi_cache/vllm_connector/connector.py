@@ -13,6 +13,13 @@ routes each hook to :class:`SchedulerSide` (bookkeeping, no tensors) or
 :class:`WorkerSide` (bytes, no policy). Only small dataclasses cross between
 them (``metadata.py``).
 
+Blending (CacheBlend-style reuse of cached documents at any position) is a
+part of this connector, on when ``enable_blending`` is true in the LMCache YAML
+(or ``LMCACHE_ENABLE_BLENDING``): the connector then composes
+``blending.ConnectorBlending`` and calls it from its hooks after the exact
+prefix path, which always wins where it hits. ``LmiBlendConnector`` is the
+earlier name of that setup, kept so existing launch arguments still work.
+
 Start-up checks: the chunk size must be a multiple of vLLM's block size; an
 unknown KV layout is refused by the worker. A KV load that fails is reported
 through ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks; to
@@ -22,19 +29,34 @@ fault must never fail a request).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
 
+from lmi_cache.blend.settings import BlendSettings, load_blend_settings
 from lmi_cache.keys.hashing import KeySpace
-from lmi_cache.errors import ConfigError
 from lmi_cache.transfer.layouts import ExpectedGeometry
-from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata
+from lmi_cache.vllm_connector.blending import BlendContext, ConnectorBlending, check_model
+from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 from lmi_cache.vllm_connector.scheduler_side import SchedulerGeometry, SchedulerSide
+from lmi_cache.vllm_connector.startup import (
+    check_chunk_size,
+    dp_index,
+    kv_dtype_name,
+    load_cache_config,
+    parallel_sizes,
+    weights_identity,
+)
 from lmi_cache.vllm_connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -47,84 +69,39 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from lmi_cache.engine import Engine
+
 logger = logging.getLogger(__name__)
 
-
-def _kv_dtype_name(vllm_config: VllmConfig) -> str:
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype == "auto":
-        return str(vllm_config.model_config.dtype).removeprefix("torch.")
-    return cache_dtype
-
-
-def _parallel_sizes(vllm_config: VllmConfig) -> tuple[int, int]:
-    parallel = vllm_config.parallel_config
-    return int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
-
-
-def _dp_index(vllm_config: VllmConfig) -> int:
-    """This engine's data-parallel replica (vLLM's ``engine`` label); 0 without data parallelism."""
-    parallel = vllm_config.parallel_config
-    return int(getattr(parallel, "data_parallel_index", None) or getattr(parallel, "data_parallel_rank", 0) or 0)
-
-
-def _weights_identity(vllm_config: VllmConfig) -> str:
-    from lmi_cache.keys.model_identity import served_model_identity
-
-    started = time.perf_counter()
-    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
-    identity = served_model_identity(vllm_config.model_config, download_dir)
-    logger.info("lmi-cache: model identity %s (%.3f s)", identity, time.perf_counter() - started)
-    return identity
-
-
-def _load_cache_config(blends: bool = False) -> Any:
-    from lmi_cache.config import load_config
-
-    config, warnings = load_config()
-    for warning in warnings:
-        logger.warning("lmi-cache: %s", warning)
-    if config.enable_blending and not blends:
-        logger.warning("lmi-cache: enable_blending is on, but blending needs the blending connector (kv_connector "
-                       "LmiBlendConnector, kv_connector_module_path lmi_cache.blend.connector); LmiCacheConnector "
-                       "reuses exact prefixes only")
-    for key in ("save_unfull_chunk", "save_decode_cache"):
-        if getattr(config, key):
-            # The engine stores partial chunks, but vLLM's paged cache only hands
-            # over whole blocks: the connector saves full prompt chunks only.
-            logger.warning("lmi-cache: %s is set but the vLLM connector saves full prompt chunks only; "
-                           "it has no effect here", key)
-    return config
-
-
-def _check_chunk_size(chunk_size: int, block_size: int) -> None:
-    if chunk_size <= 0 or chunk_size % block_size:
-        raise ConfigError(
-            f"chunk_size: {chunk_size} is not a multiple of vLLM's block size {block_size}; "
-            f"set chunk_size (LMCACHE_CHUNK_SIZE) to a multiple of {block_size}"
-        )
+# The metadata module stays vLLM-free; here, where vLLM is imported anyway, its classes become virtual
+# subclasses of vLLM's abstract bases, so an isinstance check in vLLM (or another connector) still holds.
+KVConnectorMetadata.register(LmiConnectorMetadata)
+KVConnectorWorkerMetadata.register(LmiWorkerMeta)
 
 
 class LmiCacheConnector(KVConnectorBase_V1):
-    """KV connector storing prompt chunks in lmi_cache tiers (CPU RAM, disk, remote)."""
+    """KV connector storing prompt chunks in lmi_cache tiers (CPU RAM, disk, remote), blending when configured."""
 
-    blends = False  # the blending connector (a subclass) says True
+    force_blending = False  # LmiBlendConnector (the earlier name) says True
 
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # best-effort cache: a dropped save is only a future miss
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        blend_settings = self._blend_settings()
+        if blend_settings.enabled:
+            check_model(blend_settings, vllm_config)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._config = _load_cache_config(self.blends)
+        self._config = load_cache_config()
         block_size = int(vllm_config.cache_config.block_size)
-        _check_chunk_size(self._config.chunk_size, block_size)
+        check_chunk_size(self._config.chunk_size, block_size)
         self._model_id = str(vllm_config.model_config.model)
-        self._kv_dtype = _kv_dtype_name(vllm_config)
-        self._tp_size, self._pp_size = _parallel_sizes(vllm_config)
-        self._dp_index = _dp_index(vllm_config)
+        self._kv_dtype = kv_dtype_name(vllm_config)
+        self._tp_size, self._pp_size = parallel_sizes(vllm_config)
+        self._dp_index = dp_index(vllm_config)
         # Keys are built by the scheduler only (workers get them in the metadata): identify the weights there.
-        self._model_identity = _weights_identity(vllm_config) if role == KVConnectorRole.SCHEDULER else ""
+        self._model_identity = weights_identity(vllm_config) if role == KVConnectorRole.SCHEDULER else ""
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._remote_lookups: Any = None
@@ -132,10 +109,22 @@ class LmiCacheConnector(KVConnectorBase_V1):
             self._init_scheduler(block_size)
         else:
             self._init_worker(vllm_config, block_size)
+        self._blending: ConnectorBlending | None = None
+        if blend_settings.enabled:
+            metrics = self._scheduler.metrics if self._scheduler is not None else None
+            context = BlendContext(blend_settings, vllm_config, self.key_space, block_size, metrics)
+            self._blending = ConnectorBlending(context, scheduler=role == KVConnectorRole.SCHEDULER)
+
+    def _blend_settings(self) -> BlendSettings:
+        settings = load_blend_settings()
+        if self.force_blending and not settings.enabled:
+            return dataclasses.replace(settings, enabled=True)
+        return settings
 
     # -- construction --------------------------------------------------------------------
 
-    def _key_space(self, layout_tag: str) -> KeySpace:
+    def key_space(self, layout_tag: str) -> KeySpace:
+        """The deployment's key space for the workers' KV layout tag (the scheduler's keys, blending's segments)."""
         return KeySpace(
             model=self._model_id,
             kv_dtype=self._kv_dtype,
@@ -175,7 +164,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
         metrics = SchedulerMetrics(engine_label=str(self._dp_index))
         note_where_metrics_go()
         serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
-        self._scheduler = SchedulerSide(geometry, self._key_space, seed, metrics, remote=self._open_remote_lookups(),
+        self._scheduler = SchedulerSide(geometry, self.key_space, seed, metrics, remote=self._open_remote_lookups(),
                                         sessions=self._session_tracker())
 
     def _session_tracker(self) -> Any:
@@ -215,7 +204,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
         )
         config = self._config
 
-        def make_engine() -> Any:
+        def make_engine() -> Engine:
             from lmi_cache.engine import CacheEngine
             from lmi_cache.metrics.series import CacheMetrics
             from lmi_cache.metrics.server import serve_metrics
@@ -247,6 +236,9 @@ class LmiCacheConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.rank_index = self._rank_index()
         self._worker.register_kv_caches(kv_caches)
+        if self._blending is not None:
+            assert self._worker.layout is not None
+            self._blending.register(kv_caches, self._worker.layout, self._worker.rank_index)
 
     def _meta(self) -> LmiConnectorMetadata | None:
         meta = self._connector_metadata
@@ -255,7 +247,9 @@ class LmiCacheConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
         if self._worker is not None and meta is not None:
-            self._worker.load(meta)
+            self._worker.load(meta)  # the exact prefix first: blends read it from the blocks
+            if self._blending is not None:
+                self._blending.run_blends(meta, self._worker)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous and complete before the forward pass
@@ -267,12 +261,18 @@ class LmiCacheConnector(KVConnectorBase_V1):
         meta = self._meta()
         if self._worker is not None and meta is not None:
             self._worker.save(meta)
+            if self._blending is not None:
+                self._blending.run_stores(meta, self._worker)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_failed_block_ids() if self._worker is not None else set()
+        failed = self._worker.take_failed_block_ids() if self._worker is not None else set()
+        if self._blending is not None:
+            failed |= self._blending.take_failed_block_ids()
+        return failed
 
-    def build_connector_worker_meta(self) -> Any:
-        return self._worker.build_worker_meta() if self._worker is not None else None
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        meta: LmiWorkerMeta | None = self._worker.build_worker_meta() if self._worker is not None else None
+        return meta  # type: ignore[return-value]  # a registered virtual subclass (see above), which mypy does not see
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -289,29 +289,61 @@ class LmiCacheConnector(KVConnectorBase_V1):
     def scheduler_side(self) -> SchedulerSide | None:
         return self._scheduler
 
+    @property
+    def blending(self) -> ConnectorBlending | None:
+        """The blending component (None with blending off)."""
+        return self._blending
+
     # -- scheduler hooks -----------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         try:
-            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+            prefix_tokens, load_async = self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         except Exception as err:  # noqa: BLE001 - a lookup fault is a miss
             logger.warning("lmi-cache: lookup failed for request %s (%s); treated as a miss", request.request_id, err)
             return 0, False
+        if self._blending is None or prefix_tokens is None:
+            return prefix_tokens, load_async
+        # After the exact prefix path, which wins where it hits: the blend starts where it ends.
+        return self._blending.matched_tokens(request, num_computed_tokens, prefix_tokens,
+                                             self._scheduler.layout_tag), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+        share = self._blending.after_alloc(request, num_external_tokens) if self._blending is not None else None
+        if share is None:
+            self._scheduler.update_state_after_alloc(request, num_external_tokens)
+        else:  # blended: the prefix path loads its exact share and saves nothing of this request
+            self._scheduler.update_state_after_alloc(request, share, saves=False)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._blending is not None:
+            meta = self._blending.add_jobs(meta, scheduler_output)
+        return meta  # type: ignore[return-value]  # a registered virtual subclass (see above), which mypy does not see
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             self._scheduler.update_from_workers(connector_output.kv_connector_worker_meta)
+        if self._blending is not None:
+            self._blending.update_from_workers(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._blending is not None:
+            self._blending.finished(request.request_id)
         if self._scheduler is not None:
             self._scheduler.request_finished(request.request_id)
         return False, None
+
+
+class LmiBlendConnector(LmiCacheConnector):
+    """The earlier name of ``LmiCacheConnector`` with blending on; kept so existing launch arguments work."""
+
+    force_blending = True
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        logger.warning("lmi-cache: LmiBlendConnector is deprecated: load LmiCacheConnector "
+                       "(kv_connector_module_path lmi_cache.vllm_connector) with enable_blending: true instead")
+        super().__init__(vllm_config, role, kv_cache_config)

@@ -6,12 +6,14 @@ block ids before the forward pass, and which full chunks to save after it.
 Workers -> scheduler: ``LmiWorkerMeta`` (built per step on each worker,
 aggregated across ranks by vLLM): the digests each rank's engine stored or
 dropped, the KV layout tag it recognised, and load faults. Everything here is
-plain data so it pickles across vLLM's process boundaries; no tensors.
+plain data so it pickles across vLLM's process boundaries; no tensors, and no
+vLLM import: vLLM only duck-types these objects (it binds the metadata on the
+workers and calls ``aggregate`` on the workers' metadata), so its abstract
+base classes are not needed and this module imports in milliseconds.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from lmi_cache.keys.hashing import ChunkKey
 
@@ -34,7 +36,7 @@ class ChunkTransfer:
 
 
 @dataclass
-class LmiConnectorMetadata(KVConnectorMetadata):
+class LmiConnectorMetadata:
     """What every worker must do this step."""
 
     loads: list[ChunkTransfer] = field(default_factory=list)
@@ -50,7 +52,7 @@ class LmiConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class LmiWorkerMeta(KVConnectorWorkerMetadata):
+class LmiWorkerMeta:
     """What the workers' engines changed this step, keyed by rank index."""
 
     layout_tags: dict[int, str] = field(default_factory=dict)
@@ -58,7 +60,7 @@ class LmiWorkerMeta(KVConnectorWorkerMetadata):
     removed_digests: dict[int, list[bytes]] = field(default_factory=dict)
     num_load_faults: int = 0
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+    def aggregate(self, other: object) -> LmiWorkerMeta:
         if not isinstance(other, LmiWorkerMeta):
             return self
         merged = LmiWorkerMeta(

@@ -19,7 +19,9 @@ events each worker returns through ``build_connector_worker_meta`` ->
   flight the answer is ``None`` (vLLM asks again next step, the scheduler never
   waits); the check gives up after ``lookup_timeout_ms`` (those chunks are
   misses). Its answer is kept for the request until its local hit changes.
-* ``update_state_after_alloc``: confirms (or drops) the planned load.
+* ``update_state_after_alloc``: confirms (or drops) the planned load. With
+  ``saves=False`` (a blended request: its KV past the exact prefix is not
+  exact) no chunk of the request is ever saved, even after a preemption.
 * ``build_connector_meta``: per scheduled request, the confirmed load (chunk
   keys -> block ids) and the full prompt chunks whose last token is computed
   by this step (chunked prefill saves each chunk once it is complete). A
@@ -80,6 +82,7 @@ class _RequestPlan:
     remote_pending: Any = None  # lmi_cache.remote.cache.PendingLookup while in flight
     remote_chunks: int | None = None  # leading chunks from remote_from present on every rank
     session_id: str | None = None  # vLLM's request.session_id (the front forwards LMI's session)
+    saves_allowed: bool = True  # False once the request was blended: none of its chunks is exact KV to store
 
 
 @dataclass
@@ -191,13 +194,15 @@ class SchedulerSide:
             self.stats.num_remote_hit_chunks += hits
         return plan.remote_chunks
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int, saves: bool = True) -> None:
+        """``num_external_tokens``: what this side loads (the prefix path's share); ``saves``: False for a blended request."""
         hit_tokens = self._answered.pop(request.request_id, None)
         if hit_tokens is not None:
             self.metrics.lookup(len(request.prompt_token_ids or ()), hit_tokens, max(num_external_tokens, 0))
         plan = self._plans.get(request.request_id)
         if plan is None:
             return
+        plan.saves_allowed = plan.saves_allowed and saves
         if num_external_tokens <= 0 or plan.load_range is None:
             plan.load_range, plan.load_confirmed = None, False
             return
@@ -265,6 +270,8 @@ class SchedulerSide:
             # Loaded chunks (even a partially loaded last one) are already in the store.
             plan.num_done_chunks = max(plan.num_done_chunks, -(-end // chunk))
         plan.load_range, plan.load_confirmed = None, False
+        if not plan.saves_allowed:
+            return
         computed_after = min(num_computed_tokens + num_scheduled_tokens, plan.num_prompt_tokens)
         ready_chunks = min(computed_after // chunk, len(plan.chunk_keys))
         for c in range(plan.num_done_chunks, ready_chunks):

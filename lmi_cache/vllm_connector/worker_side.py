@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,11 @@ from lmi_cache.metrics.series import worker_stats_follower
 from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
+
+if TYPE_CHECKING:
+    from lmi_cache.keys.hashing import ChunkKey
+    from lmi_cache.engine import Engine
+    from lmi_cache.tiers.host_memory import ChunkObject
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +69,7 @@ class WorkerSide:
         rank_index: int,
         geometry: ExpectedGeometry,
         chunk_size_tokens: int,
-        engine_factory: Callable[[], Any],
+        engine_factory: Callable[[], Engine],
     ) -> None:
         if chunk_size_tokens % geometry.block_size_tokens:
             raise ValueError("chunk size must be a multiple of the block size")
@@ -72,7 +77,7 @@ class WorkerSide:
         self._geometry = geometry
         self._blocks_per_chunk = chunk_size_tokens // geometry.block_size_tokens
         self._engine_factory = engine_factory
-        self.engine: Any = None
+        self.engine: Engine | None = None
         self.layout: LayoutDescriptor | None = None
         self.copier: PagedChunkCopier | None = None
         self.stats = WorkerStats()
@@ -89,9 +94,7 @@ class WorkerSide:
         self.layout = describe_kv_caches(kv_caches, self._geometry)
         self.copier = PagedChunkCopier(list(kv_caches.values()), self.layout, self._blocks_per_chunk)
         self.engine = self._engine_factory()
-        expect = getattr(self.engine, "expect_chunks", None)
-        if expect is not None:
-            expect(self.copier.chunk_bytes)
+        self.engine.expect_chunks(self.copier.chunk_bytes)
         logger.info(
             "lmi-cache: rank %d registered %d KV layers, layout %s, %d bytes per chunk",
             self.rank_index, len(kv_caches), self.layout.tag, self.copier.chunk_bytes,
@@ -103,8 +106,8 @@ class WorkerSide:
         Only load faults are reported to the scheduler (``num_load_faults``): they are what made
         vLLM recompute blocks; a failed save is only a future miss.
         """
-        metrics = getattr(self.engine, "metrics", None)
-        if metrics is not None and hasattr(metrics, "error"):
+        metrics = self.engine.metrics if self.engine is not None else None
+        if metrics is not None:
             try:
                 # lmi_cache_tier_errors_total{tier="connector", op=...}
                 metrics.error("connector", op)
@@ -119,14 +122,15 @@ class WorkerSide:
             logger.warning("lmi-cache: %s; treated as a miss [%d faults so far]", what, total)
 
     def load(self, meta: LmiConnectorMetadata) -> None:
-        if not meta.loads or self.copier is None:
+        engine = self.engine
+        if not meta.loads or self.copier is None or engine is None:
             return
         started = time.perf_counter()
         self._release_finished_loads()
         keys = [transfer.keys[self.rank_index] for transfer in meta.loads]
         loaded: set[int] = set()
-        held: list[Any] = []  # chunk objects the copies read from: released once the copies are done
-        arrived: list[tuple[int, Any]] = []  # hits not copied yet (CPU backend: copied once, after the reads)
+        held: list[ChunkObject] = []  # chunk objects the copies read from: released once the copies are done
+        arrived: list[tuple[int, ChunkObject]] = []  # hits not copied yet (CPU backend: copied once, after the reads)
         overlap = self.copier.overlaps_host_work
         try:
             # One batched call: CPU-tier hits first (straight from the tier's buffers), then disk reads
@@ -134,7 +138,7 @@ class WorkerSide:
             # arrival (asynchronous copies overlap the reads still running); on the CPU backend all hits
             # are scattered in one call after the reads, so the copy's OpenMP threads never wait for cores
             # that reader threads hold.
-            for batch in self.engine.load(keys):
+            for batch in engine.load(keys):
                 held.extend(obj for _, obj in batch)
                 if overlap:
                     loaded.update(self._scatter(meta, batch))
@@ -150,7 +154,7 @@ class WorkerSide:
         self._release_finished_loads()
         self.stats.load_seconds += time.perf_counter() - started
 
-    def _scatter(self, meta: LmiConnectorMetadata, batch: list[tuple[int, Any]]) -> list[int]:
+    def _scatter(self, meta: LmiConnectorMetadata, batch: list[tuple[int, ChunkObject]]) -> list[int]:
         """Copy one batch of hits into the paged cache in one kernel call; the positions that landed."""
         assert self.copier is not None
         transfers = [meta.loads[position] for position, _ in batch]
@@ -169,7 +173,7 @@ class WorkerSide:
                 landed.extend(self._scatter(meta, [item]))
             return landed
 
-    def _finish_loads(self, meta: LmiConnectorMetadata, keys: list[Any], loaded: set[int]) -> None:
+    def _finish_loads(self, meta: LmiConnectorMetadata, keys: list[ChunkKey], loaded: set[int]) -> None:
         """Count loads; a chunk that did not land fails its blocks (vLLM recomputes them) and its request's saves."""
         for position, transfer in enumerate(meta.loads):
             if transfer.req_id in self._failed_req_ids:
@@ -208,7 +212,8 @@ class WorkerSide:
             self._failed_req_ids.clear()
 
     def _save(self, meta: LmiConnectorMetadata) -> None:
-        if not meta.saves or self.copier is None:
+        engine = self.engine
+        if not meta.saves or self.copier is None or engine is None:
             return
         started = time.perf_counter()
         transfers = [t for t in meta.saves if t.req_id not in self._failed_req_ids]
@@ -219,7 +224,7 @@ class WorkerSide:
         block_ids = [t.block_ids for t in transfers]
         try:
             # Every full chunk of the step gathered in one kernel call, straight into engine memory.
-            saved = self.engine.save_many(keys, copier.chunk_shape, copier.dtype,
+            saved = engine.save_many(keys, copier.chunk_shape, copier.dtype,
                                           lambda outs: copier.gather_many(block_ids, outs))
             self.stats.num_chunks_saved += sum(saved)
             self.stats.num_saves_refused += len(saved) - sum(saved)
@@ -229,22 +234,27 @@ class WorkerSide:
         self.stats.save_seconds += time.perf_counter() - started
 
     def _apply_retention(self, meta: LmiConnectorMetadata) -> None:
-        if self.engine is None or not (meta.release or meta.retain):
+        engine = self.engine
+        if engine is None or not (meta.release or meta.retain):
             return
         try:
             for session in meta.release:
-                self.engine.release(session)
+                engine.release(session)
             for session, chunks in meta.retain.items():
-                self.engine.retain(session, [digests[self.rank_index] for digests in chunks])
+                engine.retain(session, [digests[self.rank_index] for digests in chunks])
         except Exception as err:  # noqa: BLE001 - retention is a preference, never a failed step
             self._fault("could not update session retention", err, op="retain")
+
+    def load_failed(self, req_id: str) -> bool:
+        """Whether a chunk of ``req_id`` failed to load this step (its blocks after it are recomputed)."""
+        return req_id in self._failed_req_ids
 
     def take_failed_block_ids(self) -> set[int]:
         failed, self._failed_block_ids = self._failed_block_ids, set()
         return failed
 
     def build_worker_meta(self) -> LmiWorkerMeta | None:
-        if self.layout is None:
+        if self.layout is None or self.engine is None:
             return None
         stored: list[bytes] = []
         removed: list[bytes] = list(self._removed_digests)
@@ -256,7 +266,7 @@ class WorkerSide:
         except Exception as err:  # noqa: BLE001
             self._fault("could not drain engine events", err, op="events")
         faults, self._num_new_faults = self._num_new_faults, 0
-        self._metrics.follow(getattr(self.engine, "metrics", None), self.stats)
+        self._metrics.follow(self.engine.metrics, self.stats)
         return LmiWorkerMeta(
             layout_tags={self.rank_index: self.layout.tag},
             stored_digests={self.rank_index: stored} if stored else {},

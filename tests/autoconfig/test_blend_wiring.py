@@ -36,7 +36,8 @@ from lmi_cache.errors import UserError
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "tests" / "fixtures" / "hf_configs"
-BLEND = {"kv_connector": "LmiBlendConnector", "kv_connector_module_path": "lmi_cache.blend.connector",
+# Blending is switched by enable_blending in the rendered YAML; vLLM loads the one connector.
+BLEND = {"kv_connector": "LmiCacheConnector", "kv_connector_module_path": "lmi_cache.vllm_connector",
          "kv_role": "kv_both"}
 
 
@@ -231,7 +232,7 @@ def test_prepare_launch_with_blending_imports_neither_vllm_nor_torch(tmp_path: P
         from autoconfig.serve import load_host_file, prepare_launch
         launch = prepare_launch({str(mdir)!r}, {{}}, host=load_host_file({str(host)!r}),
                                 output_dir={str(tmp_path / 'rt')!r}, dry_run=True)
-        assert json.loads(launch.argv[launch.argv.index("--kv-transfer-config") + 1])["kv_connector"] == "LmiBlendConnector"
+        assert json.loads(launch.argv[launch.argv.index("--kv-transfer-config") + 1])["kv_connector"] == "LmiCacheConnector"
         print(sorted(m for m in ("vllm", "torch", "transformers") if m in sys.modules))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False,

@@ -136,7 +136,7 @@ def test_rag_blending_example_serves_the_blending_connector(tmp_path: Path) -> N
     import yaml
 
     launch = serve(stage(tmp_path, "qwen2.5-7b-rag-blending", "qwen2.5-7b-instruct"), host(1, 128), tmp_path)
-    assert json.loads(arg(launch, "--kv-transfer-config"))["kv_connector"] == "LmiBlendConnector"
+    assert json.loads(arg(launch, "--kv-transfer-config"))["kv_connector"] == "LmiCacheConnector"
     rendered = yaml.safe_load(Path(launch.env_set["LMCACHE_CONFIG_FILE"]).read_text())
     assert rendered["enable_blending"] is True and rendered["blend_recompute_ratios"] == [0.15]
 

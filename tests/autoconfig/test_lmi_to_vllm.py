@@ -92,6 +92,7 @@ def vllm_parser() -> typing.Any:
     return make_arg_parser(FlexibleArgumentParser())
 
 
+@pytest.mark.vllm
 def test_static_table_matches_installed_vllm() -> None:
     built = build_table()
     packaged = json.loads(TABLE_PATH.read_text())
@@ -99,6 +100,7 @@ def test_static_table_matches_installed_vllm() -> None:
     assert packaged["args"] == built["args"], "regenerate the table (see module docstring)"
 
 
+@pytest.mark.vllm
 def test_every_engine_args_field_with_a_flag_is_in_the_table() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -110,6 +112,7 @@ def test_every_engine_args_field_with_a_flag_is_in_the_table() -> None:
     assert engine <= public
 
 
+@pytest.mark.vllm
 def test_rendered_flags_parse_back_in_vllm(vllm_parser: typing.Any) -> None:
     options = {
         "tensor_parallel_degree": "2", "max_rolling_batch_size": "64", "max_rolling_batch_prefill_tokens": "4096",

@@ -30,6 +30,7 @@ def test_one_api_key_goes_to_vllm_through_its_environment(tmp_path: Path) -> Non
     assert "env VLLM_API_KEY=***" in printed(result)
 
 
+@pytest.mark.vllm
 def test_several_api_keys_travel_in_a_private_config_file_and_none_is_printed(tmp_path: Path) -> None:
     result = launch(tmp_path, "option.api_key=sk-one,sk-two\n")
     joined = " ".join(result.argv)

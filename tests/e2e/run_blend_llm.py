@@ -1,13 +1,14 @@
-"""Run one vLLM (CPU) instance with LmiBlendConnector over a JSON job; print JSON results (e2e subprocess).
+"""Run one vLLM (CPU) instance with LmiCacheConnector, blending on, over a JSON job; print JSON results (e2e subprocess).
 
 Like ``run_llm.py`` (one start, many phases, engine core in this process so the
-connector's counters can be read), plus per-prompt ``kv_transfer_params`` and the
-blending counters of both connector halves.
+connector's counters can be read), plus per-prompt ``kv_transfer_params``, the
+blending counters of both connector halves, and ``"reset_prefix_cache": true`` on
+a phase to empty vLLM's own prefix cache before it (so the chunk cache serves).
 
 Job (JSON file, argv[1])::
 
-    {"model": "/path", "env": {"LMCACHE_ENABLE_BLENDING": "true"}, "llm_kwargs": {...},
-     "phases": [{"name": "seed", "max_tokens": 8, "logprobs": 2,
+    {"model": "/path", "env": {"LMCACHE_CONFIG_FILE": "/path/lmcache.yaml"}, "llm_kwargs": {...},
+     "phases": [{"name": "seed", "max_tokens": 8, "logprobs": 2, "reset_prefix_cache": false,
                  "prompts": [{"tokens": [1, 2, 3], "salt": null, "params": {"blend_recompute_ratios": [1.0]}}]}]}
 
 Output: one line ``RESULT_JSON:{...}`` on stdout.
@@ -39,11 +40,11 @@ def _counters(llm: Any) -> dict[str, Any]:
     side = getattr(worker, "worker_side", None)
     if side is not None:
         counters.update({f"worker.{k}": v for k, v in vars(side.stats).items()})
-    blend_worker = getattr(worker, "blend_worker", None)
-    if blend_worker is not None:
-        counters.update({f"blend_worker.{k}": v for k, v in vars(blend_worker.stats).items()})
-        counters["blend_worker.model_source"] = worker.blend_model_source
-    blend_sched = getattr(scheduler, "blend_scheduler", None)
+    blending = getattr(worker, "blending", None)
+    if blending is not None and blending.worker is not None:
+        counters.update({f"blend_worker.{k}": v for k, v in vars(blending.worker.stats).items()})
+        counters["blend_worker.model_source"] = blending.model_source
+    blend_sched = getattr(getattr(scheduler, "blending", None), "scheduler", None)
     if blend_sched is not None:
         counters.update({f"blend_scheduler.{k}": v for k, v in vars(blend_sched.stats).items() if not isinstance(v, list)})
     sched = getattr(scheduler, "scheduler_side", None)
@@ -60,7 +61,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 
     kwargs = llm_kwargs(job, prefix_caching=True)
     kwargs.setdefault("kv_transfer_config", KVTransferConfig(
-        kv_connector="LmiBlendConnector", kv_connector_module_path="lmi_cache.blend.connector", kv_role="kv_both"
+        kv_connector="LmiCacheConnector", kv_connector_module_path="lmi_cache.vllm_connector", kv_role="kv_both"
     ))
     started = time.perf_counter()
     llm = LLM(**kwargs)
@@ -75,6 +76,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             extra = {"kv_transfer_params": prompt["params"]} if prompt.get("params") else None
             params.append(SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 8),
                                          logprobs=phase.get("logprobs", 2), extra_args=extra))
+        if phase.get("reset_prefix_cache"):
+            assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
         before = _counters(llm)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -1,6 +1,7 @@
-"""LmiBlendConnector on real vLLM (CPU, float32): blends load cached segments, exact cases match no cache.
+"""Blending in LmiCacheConnector on real vLLM (CPU, float32): blends load cached segments, exact cases match no cache.
 
-One vLLM start (a ``run_blend_llm.py`` subprocess) serves every phase:
+One vLLM start (a ``run_blend_llm.py`` subprocess; ``enable_blending: true`` in
+the LMCache YAML) serves every phase:
 
 - ``seed``: a RAG prompt [D0 D1 D2 D3 | question] is prefilled cold; its four
   segments are stored (each computed alone at position 0).
@@ -13,6 +14,12 @@ One vLLM start (a ``run_blend_llm.py`` subprocess) serves every phase:
   in ``kv_transfer_params`` instead of separators.
 - ``exact_after_blend``: the ``default`` prompt again with blending off: neither
   vLLM's prefix cache nor the chunk cache may serve it from the blended KV.
+- ``seed_blending_on``: the seed prompt again, blending on, vLLM's prefix cache
+  emptied: its exact chunks win over blending its segments (answer = no cache).
+- ``exact_then_blend``: the seed's documents plus one more: exact chunks up to
+  where they reach, the cached segment after them blended (ratio 1.0: = no cache);
+  ``exact_after_partial_blend``: that prompt again with blending off reuses only
+  the exact part.
 """
 from __future__ import annotations
 
@@ -39,7 +46,8 @@ def _tokens(seed: int, length: int) -> list[int]:
 
 
 D = [_tokens(10, 180), _tokens(11, 300), _tokens(12, 260), _tokens(13, 340)]
-Q = [_tokens(20 + i, 20) for i in range(5)]
+Q = [_tokens(20 + i, 20) for i in range(6)]
+CHUNK = 256
 
 
 def _prompt(docs: list[int], question: int) -> list[int]:
@@ -56,14 +64,15 @@ C = _prompt([3, 0, 2], 3)
 X_DOCS = D[2] + SEP + D[3] + SEP
 X = X_DOCS + Q[4]
 X_ENDS = [len(D[2]) + 3, len(X_DOCS)]
+E = _prompt([0, 1, 2, 3, 1], 5)  # SEED's documents, then D1 again: its chunks cover SEED's first 4 * CHUNK tokens
 
 
 def _item(tokens: list[int], salt: str | None = None, **params: Any) -> dict[str, Any]:
     return {"tokens": tokens, "salt": salt, "params": params or None}
 
 
-def _phase(name: str, items: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"name": name, "prompts": items, "max_tokens": 8, "logprobs": 2}
+def _phase(name: str, items: list[dict[str, Any]], reset_prefix_cache: bool = False) -> dict[str, Any]:
+    return {"name": name, "prompts": items, "max_tokens": 8, "logprobs": 2, "reset_prefix_cache": reset_prefix_cache}
 
 
 def _plugin_path(root: Path) -> Path:
@@ -72,7 +81,7 @@ def _plugin_path(root: Path) -> Path:
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lmi-cache-blend-plugin\nVersion: 0.0.0\n")
     (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nlmi_cache_blend = lmi_cache.blend.vllm_plugin:register\n"
+        "[vllm.general_plugins]\nlmi_cache_blend = lmi_cache.vllm_connector.plugin:register\n"
     )
     return root
 
@@ -85,19 +94,24 @@ def blend_run(tiny_model: Path, e2e_dir: Path) -> dict[str, Any]:
     work = e2e_dir / "blend"
     (work / "rpc").mkdir(parents=True, exist_ok=True)
     ref = "reference"
+    config = work / "lmcache.yaml"
+    config.write_text(f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: 1\n"
+                      "enable_blending: true\nblend_min_tokens: 64\n")
     job = {
         "model": str(tiny_model),
-        "env": {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "true", "LMCACHE_MAX_LOCAL_CPU_SIZE": "1",
-                "LMCACHE_ENABLE_BLENDING": "true", "LMCACHE_BLEND_MIN_TOKENS": "64"},
+        "env": {"LMCACHE_CONFIG_FILE": str(config)},
         "phases": [
             _phase("seed", [_item(SEED)]),
-            _phase("ref", [_item(t, ref, blend=False) for t in (B, P, C, X)]),
+            _phase("ref", [_item(t, ref, blend=False) for t in (B, P, C, X, SEED, E)]),
             _phase("ratio1", [_item(B, blend_recompute_ratios=[1.0])]),
             _phase("pos0", [_item(P, blend_recompute_ratios=[0.0])]),
             _phase("default", [_item(C)]),
             _phase("explicit", [_item(X, blend_segment_ends=X_ENDS)]),
             _phase("exact_after_blend", [_item(C, blend=False)]),
             _phase("exact_seed_again", [_item(SEED, blend=False)]),
+            _phase("seed_blending_on", [_item(SEED)], reset_prefix_cache=True),
+            _phase("exact_then_blend", [_item(E, blend_recompute_ratios=[1.0])], reset_prefix_cache=True),
+            _phase("exact_after_partial_blend", [_item(E, blend=False)]),
         ],
     }
     (work / "job.json").write_text(json.dumps(job))
@@ -201,3 +215,29 @@ def test_blended_kv_never_serves_an_exact_request(blend_run: dict[str, Any]) -> 
     _close(exact, _ref(blend_run, 2))
     # Control: an exact prompt served earlier does hit vLLM's prefix cache in this same process.
     assert phase(blend_run, "exact_seed_again")["outputs"][0]["num_cached_tokens"] > 0
+
+
+def test_a_prompt_served_before_is_served_exactly_with_blending_on(blend_run: dict[str, Any]) -> None:
+    got = phase(blend_run, "seed_blending_on")
+    exact_tokens = (len(SEED) // CHUNK) * CHUNK
+    assert got["delta"]["worker.num_chunks_loaded"] == len(SEED) // CHUNK  # the exact prefix chunks won
+    assert got["delta"]["blend_worker.num_blends"] == 0
+    assert got["outputs"][0]["num_cached_tokens"] == exact_tokens
+    assert got["outputs"][0]["tokens"] == _ref(blend_run, 4)["tokens"]  # token ids equal no cache, exactly
+    _close(got["outputs"][0], _ref(blend_run, 4))
+
+
+def test_a_blend_starts_where_the_exact_prefix_ends(blend_run: dict[str, Any]) -> None:
+    got = phase(blend_run, "exact_then_blend")
+    exact_tokens = (len(SEED) // CHUNK) * CHUNK
+    assert got["delta"]["worker.num_chunks_loaded"] == len(SEED) // CHUNK
+    assert got["delta"]["blend_worker.num_blends"] == 1
+    assert got["delta"]["blend_worker.num_segments_loaded"] == 1  # D1 after the documents the chunks hold
+    assert got["delta"]["blend_worker.num_blended_tokens"] == len(D[1]) + len(SEP)
+    assert got["delta"]["worker.num_chunks_saved"] == 0  # nothing exact is saved from a blended request
+    assert got["outputs"][0]["num_cached_tokens"] == len(E) - len(Q[5])
+    assert exact_tokens < len(SEED) - len(Q[0]) < len(E) - len(Q[5])
+    _close(got["outputs"][0], _ref(blend_run, 5))
+    again = phase(blend_run, "exact_after_partial_blend")["outputs"][0]
+    assert again["num_cached_tokens"] == exact_tokens  # the exact part only, never the blended blocks
+    _close(again, _ref(blend_run, 5))

@@ -1,6 +1,7 @@
 """Tiny random float32 transformers models (Llama, Qwen2, Qwen3) for the blending tests; no downloads."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,23 +33,40 @@ def tiny_model(model_type: str = "llama", *, seed: int = 0, **overrides: Any) ->
     return model_cls(config_cls(**kwargs)).float().eval()
 
 
+class DictObject:
+    """What ``DictEngine.load`` yields: a stored tensor and the reference the caller releases."""
+
+    def __init__(self, engine: DictEngine, tensor: torch.Tensor) -> None:
+        self._engine, self._tensor = engine, tensor
+        engine.outstanding += 1
+
+    def payload_tensor(self) -> torch.Tensor:
+        return self._tensor
+
+    def release(self) -> None:
+        self._engine.outstanding -= 1
+
+
 class DictEngine:
-    """The engine verbs blending uses (older names, which engine_io also accepts), over a dict;
-    ``metrics`` stands for a rank's CacheMetrics where a test needs one."""
+    """The engine verbs blending uses (``save_many``, ``load``) over a dict; ``metrics`` stands for a rank's
+    CacheMetrics where a test needs one; ``outstanding`` counts loaded objects not yet released."""
 
     def __init__(self, metrics: Any = None) -> None:
         self.metrics = metrics
         self.objects: dict[bytes, torch.Tensor] = {}
+        self.outstanding = 0
 
-    def store_from(self, key: Any, shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> bool:
-        out = torch.empty(shape, dtype=dtype)
-        fill(out)
-        self.objects[key.digest] = out
-        return True
+    def save_many(self, keys: list[Any], shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> list[bool]:
+        outs = [torch.empty(shape, dtype=dtype) for _ in keys]
+        fill(outs)
+        for key, out in zip(keys, outs):
+            self.objects[key.digest] = out
+        return [True] * len(keys)
 
-    def retrieve(self, key: Any, out: Any = None) -> torch.Tensor | None:
-        found = self.objects.get(key.digest)
-        return None if found is None else found.clone()
+    def load(self, keys: list[Any]) -> Iterator[list[tuple[int, DictObject]]]:
+        hits = [(i, DictObject(self, self.objects[key.digest])) for i, key in enumerate(keys) if key.digest in self.objects]
+        if hits:
+            yield hits
 
 
 def paged_blend_worker(ratio: float, block_tokens: int = 16) -> tuple[Any, Any, list[torch.Tensor]]:

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 
 from lmi_cache.blend.jobs import BlendConnectorMetadata
-from lmi_cache.blend.scheduler_plan import BlendRequestError, BlendScheduler, explicit_split
+from lmi_cache.blend.scheduler_plan import BlendRequestError, BlendScheduler, explicit_split, segment_key_space
 from lmi_cache.blend.segments import Span
 from lmi_cache.blend.settings import BlendSettings
-from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.keys.hashing import KeySpace
 
 SEP = (9, 9)
 
@@ -44,13 +44,12 @@ class Output:
     finished_req_ids: set[str] = field(default_factory=set)
 
 
-def _key(tokens: Any, rank: int, layout: str, lora: Any, salt: Any) -> ChunkKey:
-    digest = hash((tuple(tokens), rank, layout, lora, salt)).to_bytes(16, "little", signed=True)
-    return ChunkKey(digest, 0, len(tokens), 1)
+def _space(layout: str, tp_size: int = 2) -> KeySpace:
+    return KeySpace(model="m", kv_dtype="float32", layout=layout, chunk_size=4, tp_size=tp_size)
 
 
 def _scheduler(**settings: Any) -> BlendScheduler:
-    return BlendScheduler(BlendSettings(enabled=True, min_tokens=4, **settings), SEP, 2, _key)
+    return BlendScheduler(BlendSettings(enabled=True, min_tokens=4, **settings), SEP, _space)
 
 
 def _doc(value: int, n: int = 10) -> list[int]:
@@ -66,6 +65,15 @@ def _hold_all(sched: BlendScheduler, req: FakeRequest) -> None:
     sched.update_from_workers([k.digest for keys in state.segment_keys for k in keys], [])
 
 
+def _held() -> tuple[BlendScheduler, FakeRequest]:
+    """A scheduler that planned request "a" for PROMPT once, whose segments the workers now hold."""
+    sched = _scheduler()
+    req = FakeRequest("a", PROMPT)
+    sched.plan(req, 0, 0, "L")
+    _hold_all(sched, req)
+    return sched, req
+
+
 def test_a_cold_request_is_not_blended_and_stores_each_segment_once() -> None:
     sched = _scheduler()
     a, b = FakeRequest("a", PROMPT), FakeRequest("b", PROMPT)
@@ -78,10 +86,7 @@ def test_a_cold_request_is_not_blended_and_stores_each_segment_once() -> None:
 
 
 def test_cached_segments_blend_up_to_the_tail() -> None:
-    sched = _scheduler()
-    req = FakeRequest("a", PROMPT)
-    sched.plan(req, 0, 0, "L")
-    _hold_all(sched, req)
+    sched, req = _held()
     assert sched.plan(req, 0, 0, "L") == 36  # every segment; the 3-token question is prefilled
     sched.confirm("a", 36)
     meta = BlendConnectorMetadata()
@@ -93,10 +98,7 @@ def test_cached_segments_blend_up_to_the_tail() -> None:
 
 
 def test_vllm_prefix_hit_cuts_a_segment_which_is_then_computed() -> None:
-    sched = _scheduler()
-    req = FakeRequest("a", PROMPT)
-    sched.plan(req, 0, 0, "L")
-    _hold_all(sched, req)
+    sched, req = _held()
     assert sched.plan(req, 8, 8, "L") == 28
     sched.confirm("a", 28)
     meta = BlendConnectorMetadata()
@@ -106,11 +108,38 @@ def test_vllm_prefix_hit_cuts_a_segment_which_is_then_computed() -> None:
 
 
 def test_the_prefix_path_wins_when_it_reaches_as_far() -> None:
-    sched = _scheduler()
-    req = FakeRequest("a", PROMPT)
-    sched.plan(req, 0, 0, "L")
-    _hold_all(sched, req)
+    sched, req = _held()
     assert sched.plan(req, 0, 36, "L") is None
+    # Chunks cut into the last segment: what is left of it is not cached, so there is nothing to blend.
+    assert sched.plan(req, 0, 28, "L") is None
+
+
+def test_an_exact_prefix_hit_stays_exact_and_the_blend_starts_after_it() -> None:
+    sched, req = _held()
+    # vLLM holds 4 tokens, the chunk cache 12 more: the blend covers [16, 36), the prefix path loads [4, 16).
+    assert sched.plan(req, 4, 16, "L") == 32
+    assert sched.confirm("a", 32) == 12
+    meta = BlendConnectorMetadata()
+    sched.take_jobs(Output([NewReq("a", ([5, 6, 7],))]), meta)
+    (job,) = meta.blends
+    assert job.prefix_tokens == 16 and job.end == 36
+    assert [(p.start, p.end, p.keys is not None) for p in job.pieces] == [(16, 24, False), (24, 36, True)]
+
+
+def test_segment_keys_come_from_the_key_space_and_never_equal_chunk_keys() -> None:
+    sched = _scheduler()
+    moved = FakeRequest("b", _doc(3) + _doc(1) + [4])  # the same documents, elsewhere in the prompt
+    for req in (FakeRequest("a", PROMPT), moved, FakeRequest("s", PROMPT, cache_salt="t2")):
+        sched.plan(req, 0, 0, "L")
+    a, b, salted = (sched.state(r) for r in ("a", "b", "s"))
+    assert a is not None and b is not None and salted is not None
+    assert b.segment_keys == [a.segment_keys[2], a.segment_keys[0]]  # a segment's key ignores its position
+    assert not {k.digest for keys in salted.segment_keys for k in keys} & {k.digest for keys in a.segment_keys for k in keys}
+    assert all(len({k.digest for k in keys}) == 2 for keys in a.segment_keys)  # one key per rank
+    assert all(keys[0].start == 0 and keys[0].end == 12 for keys in a.segment_keys)
+    chunk_digests = {k.digest for keys in _space("L").for_request(_doc(1)[:12], include_partial=True).per_chunk for k in keys}
+    assert not chunk_digests & {k.digest for k in a.segment_keys[0]}
+    assert segment_key_space(_space("L")).layout != "L"
 
 
 def test_opt_out_salt_and_min_tokens() -> None:
@@ -126,7 +155,7 @@ def test_opt_out_salt_and_min_tokens() -> None:
     assert not meta.segment_stores  # an opted-out request stores nothing either
     # Another tenant's salt keys other segments: nothing is held for it.
     assert sched.plan(FakeRequest("b", PROMPT, cache_salt="t2"), 0, 0, "L") is None
-    strict = BlendScheduler(BlendSettings(enabled=True, min_tokens=100), SEP, 1, _key)
+    strict = BlendScheduler(BlendSettings(enabled=True, min_tokens=100), SEP, lambda layout: _space(layout, 1))
     req = FakeRequest("c", PROMPT)
     strict.plan(req, 0, 0, "L")
     _hold_all(strict, req)
@@ -134,10 +163,7 @@ def test_opt_out_salt_and_min_tokens() -> None:
 
 
 def test_a_different_admitted_hit_drops_the_blend() -> None:
-    sched = _scheduler()
-    req = FakeRequest("a", PROMPT)
-    sched.plan(req, 0, 0, "L")
-    _hold_all(sched, req)
+    sched, req = _held()
     sched.plan(req, 0, 0, "L")
     sched.confirm("a", 12)
     meta = BlendConnectorMetadata()

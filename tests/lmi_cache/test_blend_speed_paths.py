@@ -13,7 +13,7 @@ from blend_models import VOCAB, DictEngine, tiny_model
 from lmi_cache.blend import layer0_reuse
 from lmi_cache.blend.attention import attend
 from lmi_cache.blend.blender import KVStack, blend, prefill, rerotated_segments, segment_kv
-from lmi_cache.blend.cpu_paged_attention import CpuPagedAttention
+from lmi_cache.vllm_connector.cpu_paged_attention import CpuPagedAttention
 from lmi_cache.blend.hf_adapter import HFLayerwiseModel
 from lmi_cache.blend.jobs import BlendJob, BlendPiece, SegmentStore
 from lmi_cache.blend.paged_kv import PagedKV
@@ -104,11 +104,12 @@ def test_blend_uses_the_models_own_rope_when_offered() -> None:
     torch.testing.assert_close(got.kv.v, want.kv.v)
 
 
+@pytest.mark.vllm
 def test_vllm_adapter_rope_equals_ours() -> None:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from lmi_cache.blend.vllm_model import VllmLayerwiseModel
+    from lmi_cache.vllm_connector.blend_model import VllmLayerwiseModel
 
     with set_current_vllm_config(VllmConfig()):
         rotary = get_rope(16, max_position=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -139,6 +140,7 @@ def _paged_attention(num_blocks: int, layers: int, heads: int, kv_heads: int,
     return CpuPagedAttention(caches, [object()], N, heads, kv_heads, dim, dim**-0.5), caches
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("which", ["scattered", "single", "all", "runs"])
 def test_kernel_attention_equals_the_reference_and_reuses_its_plan_for_the_same_positions(which: str) -> None:
     paged, _ = _paged_attention(8, 2, 4, 2, 32)  # GQA: 4 query heads over 2 KV heads
@@ -162,6 +164,7 @@ def test_kernel_attention_equals_the_reference_and_reuses_its_plan_for_the_same_
                                attend(q[:1].expand(4, -1, -1), k, v, other, torch.arange(200), 32**-0.5))
 
 
+@pytest.mark.vllm
 def test_worker_with_the_kernel_writes_each_layer_once_and_equals_a_prefill() -> None:
     hf = tiny_model("llama", hidden_size=128)  # head dim 32: the CPU kernel's smallest
     model = HFLayerwiseModel(hf)
@@ -249,6 +252,7 @@ def test_wide_layers_finish_in_slices_with_the_unsliced_result(monkeypatch: pyte
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.vllm
 def test_scattered_queries_use_the_native_kernel_and_a_single_run_vllms() -> None:
     paged, _ = _paged_attention(8, 1, 4, 2, 32)
     native = kernels.backend() == "native"  # CI builds the kernels; LMI_CACHE_KERNELS=torch turns them off
@@ -316,6 +320,7 @@ def _two_segment_blend(native: bool, monkeypatch: pytest.MonkeyPatch | None = No
     return worker.stats, worker.paged.read(block_ids, 20, 180)
 
 
+@pytest.mark.vllm
 def test_a_blend_with_the_native_kernel_equals_one_with_vllms() -> None:
     results = {}
     for native in (True, False):
@@ -329,6 +334,7 @@ def test_a_blend_with_the_native_kernel_equals_one_with_vllms() -> None:
     torch.testing.assert_close(results[True][1], results[False][1], atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("attention_objects", ["dropped", "failing"])
 def test_without_stored_attention_layer0_runs_in_full_and_the_segment_still_counts(
         attention_objects: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -344,6 +350,7 @@ def test_without_stored_attention_layer0_runs_in_full_and_the_segment_still_coun
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "takes"),
                          [(8, 4, 64, True), (8, 4, 36, False), (8, 4, 512, False), (130, 1, 32, False)])
+@pytest.mark.vllm
 def test_shapes_the_native_kernel_cannot_take_stay_on_vllms(heads: int, kv_heads: int, dim: int, takes: bool) -> None:
     # head_dim not a multiple of 8, above 256, or more than 64 query heads per KV head: vLLM's kernel.
     paged = CpuPagedAttention([torch.zeros(2, kv_heads, N, 2 * dim)], [object()], N, heads, kv_heads, dim, 1.0)

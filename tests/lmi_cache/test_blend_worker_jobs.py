@@ -1,13 +1,14 @@
 """BlendWorker over a tiny HF Llama and CPU paged tensors: stores, blends, faults (no vLLM engine)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from blend_models import DictEngine, paged_blend_worker
 
 from lmi_cache.blend.blender import prefill
 from lmi_cache.blend.hf_adapter import HFLayerwiseModel
 from lmi_cache.blend.jobs import BlendJob, BlendPiece, SegmentStore
-from lmi_cache.blend.vllm_plugin import loaded_model, register, remember_model
+from lmi_cache.vllm_connector.plugin import loaded_model, register, remember_model
 from lmi_cache.blend.worker_jobs import BlendWorker
 from lmi_cache.keys.hashing import ChunkKey
 
@@ -53,6 +54,7 @@ def test_a_failed_blend_reports_its_blocks_for_recompute() -> None:
     assert failed == {2} and worker.stats.num_blend_faults == 1
 
 
+@pytest.mark.vllm
 def test_plugin_remembers_the_model_weakly_and_wraps_once() -> None:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
@@ -68,7 +70,7 @@ def test_plugin_remembers_the_model_weakly_and_wraps_once() -> None:
 
 
 def test_without_the_plugin_the_model_is_found_by_its_attention_layer() -> None:
-    from lmi_cache.blend.vllm_model import find_model
+    from lmi_cache.vllm_connector.blend_model import find_model
 
     remember_model(torch.nn.Linear(1, 1))  # the plugin's record dies with its model: no record
     attn = torch.nn.Identity()

@@ -20,6 +20,7 @@ from lmi_cache.config import CacheConfig
 from lmi_cache.engine import CacheEngine
 from lmi_cache.tiers.disk.ranks import rank_label
 
+pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
@@ -89,10 +90,10 @@ def test_identity_changes_the_scheduler_keys(setup: tuple[Path, Path]) -> None:
     before = LmiCacheConnector(fake_vllm_config(model, 0), KVConnectorRole.SCHEDULER, None)
     (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 8}')
     after = LmiCacheConnector(fake_vllm_config(model, 0), KVConnectorRole.SCHEDULER, None)
-    key_before = before._key_space("t").keys(TOKENS, 0)[0]
-    key_after = after._key_space("t").keys(TOKENS, 0)[0]
+    key_before = before.key_space("t").keys(TOKENS, 0)[0]
+    key_after = after.key_space("t").keys(TOKENS, 0)[0]
     assert key_before.digest != key_after.digest
-    assert before._key_space("t").keys(TOKENS, 0)[0] == key_before  # and nothing else changes them
+    assert before.key_space("t").keys(TOKENS, 0)[0] == key_before  # and nothing else changes them
 
 
 def test_workers_of_a_replica_write_their_own_directory(setup: tuple[Path, Path]) -> None:
@@ -109,19 +110,23 @@ def test_workers_of_a_replica_write_their_own_directory(setup: tuple[Path, Path]
     assert sorted(p.name for p in disk.iterdir()) == ["rank0-dp1"]
 
 
-def test_the_hint_to_use_the_blending_connector_is_not_given_by_the_blending_connector(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_enable_blending_turns_blending_on_in_the_one_connector(
+    setup: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from lmi_cache.blend.connector import LmiBlendConnector
-    from lmi_cache.vllm_connector import connector
-    from lmi_cache.vllm_connector.connector import _load_cache_config
+    from lmi_cache.blend.connector import LmiBlendConnector as EarlierPath
+    from lmi_cache.vllm_connector import LmiBlendConnector, connector
 
+    model, _ = setup
+    config = fake_vllm_config(model, 0)
+    llama = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4}
+    config.model_config.hf_config = SimpleNamespace(to_dict=lambda: llama, num_hidden_layers=4)
+    assert LmiCacheConnector(config, KVConnectorRole.WORKER, None).blending is None
     # A library imported earlier in the session may configure logging with disable_existing_loggers.
     monkeypatch.setattr(connector.logger, "disabled", False)
     caplog.set_level("WARNING", logger=connector.logger.name)
-    monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
+    assert LmiBlendConnector(config, KVConnectorRole.WORKER, None).blending is not None  # the earlier name: forced on
+    assert EarlierPath is LmiBlendConnector
+    assert sum("LmiBlendConnector is deprecated" in r.getMessage() for r in caplog.records) == 1
     monkeypatch.setenv("LMCACHE_ENABLE_BLENDING", "true")
-    for blends, expected in ((LmiCacheConnector.blends, 1), (LmiBlendConnector.blends, 0)):
-        caplog.clear()
-        _load_cache_config(blends)
-        assert sum("needs the blending connector" in r.getMessage() for r in caplog.records) == expected
+    on = LmiCacheConnector(config, KVConnectorRole.WORKER, None)
+    assert on.blending is not None and on.blending.context.settings.enabled

@@ -1,4 +1,4 @@
-"""The lmi_cache_blend_* series: driven through BlendScheduler and LmiBlendConnector's worker hooks, read back
+"""The lmi_cache_blend_* series: driven through BlendScheduler and the connector's blending component, read back
 from the same registries as the other lmi_cache series (and from a multiprocess directory)."""
 from __future__ import annotations
 
@@ -25,18 +25,16 @@ from lmi_cache.blend.jobs import (
 )
 from lmi_cache.blend.scheduler_plan import BlendScheduler
 from lmi_cache.blend.settings import BlendSettings
-from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.metrics.series import (
     BLEND_WORKER_SERIES,
     BlendSchedulerMetrics,
     BlendWorkerMetrics,
     CacheMetrics,
     SchedulerMetrics,
-    blend_stats_follower,
 )
 
-pytest.importorskip("vllm")
-from lmi_cache.blend.connector import LmiBlendConnector
+from lmi_cache.vllm_connector.blending import BlendContext, ConnectorBlending
 
 REPO = Path(__file__).resolve().parents[2]
 SEP = (9, 9)
@@ -54,9 +52,8 @@ def _rank_value(metrics: CacheMetrics, name: str) -> float | None:
 # -- scheduler ------------------------------------------------------------------------------
 
 
-def _key(tokens: Any, rank: int, layout: str, lora: Any, salt: Any) -> ChunkKey:
-    digest = hash((tuple(tokens), rank, layout, lora, salt)).to_bytes(16, "little", signed=True)
-    return ChunkKey(digest, 0, len(tokens), 1)
+def _space(layout: str) -> KeySpace:
+    return KeySpace(model="m", kv_dtype="float32", layout=layout, chunk_size=N)
 
 
 def _request(req_id: str, prompt: list[int], params: dict[str, Any] | None = None) -> Any:
@@ -72,10 +69,8 @@ def _output(*new: tuple[str, list[int]]) -> Any:
 
 def test_scheduler_series_follow_plans_stores_and_bad_requests() -> None:
     base = SchedulerMetrics(engine_label="1")
-    fake = SimpleNamespace(_scheduler=SimpleNamespace(metrics=base))
-    blend_metrics = LmiBlendConnector._blend_scheduler_metrics(fake)  # type: ignore[arg-type]
-    assert blend_metrics.registry is base.registry and blend_metrics.engine_label == "1"
-    sched = BlendScheduler(BlendSettings(enabled=True, min_tokens=4), SEP, 1, _key, blend_metrics)
+    blend_metrics = BlendSchedulerMetrics(base.registry, base.engine_label)  # as the blending component builds them
+    sched = BlendScheduler(BlendSettings(enabled=True, min_tokens=4), SEP, _space, blend_metrics)
     prompt = [1] * 10 + list(SEP) + [2] * 10 + list(SEP) + [5, 6, 7]
     first = _request("a", prompt)
     assert sched.plan(first, 0, 0, "L") is None  # cold: prefilled, its two segments stored
@@ -99,30 +94,35 @@ def test_scheduler_series_follow_plans_stores_and_bad_requests() -> None:
 
 
 class FakeWorkerSide:
-    """The base connector's worker side, reduced to what its hooks touch (nothing to load or save)."""
+    """The connector's worker side, reduced to what the blending component reads (no chunk load failed)."""
 
     def __init__(self, engine: DictEngine) -> None:
         self.engine = engine
 
-    def load(self, meta: Any) -> None:
-        return
-
-    def save(self, meta: Any) -> None:
-        return
-
-    def take_failed_block_ids(self) -> set[int]:
-        return set()
+    def load_failed(self, req_id: str) -> bool:
+        return False
 
 
-def _connector(ratio: float, metrics: CacheMetrics) -> tuple[Any, HFLayerwiseModel]:
-    """An LmiBlendConnector past register_kv_caches: a real BlendWorker over a tiny Llama and CPU paged tensors."""
+class Connector:
+    """The connector's worker hooks as they call the blending component (after the prefix path's loads and saves)."""
+
+    def __init__(self, blending: ConnectorBlending, side: FakeWorkerSide) -> None:
+        self.blending, self.side, self.meta = blending, side, BlendConnectorMetadata()
+
+    def start_load_kv(self) -> None:
+        self.blending.run_blends(self.meta, self.side)  # type: ignore[arg-type]
+
+    def wait_for_save(self) -> None:
+        self.blending.run_stores(self.meta, self.side)  # type: ignore[arg-type]
+
+
+def _connector(ratio: float, metrics: CacheMetrics) -> tuple[Connector, HFLayerwiseModel]:
+    """The blending component past register: a real BlendWorker over a tiny Llama and CPU paged tensors."""
     worker, model, _ = paged_blend_worker(ratio, N)
-    connector: Any = LmiBlendConnector.__new__(LmiBlendConnector)
-    connector._blend_worker = worker
-    connector._blend_worker_metrics = blend_stats_follower()
-    connector._blend_failed_blocks = set()
-    connector._worker = FakeWorkerSide(DictEngine(metrics))
-    return connector, model
+    context = BlendContext(worker.settings, SimpleNamespace(), _space, N)  # type: ignore[arg-type]
+    blending = ConnectorBlending(context, scheduler=False)
+    blending.worker = worker
+    return Connector(blending, FakeWorkerSide(DictEngine(metrics))), model
 
 
 def _key_of(n: int, tag: int) -> ChunkKey:
@@ -135,7 +135,7 @@ def test_worker_series_follow_each_step_of_the_connector() -> None:
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, 256, (20,), generator=gen)
     seg_a, seg_b = torch.randint(0, 256, (30,), generator=gen), torch.randint(0, 256, (26,), generator=gen)
-    connector._connector_metadata = BlendConnectorMetadata(segment_stores=[
+    connector.meta = BlendConnectorMetadata(segment_stores=[
         SegmentStore("r", tuple(seg_a.tolist()), (_key_of(30, 1),)),
         SegmentStore("r", tuple(seg_b.tolist()), (_key_of(26, 2),))])
     connector.wait_for_save()  # the step that stores the segments
@@ -146,14 +146,14 @@ def test_worker_series_follow_each_step_of_the_connector() -> None:
     block_ids = tuple(range(3, 3 + 6))
     with torch.inference_mode():
         prefix_kv, _ = prefill(model, prefix)
-    connector._blend_worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
-    del connector._worker.engine.objects[bytes([1]) * 16]  # segment a lost: computed in full
+    connector.blending.worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
+    del connector.side.engine.objects[bytes([1]) * 16]  # segment a lost: computed in full
     job = BlendJob("r", 20, tuple(torch.cat((seg_b, seg_a)).tolist()),
                    (BlendPiece(20, 46, (_key_of(26, 2),)), BlendPiece(46, 76, (_key_of(30, 1),))), block_ids)
     broken = BlendJob("s", 16, tuple(range(40)), (BlendPiece(16, 56, (_key_of(40, 4),)),), (1, 2))  # too few blocks
-    connector._connector_metadata = BlendConnectorMetadata(blends=[job, broken])
-    connector.start_load_kv(SimpleNamespace())
-    stats = connector._blend_worker.stats
+    connector.meta = BlendConnectorMetadata(blends=[job, broken])
+    connector.start_load_kv()
+    stats = connector.blending.worker.stats
     assert stats.num_blends == 1 and stats.num_blend_faults == 1
     assert _rank_value(metrics, "lmi_cache_blend_jobs_total") == 1
     assert _rank_value(metrics, "lmi_cache_blend_job_faults_total") == 1
@@ -163,8 +163,8 @@ def test_worker_series_follow_each_step_of_the_connector() -> None:
     assert _rank_value(metrics, "lmi_cache_blend_recomputed_tokens_total") == stats.num_recomputed_tokens > 0
     assert _rank_value(metrics, "lmi_cache_blend_seconds_total") == pytest.approx(stats.blend_seconds)
     assert 0 < _rank_value(metrics, "lmi_cache_blend_write_seconds_total") <= stats.blend_seconds
-    assert connector.get_block_ids_with_load_errors() >= {2}
-    connector.start_load_kv(SimpleNamespace())  # the same jobs again: only what this step did is added
+    assert connector.blending.take_failed_block_ids() >= {2}
+    connector.start_load_kv()  # the same jobs again: only what this step did is added
     assert _rank_value(metrics, "lmi_cache_blend_jobs_total") == 2
     assert _rank_value(metrics, "lmi_cache_blend_job_faults_total") == 2
     assert _rank_value(metrics, "lmi_cache_blend_segments_stored_total") == 2
@@ -193,12 +193,12 @@ def test_a_metrics_fault_never_breaks_a_step(monkeypatch: pytest.MonkeyPatch, ca
     monkeypatch.setattr(metrics_module.logger, "disabled", False)
     caplog.set_level(logging.WARNING, logger=metrics_module.logger.name)
     connector, _ = _connector(0.0, CacheMetrics())
-    connector._connector_metadata = BlendConnectorMetadata(
+    connector.meta = BlendConnectorMetadata(
         segment_stores=[SegmentStore("r", (1, 2, 3), (_key_of(3, 5),))])
     connector.wait_for_save()
-    assert connector._blend_worker.stats.num_segments_stored == 1  # the store itself went through
+    assert connector.blending.worker.stats.num_segments_stored == 1  # the store itself went through
     connector.wait_for_save()  # turned off on this rank after one warning: no second try, no error
-    assert len(calls) == 1 and connector._blend_worker_metrics.off
+    assert len(calls) == 1 and connector.blending.worker_metrics.off
     assert sum("blend metrics turned off" in r.getMessage() for r in caplog.records) == 1
 
 

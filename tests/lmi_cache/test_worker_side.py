@@ -41,6 +41,9 @@ class FakeEngine:
         self.metrics = SimpleNamespace(errors=[])
         self.metrics.error = lambda tier, op: self.metrics.errors.append((tier, op))
 
+    def expect_chunks(self, payload_bytes: int) -> None:
+        self.expected_chunk_bytes = payload_bytes
+
     def save_many(self, keys: list[Any], shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> list[bool]:
         if self.fail_store:
             raise OSError("disk on fire")
@@ -95,6 +98,7 @@ def test_save_then_load_into_other_blocks() -> None:
     assert torch.equal(layers[1][7], layers[1][1]) and torch.equal(layers[1][8], layers[1][2])
     assert torch.equal(layers[0][9], layers[0][3])
     assert worker.take_failed_block_ids() == set() and worker.stats.num_chunks_loaded == 2
+    assert engine.expected_chunk_bytes == worker.copier.chunk_bytes  # type: ignore[union-attr]  # told at register
     assert engine.load_calls == 1  # the whole step in one engine call
     assert engine.outstanding == 0  # CPU copies are complete on return: every chunk object given back
 

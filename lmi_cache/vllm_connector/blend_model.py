@@ -10,7 +10,7 @@ with ``input_layernorm``, ``self_attn.qkv_proj`` / ``o_proj`` (and
 adapter covers them; the weights are vLLM's, not a copy. RoPE comes from the
 model's config (``rope.RopeSpec``), the same angles vLLM uses.
 
-The worker finds the loaded model through ``vllm_plugin`` (a vLLM general
+The worker finds the loaded model through ``plugin`` (a vLLM general
 plugin that records it when vLLM loads it) or, without the plugin, by finding
 the module that owns the attention layers vLLM registered.
 """
@@ -82,9 +82,9 @@ class VllmLayerwiseModel:
 
 def find_model(attention_layer: Any) -> Any | None:
     """The loaded vLLM model: the plugin's record, else the module whose layer 0 owns ``attention_layer``."""
-    from lmi_cache.blend import vllm_plugin
+    from lmi_cache.vllm_connector import plugin
 
-    model = vllm_plugin.loaded_model()
+    model = plugin.loaded_model()
     if model is not None:
         return model
     if attention_layer is None:

@@ -1,0 +1,84 @@
+"""The fast tier's promise, kept by pytest itself: ``pytest -m "not vllm"`` never imports vLLM (test process).
+
+A test module that needs vLLM says so with a module-level ``pytestmark`` naming
+``pytest.mark.vllm`` (``tests/e2e`` marks its items in its own conftest). When
+the ``-m`` expression deselects such tests, their modules are not even
+imported (importing vLLM alone takes seconds), and the run fails with one line
+naming the first test or module after which ``vllm`` was in ``sys.modules``:
+mark that module, or import vLLM inside the glue package only.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Generator
+from pathlib import Path
+
+import pytest
+
+VLLM_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bmark\.vllm\b", re.MULTILINE)
+E2E_DIR = Path(__file__).parent / "e2e"
+
+
+def _vllm_deselected(config: pytest.Config) -> bool:
+    """Whether the -m expression drops a test marked ``vllm`` (alone, or with ``slow``)."""
+    markexpr = config.getoption("markexpr", "") or ""
+    if not markexpr:
+        return False
+    try:
+        from _pytest.mark.expression import Expression  # pytest's own -m parser
+    except ImportError:  # a pytest without it: modules are imported, and the guard below still holds
+        return False
+    expression = Expression.compile(markexpr)
+    return not any(expression.evaluate(lambda name, marks=marks, **_: name in marks)
+                   for marks in ({"vllm"}, {"vllm", "slow"}))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_GUARD] = _vllm_deselected(config) and "vllm" not in sys.modules
+
+
+_GUARD = pytest.StashKey[bool]()
+_REPORTED = pytest.StashKey[bool]()
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if not config.stash.get(_GUARD, False):
+        return None
+    if collection_path == E2E_DIR:
+        return True
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        if VLLM_MODULE_MARK.search(collection_path.read_text(encoding="utf-8", errors="replace")):
+            return True
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+    outcome = yield
+    config = item.config
+    if call.when != "teardown" or not _newly_imported(config):
+        return
+    report = outcome.get_result()
+    report.outcome = "failed"
+    report.longrepr = (f"vllm was imported under -m 'not vllm' by {item.nodeid}: mark that test (or its module) "
+                       "with pytest.mark.vllm, or keep its vLLM imports in lmi_cache.vllm_connector")
+
+
+def _newly_imported(config: pytest.Config) -> bool:
+    """True the first time vLLM is found imported in a guarded run."""
+    if not config.stash.get(_GUARD, False) or "vllm" not in sys.modules or config.stash.get(_REPORTED, False):
+        return False
+    config.stash[_REPORTED] = True
+    return True
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, None, None]:
+    outcome = yield
+    if _newly_imported(collector.config):
+        report = outcome.get_result()
+        report.outcome = "failed"
+        report.longrepr = (f"vllm was imported under -m 'not vllm' while collecting {collector.nodeid}: give that "
+                           "test module `pytestmark = pytest.mark.vllm`, or keep its vLLM imports in "
+                           "lmi_cache.vllm_connector")
