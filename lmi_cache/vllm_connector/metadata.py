@@ -26,13 +26,17 @@ class ChunkTransfer:
     tp_size + tp_rank). ``block_ids[i]`` receives (load) or provides (save)
     block ``block_offset + i`` of the chunk; a save always covers the whole
     chunk, a load may cover a tail of it (vLLM's prefix cache holds the head)
-    or a head of it (at least one prompt token is left to compute).
+    or a head of it (at least one prompt token is left to compute), or, for a
+    sliding-window group, a tail of the first chunk its window touches.
+    ``group`` is the vLLM KV cache group (``lmi_cache.keys.kv_groups``) whose
+    layers and block table the chunk belongs to.
     """
 
     req_id: str
     keys: tuple[ChunkKey, ...]  # one per rank
     block_ids: tuple[int, ...]
     block_offset: int = 0
+    group: int = 0
 
 
 @dataclass
