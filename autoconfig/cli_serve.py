@@ -13,6 +13,8 @@ import sys
 
 import click
 
+from autoconfig.cli_inputs import host_options
+
 
 @click.command()
 # SageMaker starts images as `docker run IMAGE serve`: with ENTRYPOINT ["lmi-cache", "serve"]
@@ -20,14 +22,23 @@ import click
 @click.argument("sagemaker_arg", required=False, metavar="[serve]", type=click.Choice(["serve"]))
 @click.option("--model-dir", type=click.Path(file_okay=False),
               help="Model directory with serving.properties and/or the model (default /opt/ml/model).")
-@click.option("--host", "host_file", type=click.Path(dir_okay=False),
-              help="Host snapshot JSON (from 'lmi-cache probe --json') instead of probing; for --dry-run what-ifs.")
+@host_options
 @click.option("--dry-run", is_flag=True, help="Print the summary and the vLLM command instead of starting it.")
-def serve(sagemaker_arg: str | None, model_dir: str | None, host_file: str | None, dry_run: bool) -> None:
+def serve(sagemaker_arg: str | None, model_dir: str | None, host_file: str | None, instance_type: str | None,
+          dry_run: bool) -> None:
     """Container entrypoint: configure the KV cache, then run vLLM's OpenAI server on :8080."""
+    import os
+    from pathlib import Path
+
+    from autoconfig.cli_inputs import HostSource, model_weights
+    from autoconfig.configure import DEFAULT_MODEL_DIR
     from autoconfig.serve import run_serve
 
-    status = run_serve(model_dir, dry_run, host_file=host_file, echo=click.echo)
+    source = HostSource(host_file, instance_type)
+    host = None
+    if not source.live:
+        host = source.load(model_weights(Path(model_dir or DEFAULT_MODEL_DIR), os.environ, {}))
+    status = run_serve(model_dir, dry_run, host=host, echo=click.echo)
     if status:
         sys.exit(status)
 

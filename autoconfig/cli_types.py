@@ -38,8 +38,24 @@ class FiniteFloat(click.ParamType):
         return number
 
 
+class TensorParallel(click.ParamType):
+    """LMI's tensor_parallel_degree: a degree from 1 to MAX_PARALLEL_DEGREE, or ``max`` (every GPU)."""
+
+    name = "integer|max"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value).strip().lower()
+        if text == "max":
+            return text
+        try:
+            return str(PARALLEL_DEGREE.convert(text, param, ctx))  # type: ignore[arg-type]  # click parses text
+        except click.BadParameter:
+            self.fail(f"{str(value)[:40]!r} is not 'max' or an integer from 1 to {MAX_PARALLEL_DEGREE}", param, ctx)
+
+
 SIZE_GIB = FiniteFloat(0, MAX_SIZE_GIB)
 FRACTION = FiniteFloat(0, 1, low_open=True)
 PARALLEL_DEGREE = click.IntRange(1, MAX_PARALLEL_DEGREE)
 MODEL_LEN = click.IntRange(1, MAX_MODEL_LEN)
 CHUNK_TOKENS = click.IntRange(1, MAX_CHUNK_TOKENS)
+TP_DEGREE = TensorParallel()

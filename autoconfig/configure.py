@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoconfig.properties import ResolvedProperties, resolve_properties
+from lmi_cache.config_env import env_override_line, env_override_names
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from autoconfig.plan_types import TierPlan
 
 DEFAULT_MODEL_DIR = "/opt/ml/model"  # SageMaker / LMI convention
+# "No model directory" (``plan --model X`` alone): not a directory, so no serving.properties is read.
+NO_MODEL_DIR = Path(os.devnull)
 DEFAULT_OUTPUT_DIR = "/tmp/lmi-cache"
 RUNTIME_DIR_ENV = "LMI_CACHE_RUNTIME_DIR"
 OUTPUT_FILES = ("lmcache.yaml", "plan.json", "vllm_args.json", "env.json", "env.sh", "vllm_secrets.yaml")
@@ -47,7 +50,7 @@ class ConfigureError(UserError):
 
 @dataclass(frozen=True)
 class ConfigureResult:
-    mode: str  # "auto" (planned), "file" (user's lmcache_config_file) or "off"
+    mode: str  # "auto" (planned), "file" (the user's YAML), "env" (LMCACHE_* variables alone) or "off"
     output_dir: Path
     written: dict[str, Path]
     properties: ResolvedProperties
@@ -72,13 +75,15 @@ def configure(
     extra_files: "Mapping[str, str] | None" = None,
     model: str | None = None,
     resolved: ResolvedProperties | None = None,
+    check_output: bool = True,
 ) -> ConfigureResult:
     """Resolve properties, probe (unless ``host`` is given), plan and write the files.
 
     ``extra_files`` (name -> text, names from OUTPUT_FILES) are written with the
     others; ``write=False`` checks the directory and writes nothing; ``model``
     replaces option.model_id where config.json is read (an S3 model's local copy);
-    ``resolved`` is serve's own resolution of the same properties (with its TP fit).
+    ``resolved`` is serve's own resolution of the same properties (with its TP fit);
+    ``check_output=False`` (``plan``, with ``write=False``) skips the runtime directory check.
     """
     from autoconfig.render.vllm_args import vllm_args as render_args
 
@@ -97,7 +102,7 @@ def configure(
     run_env: dict[str, str] = {}
     files: dict[str, str] = {}
     if props.auto_config:
-        plan = _plan(props, mdir, host, env, model)
+        plan = plan_for(props, mdir, host, env, model)
         yaml_path = out / "lmcache.yaml"
         files["lmcache.yaml"] = _yaml_text(plan)
         files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
@@ -105,26 +110,27 @@ def configure(
         args = list(plan.vllm_args)
         messages += [f"warning: {w}" for w in plan.warnings]
         mode = "auto"
-    elif props.config_file is not None:
-        _check_user_config(props.config_file, props.config_where)
+    elif props.cache_on:  # the user's YAML, or LMCACHE_* variables alone
+        if props.config_file is not None:
+            _check_user_config(props.config_file, props.config_where)
         if props.settings.blend_connector:
             _check_blend_model(props, mdir, env, model)
             messages.append(f"note: blending on ({props.settings.blend_where}): vLLM loads LmiBlendConnector")
-        run_env = {"LMCACHE_CONFIG_FILE": str(props.config_file)}
+        run_env = {"LMCACHE_CONFIG_FILE": str(props.config_file)} if props.config_file is not None else {}
         args = render_args(None, props.settings)
-        mode = "file"
+        mode = "file" if props.config_file is not None else "env"
     else:
-        if props.settings.blend.enabled and "lmcache_enable_blending" in props.options:
-            raise ConfigureError(f"{props.settings.blend_where}: blending is part of the KV cache, which is off; "
-                                 "also set option.lmcache_auto_config=true (or option.lmcache_config_file)")
+        from autoconfig.cache_ways import refuse_cache_options
+
+        refuse_cache_options(props.options)
         # No cache requested: still hand vLLM the parallel flags, without a connector.
         args = render_args(None, props.settings)[2:]
         mode = "off"
         messages.append("LMCache off: set option.lmcache_auto_config=true or option.lmcache_config_file")
-    if mode != "off":  # LMCache's rule, which the engine follows: LMCACHE_<KEY> beats the YAML
-        from lmi_cache.config import env_override_names
-
-        messages += [f"warning: environment variable {name} overrides the LMCache YAML" for name in env_override_names(env)]
+    overrides = env_override_names(env) if mode in ("auto", "file") else []
+    if overrides:  # LMCache's rule, which the engine follows: LMCACHE_<KEY> beats the YAML
+        messages.append(f"warning: {env_override_line(overrides)}")
+    if mode != "off":
         from autoconfig.remote_probe import remote_store_messages
 
         messages += remote_store_messages(plan.lmcache_config if plan is not None else None, props.config_file, env)
@@ -135,13 +141,15 @@ def configure(
     if write:
         written = write_files_atomically(out, files)
     else:
-        check_runtime_dir(out)
+        if check_output:
+            check_runtime_dir(out)
         written = {}
     return ConfigureResult(mode, out, written, props, plan, run_env, args, messages)
 
 
-def _plan(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str],
-          model_override: str | None = None) -> "TierPlan":
+def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str],
+             model_override: str | None = None) -> "TierPlan":
+    """The auto-configuration plan for these settings (configure's, and ``plan``'s what-if in other modes)."""
     from autoconfig.model_source import hub_access_from_env, load_model_info
     from autoconfig.planner import plan_tiers
 
@@ -171,16 +179,21 @@ def _check_blend_model(props: ResolvedProperties, mdir: Path, env: Mapping[str, 
     check_blend_model(props.settings, info.config, info.name, info.kv.layout.num_layers)
 
 
-def resolve_fitted(mdir: Path, env: Mapping[str, str], num_gpus: int) -> ResolvedProperties:
-    """The properties, with LMI's tensor_parallel_degree "max" fitted to the model's heads when they can be read."""
+def resolve_fitted(mdir: Path, env: Mapping[str, str], num_gpus: int,
+                   cli: Mapping[str, tuple[str, str]] | None = None) -> ResolvedProperties:
+    """The one resolution of settings every command uses (``cli``: the flags of plan / validate on top).
+
+    LMI's tensor_parallel_degree "max" is fitted to the model's heads when they can be read.
+    """
     from autoconfig.serve_checks import largest_fitting_tp, model_heads
 
-    props = resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=num_gpus)
+    directory = mdir if mdir.is_dir() else None
+    props = resolve_properties(directory, env, gpu_count=num_gpus, cli=cli)
     heads = model_heads(props, mdir, env) if props.tp_is_max and props.settings.tp > 1 else None
     if heads is None:
         return props
-    return resolve_properties(mdir if mdir.is_dir() else None, env, gpu_count=num_gpus,
-                              fit_max_tp=lambda n: largest_fitting_tp(n, heads))
+    return resolve_properties(directory, env, gpu_count=num_gpus, fit_max_tp=lambda n: largest_fitting_tp(n, heads),
+                              cli=cli)
 
 
 def cpu_kvcache_space_from_env(env: Mapping[str, str]) -> int | None:

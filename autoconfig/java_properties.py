@@ -107,4 +107,18 @@ def _unescape(raw: str, source: str, line_no: int) -> str:
             continue
         out.append(_ESCAPES.get(nxt, nxt))
         i += 2
-    return "".join(out)
+    return _join_surrogates("".join(out), source, line_no)
+
+
+def _join_surrogates(text: str, source: str, line_no: int) -> str:
+    """Java writes a character above U+FFFF as two \\u escapes (a UTF-16 pair): join them; refuse half a pair.
+
+    A lone surrogate is no character at all: it could not be printed, passed to vLLM or used as a path.
+    """
+    if not any("\ud800" <= c <= "\udfff" for c in text):
+        return text
+    try:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le")
+    except UnicodeDecodeError:
+        raise PropertiesSyntaxError(f"{source}: line {line_no}: a \\uD800-\\uDFFF escape without its other half "
+                                    "(a lone UTF-16 surrogate is no character); write the character itself") from None

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from autoconfig.model_kv import KvLayoutInfo, ModelConfigError, kv_layout_from_config
 from autoconfig.model_params import bytes_per_param, estimate_num_params
-from lmi_cache.errors import UserError
+from lmi_cache.errors import UserError, path_length_problem
 
 __all__ = ["ModelInfo", "ModelNotFoundError", "estimate_num_params", "hf_hub_cache_dir",
            "load_model_info", "read_config", "resolve_config_path"]
@@ -85,6 +85,10 @@ def hf_hub_cache_dir(hf_home: str | None = None) -> Path:
 def resolve_config_path(model: str, *, hf_home: str | None = None,
                         allow_network: bool = False) -> tuple[Path, str, list[str]]:
     """(path of config.json, model name, notes) for a directory, a file or a HF model id."""
+    too_long = path_length_problem(model)
+    if too_long:
+        raise ModelNotFoundError(f"model {model[:60]!r}...: {too_long}; pass a model directory, a config.json "
+                                 "or a Hugging Face model id (org/name)")
     path = Path(model).expanduser()
     if path.is_dir():
         config = path / "config.json"

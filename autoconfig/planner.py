@@ -210,8 +210,10 @@ def _gpu_plan(host: HostSnapshot, m: PlanModel, s: ServingSettings, bpt_rank: in
                         f"x total = {_gib(budget)}: vLLM will refuse to start; free the GPU or lower it")
             break
     if tokens < max_model_len:
-        warn.append(f"GPU KV cache holds {tokens:,} tokens < max_model_len {max_model_len:,}: vLLM will "
-                    "refuse to start; lower max_model_len or raise tensor_parallel_degree")
+        raise PlanError(f"max_model_len={max_model_len}: the GPU KV cache holds about {tokens:,} tokens per rank "
+                        f"(estimated: {_gib(kv_bytes)} after weights and reserve), less than one sequence, so vLLM would refuse to "
+                        f"start; set max_model_len to {tokens} or less, or raise tensor_parallel_degree or "
+                        "gpu_memory_utilization")
     return GpuPlan("cuda", len(host.gpus), kv_bytes, tokens, CUDA_BLOCK_TOKENS, None)
 
 
@@ -231,8 +233,9 @@ def _cpu_backend_plan(host: HostSnapshot, m: PlanModel, bpt_rank: int, ranks: in
     why.append(f"gpu.kv_capacity_tokens = {tokens:,} per rank: no GPU, vLLM's CPU backend keeps its KV "
                f"cache in RAM: {space_gib} GiB ({how}) / {bpt_rank:,} B")
     if tokens < max_model_len:
-        warn.append(f"VLLM_CPU_KVCACHE_SPACE={space_gib} holds {tokens:,} tokens < max_model_len "
-                    f"{max_model_len:,}: vLLM will refuse to start; raise it or lower max_model_len")
+        raise PlanError(f"max_model_len={max_model_len}: VLLM_CPU_KVCACHE_SPACE={space_gib} holds {tokens:,} tokens, "
+                        f"less than one sequence, so vLLM would refuse to start; set max_model_len to {tokens} or "
+                        f"less, or VLLM_CPU_KVCACHE_SPACE to {math.ceil(max_model_len * bpt_rank / GIB)}")
     return GpuPlan("cpu", 0, kv_bytes, tokens, block, space_gib)
 
 

@@ -36,15 +36,31 @@ from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
 from autoconfig.blend_options import resolve_blend
+from autoconfig.cache_ways import cache_source
 from autoconfig.java_properties import parse_properties
-from autoconfig.lmi_names import LMI_VALUES, SIMPLIFIED_ENV, masked
+from autoconfig.lmi_names import SIMPLIFIED_ENV, masked
 from autoconfig.lmi_recipe import LmcacheRecipe, find_recipe
+from autoconfig.option_values import (
+    abs_dir_path,
+    config_path,
+    engine_name,
+    fraction,
+    gib_size,
+    lmi_dtype,
+    nonempty,
+    one_word,
+    parse_bool,
+    parse_tp,
+    positive_int,
+    share,
+)
 from autoconfig.lmi_workers import canonical_name, check_server_keys, default_replicas, lmi_devices, noted, worker_gpus
 from autoconfig.settings import ServingSettings, TierOverrides
 from lmi_cache.errors import UserError
 
 PROPERTIES_FILE = "serving.properties"
 ENV_SOURCE = "environment"
+CLI_SOURCE = "command line"  # a flag of ``lmi-cache plan`` / ``validate``: wins over the file and the env
 T = TypeVar("T")
 
 
@@ -64,6 +80,8 @@ class RawOption:
         """How an error message names this option."""
         if self.source == ENV_SOURCE:
             return f"environment variable {self.key}"
+        if self.source == CLI_SOURCE:
+            return self.key
         return f"{self.source}: {self.key}"
 
 
@@ -83,6 +101,12 @@ class ResolvedProperties:
     notes: list[str] = field(default_factory=list)  # defaults applied and translations, for the summary
     devices: list[int] | None = None  # GPUs of LMI's load_on_devices workers: all vLLM may use (None: all)
     tp_is_max: bool = False  # tensor_parallel_degree unset or "max" (serve may fit it to the model's heads)
+    env_only: bool = False  # the cache is on through LMCACHE_<KEY> variables alone (autoconfig.cache_ways)
+
+    @property
+    def cache_on(self) -> bool:
+        """Whether some way in turns the KV cache on (autoconfig.cache_ways)."""
+        return self.auto_config or self.config_file is not None or self.env_only
 
     def summary_lines(self) -> list[str]:
         """One line per option with its origin (secrets masked), for the configure log."""
@@ -90,17 +114,32 @@ class ResolvedProperties:
                 for o in sorted(self.options.values(), key=lambda o: o.name)]
 
 
-def collect_options(file_props: Mapping[str, str], source: str, env: Mapping[str, str]) -> dict[str, RawOption]:
-    """Merge ``option.*`` from the file and ``OPTION_*`` from env; the file wins (LMI's rule)."""
+def collect_options(file_props: Mapping[str, str], source: str, env: Mapping[str, str],
+                    cli: Mapping[str, tuple[str, str]] | None = None,
+                    notes: list[str] | None = None) -> dict[str, RawOption]:
+    """Merge ``OPTION_*`` env, ``option.*`` from the file, then command-line flags; later wins.
+
+    The file beats the environment (LMI's rule); a flag (``cli``: the flag as
+    written -> (option name, value), e.g. ``{"--tp": ("tensor_parallel_degree", "4")}``,
+    see ``autoconfig.cli_inputs``) beats both. Each override is noted once in ``notes``.
+    """
     merged: dict[str, RawOption] = {}
     for key, value in env.items():
         if key.startswith("OPTION_") and len(key) > len("OPTION_"):
+            if _has_surrogate(key + value):  # bytes that are not UTF-8 (Python keeps them as lone surrogates)
+                raise PropertiesError(f"environment variable {key.encode('utf-8', 'replace').decode()}: not UTF-8 "
+                                      "text; set it again as UTF-8")
             name = canonical_name(key[len("OPTION_"):])
             merged[name] = RawOption(name, value, key, ENV_SOURCE)
-    for key, value in file_props.items():
-        if key.startswith("option."):
-            name = canonical_name(key[len("option."):])
-            merged[name] = RawOption(name, value, key, source)
+    layers = [(key[len("option."):], key, value, source) for key, value in file_props.items()
+              if key.startswith("option.")]
+    layers += [(name, flag, value, CLI_SOURCE) for flag, (name, value) in (cli or {}).items()]
+    for raw_name, key, value, where in layers:
+        name = canonical_name(raw_name)
+        old = merged.get(name)
+        merged[name] = RawOption(name, value, key, where)
+        if old is not None and notes is not None and old.source != where:
+            notes.append(f"{merged[name].where} overrides {old.where}")
     return merged
 
 
@@ -110,11 +149,13 @@ def resolve_properties(
     *,
     gpu_count: int | None = None,
     fit_max_tp: Callable[[int], int] | None = None,
+    cli: Mapping[str, tuple[str, str]] | None = None,
 ) -> ResolvedProperties:
     """Read ``<model_dir>/serving.properties`` (if any) and env; type and check every known option.
 
     ``gpu_count`` resolves ``tensor_parallel_degree=max`` (None: treated as 1 GPU);
-    ``fit_max_tp`` lowers that "max" to a degree the model's heads allow (serve knows the model).
+    ``fit_max_tp`` lowers that "max" to a degree the model's heads allow (serve knows the model);
+    ``cli`` (flag as written -> (option name, value)) are command-line settings, above file and env.
     """
     env = dict(os.environ if env is None else env)
     mdir = Path(model_dir) if model_dir is not None else None
@@ -132,16 +173,16 @@ def resolve_properties(
     if starts is not None:
         # Each listed device starts one LMI worker; "max" then means the GPUs up to the next worker's.
         gpu_count = min(b - a for a, b in zip(starts, starts[1:] + [host_gpus]))
-    options = collect_options(file_props, str(path), env)
+    options = collect_options(file_props, str(path), env, cli, notes)
     _apply_env_defaults(options, env)
     get = _Getter(options)
 
-    pp = get.value("pipeline_parallel_degree", _positive_int, 1)
-    tp = get.value("tensor_parallel_degree", lambda v: _parse_tp(v, gpu_count, pp), None)
+    pp = get.value("pipeline_parallel_degree", positive_int, 1)
+    tp = get.value("tensor_parallel_degree", lambda v: parse_tp(v, gpu_count, pp), None)
     tp_is_max = "tensor_parallel_degree" not in options or options["tensor_parallel_degree"].value.strip().lower() == "max"
     if tp is None:
         # LMI's default is "max" (starting-guide.md, TENSOR_PARALLEL_DEGREE): every GPU.
-        tp = _parse_tp("max", gpu_count, pp)
+        tp = parse_tp("max", gpu_count, pp)
         if gpu_count:
             notes.append(f"tensor_parallel_degree unset: {tp} (LMI's default 'max': all {gpu_count} GPUs"
                          f"{' / pipeline_parallel_degree' if pp > 1 else ''})")
@@ -149,61 +190,54 @@ def resolve_properties(
         notes.append(f"tensor_parallel_degree 'max' is {fit_max_tp(tp)}, not {tp}: the model's attention heads "
                      f"do not split {tp} ways (vLLM would refuse to start)")
         tp = fit_max_tp(tp)
-    dp_option = get.value("data_parallel_degree", _positive_int, None)
+    dp_option = get.value("data_parallel_degree", positive_int, None)
     recipe = find_recipe(options, env, mdir)
-    engine = get.value("lmcache_engine", _engine, "lmi_cache")
+    engine = get.value("lmcache_engine", engine_name, "lmi_cache")
     settings = ServingSettings(
         tp=tp,
         pp=pp,
         dp=dp_option or 1,
-        gpu_memory_utilization=get.value("gpu_memory_utilization", _fraction, 0.9),
-        max_model_len=get.value("max_model_len", _positive_int, None),
-        kv_cache_dtype=get.value("kv_cache_dtype", _word, "auto"),
-        dtype=get.value("dtype", _dtype, "auto"),
+        gpu_memory_utilization=get.value("gpu_memory_utilization", fraction, 0.9),
+        max_model_len=get.value("max_model_len", positive_int, None),
+        kv_cache_dtype=get.value("kv_cache_dtype", one_word, "auto"),
+        dtype=get.value("dtype", lmi_dtype, "auto"),
         engine=engine,
         overrides=TierOverrides(
-            cpu_size_gib=get.value("lmcache_max_local_cpu_size", _gib, None),
-            disk_size_gib=get.value("lmcache_max_local_disk_size", _gib, None),
-            disk_path=get.value("lmcache_local_disk", _abs_path, None),
-            chunk_size=get.value("lmcache_chunk_size", _positive_int, None),
+            cpu_size_gib=get.value("lmcache_max_local_cpu_size", gib_size, None),
+            disk_size_gib=get.value("lmcache_max_local_disk_size", gib_size, None),
+            disk_path=get.value("lmcache_local_disk", abs_dir_path, None),
+            chunk_size=get.value("lmcache_chunk_size", positive_int, None),
             use_odirect=get.value("lmcache_use_odirect", parse_bool, None),
             remote_url=_remote_url(options),
-            session_retention_share=get.value("lmcache_session_retention_share", _share, None),
+            session_retention_share=get.value("lmcache_session_retention_share", share, None),
         ),
     )
     auto = get.value("lmcache_auto_config", parse_bool, False)
-    config_file = get.value("lmcache_config_file", lambda v: _config_path(v, mdir), None)
-    config_where = options["lmcache_config_file"].where if "lmcache_config_file" in options else ""
-    if auto and config_file is not None:
-        raise PropertiesError(
-            f"{options['lmcache_auto_config'].where}=true and {options['lmcache_config_file'].where} are both "
-            "set: choose one (auto-configuration writes its own LMCache config)"
-        )
-    consumed: frozenset[str] = frozenset()
-    if recipe is not None:
-        consumed = frozenset({"kv_transfer_config"})
-        if not auto and config_file is None:
-            if recipe.env_config_file is not None:
-                config_file, config_where = recipe.env_config_file, "environment variable LMCACHE_CONFIG_FILE"
-            else:
-                auto = True
-        notes.append(recipe.describe(engine, auto, config_file))
+    config_file = get.value("lmcache_config_file", lambda v: config_path(v, mdir), None)
+    way = cache_source(options, env, mdir, auto, config_file, recipe, engine, notes)
+    auto, config_file, config_where = way.auto, way.config_file, way.config_where
+    consumed = frozenset({"kv_transfer_config"}) if recipe is not None else frozenset()
     if dp_option is None:
         workers = host_gpus if starts is None else len(starts) * tp * pp
-        dp = default_replicas(tp * pp, workers, auto or config_file is not None, file_props, notes)
+        dp = default_replicas(tp * pp, workers, way.on, file_props, notes)
         settings = replace(settings, dp=dp)
     devices = None
     if starts is not None:
         devices = worker_gpus(starts[:settings.dp], tp * pp, host_gpus, str(path))
-    if engine == "lmcache":
+    if engine == "lmcache" and options["lmcache_engine"].source != CLI_SOURCE:
+        # plan --engine lmcache is a what-if for an image that has LMCache, not this one.
         _check_upstream_lmcache(options["lmcache_engine"].where)
     blend, blend_where = resolve_blend(options, env, config_file, config_where or "option.lmcache_config_file", engine)
     settings = replace(settings, blend=blend, blend_where=blend_where)
-    model_id = get.value("model_id", _nonempty, None)
+    model_id = get.value("model_id", nonempty, None)
     others = {k: v for k, v in file_props.items() if not k.startswith("option.") and not noted(k, notes)}
     return ResolvedProperties(mdir, path, model_id, auto, config_file, settings, options, others,
                               config_where or "option.lmcache_config_file", recipe, consumed, notes, devices,
-                              tp_is_max)
+                              tp_is_max, way.env_only)
+
+
+def _has_surrogate(text: str) -> bool:
+    return any("\ud800" <= c <= "\udfff" for c in text)
 
 
 def _apply_env_defaults(options: dict[str, RawOption], env: Mapping[str, str]) -> None:
@@ -227,53 +261,6 @@ class _Getter:
             raise PropertiesError(f"{opt.where}={opt.value!r}: {err}") from None
 
 
-def parse_bool(value: str) -> bool:
-    """LMI booleans: true/false in any case; anything else is an error, not silently false."""
-    lowered = value.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    raise ValueError("must be true or false")
-
-
-def _parse_tp(value: str, gpu_count: int | None, pp: int = 1) -> int:
-    if value.lower() == "max":
-        return max(1, (gpu_count or 0) // pp)
-    try:
-        return _positive_int(value)
-    except ValueError:
-        raise ValueError("must be a positive integer or 'max' (all GPUs)") from None
-
-
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise ValueError("must be a positive integer") from None
-    if number < 1:
-        raise ValueError("must be a positive integer")
-    return number
-
-
-def _fraction(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError("must be a number in (0, 1]") from None
-    if not 0 < number <= 1:
-        raise ValueError("must be a number in (0, 1]")
-    return number
-
-
-def _share(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError("must be a number from 0 to 1") from None
-    if not 0 <= number <= 1:
-        raise ValueError("must be a number from 0 to 1")
-    return number
-
-
 def _remote_url(options: Mapping[str, RawOption]) -> str | None:
     """option.lmcache_remote_url, checked; errors never echo the URL (it can hold a password)."""
     opt = options.get("lmcache_remote_url")
@@ -289,33 +276,6 @@ def _remote_url(options: Mapping[str, RawOption]) -> str | None:
     return opt.value.strip()
 
 
-def _gib(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError("must be a size in GiB per rank (a number, 0 disables the tier)") from None
-    if not number >= 0 or number == float("inf"):
-        raise ValueError("must be a size in GiB per rank, 0 or more")
-    return number
-
-
-def _word(value: str) -> str:
-    if not value or any(c.isspace() for c in value):
-        raise ValueError("must be one word, e.g. auto, bfloat16, fp8")
-    return value
-
-
-def _dtype(value: str) -> str:
-    """LMI's dtype values (fp16, bf16, fp32) become vLLM's; vLLM's own names pass unchanged."""
-    return LMI_VALUES["dtype"].get(value.lower(), _word(value))
-
-
-def _engine(value: str) -> str:
-    if value not in ("lmi_cache", "lmcache"):
-        raise ValueError("must be lmi_cache (this project's connector) or lmcache (upstream LMCache)")
-    return value
-
-
 def _check_upstream_lmcache(where: str) -> None:
     import importlib.util
 
@@ -324,25 +284,3 @@ def _check_upstream_lmcache(where: str) -> None:
                               "install it, or remove the option to use lmi-cache's own connector")
 
 
-def _nonempty(value: str) -> str:
-    if not value:
-        raise ValueError("must not be empty")
-    return value
-
-
-def _abs_path(value: str) -> str:
-    path = value[len("file://"):] if value.startswith("file://") else value
-    if not path.startswith("/"):
-        raise ValueError("must be an absolute directory path or a file:///path/ URL")
-    return path
-
-
-def _config_path(value: str, model_dir: Path | None) -> Path:
-    if not value:
-        raise ValueError("must be a path to an LMCache YAML file")
-    path = Path(value)
-    if not path.is_absolute():
-        if model_dir is None:
-            raise ValueError("is relative but no model directory is known; use an absolute path")
-        path = model_dir / path
-    return path

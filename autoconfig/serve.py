@@ -21,15 +21,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoconfig.configure import DEFAULT_MODEL_DIR, configure, default_output_dir, resolve_fitted
-from autoconfig.lmi_names import SECRET_OPTIONS, SERVER_KEYS_USED, is_secret_env, masked
+from autoconfig.lmi_names import SECRET_OPTIONS
 from autoconfig.lmi_to_vllm import MappedArgs, flag_to_name, map_lmi_options
 from autoconfig.properties import ResolvedProperties
 from autoconfig.s3_model import is_s3, materialize_s3_model
+from autoconfig.serve_summary import serve_summary
 from autoconfig.serve_checks import (
     DEFAULT_PORT,
     PORT_ENV,
     ServeError,
     check_parallelism,
+    check_start,
     check_user_config,
     lmcache_env_findings,
     model_argument,
@@ -40,6 +42,7 @@ from lmi_cache.metrics.settings import multiproc_env
 
 if TYPE_CHECKING:
     from autoconfig.host import HostSnapshot
+    from autoconfig.plan_types import TierPlan
 
 __all__ = ["DEFAULT_PORT", "PORT_ENV", "ServeError", "ServeLaunch", "load_host_file", "prepare_launch",
            "run_launch", "run_serve"]
@@ -69,8 +72,14 @@ class ServeLaunch:
     argv: list[str]
     env: dict[str, str]  # the whole environment vLLM gets
     env_set: dict[str, str]  # the variables serve added or changed
-    mode: str  # cache mode: "auto", "file" or "off"
+    mode: str  # cache mode: "auto", "file", "env" (LMCACHE_* alone) or "off"
     summary: list[str] = field(default_factory=list)
+    props: ResolvedProperties | None = None  # the settings as resolved (plan prints them)
+    plan: "TierPlan | None" = None  # the tier plan (auto mode)
+
+    def vllm_args(self) -> list[str]:
+        """vLLM's arguments: the command after ``python -m <server module>``."""
+        return self.argv[self.argv.index(VLLM_SERVER_MODULE) + 1:]
 
     def command_line(self) -> str:
         """The command as a shell line, secrets masked (it is printed to logs)."""
@@ -94,17 +103,20 @@ def prepare_launch(
     output_dir: str | Path | None = None,
     python: str = sys.executable,
     dry_run: bool = False,
+    cli: Mapping[str, tuple[str, str]] | None = None,
+    check_output: bool = True,
 ) -> ServeLaunch:
     """Check everything and build the vLLM command; raise a UserError naming the first problem.
 
-    With ``dry_run`` nothing is written (the runtime directory is only checked).
+    With ``dry_run`` nothing is written (the runtime directory is only checked, unless
+    ``check_output`` is false); ``cli``: plan's setting flags, above the properties.
     """
     env = dict(os.environ if env is None else env)
     mdir = Path(model_dir) if model_dir is not None else Path(DEFAULT_MODEL_DIR)
     port = server_port(env)
     if host is None:
         host = probe() if probe is not None else _probe_this_host()
-    props = resolve_fitted(mdir, env, len(host.gpus))  # LMI's TP "max" fitted to the model's heads
+    props = resolve_fitted(mdir, env, len(host.gpus), cli)  # LMI's TP "max" fitted to the model's heads
     passed = {name: opt for name, opt in props.options.items()
               if name not in props.consumed and name not in FRONT_OPTIONS}
     mapped = map_lmi_options(
@@ -112,7 +124,7 @@ def prepare_launch(
         {name: opt.where for name, opt in passed.items()},
         num_gpus=props.settings.tp,
     )
-    cache_on = props.auto_config or props.config_file is not None
+    cache_on = props.cache_on
     conflicting = sorted(CONNECTOR_ARGS & set(mapped.values)) if cache_on else []
     if conflicting:
         opt = props.options[mapped.sources[conflicting[0]]]
@@ -126,21 +138,24 @@ def prepare_launch(
         checked = model  # what the checks and the plan read config.json from
         if is_s3(model):
             model, checked = materialize_s3_model(model, props.options["model_id"].where, out, dry_run, scratch)
-        launch = _launch(props, mapped, mdir, model, checked, out, env, host, port, python, dry_run, cache_on,
-                         env_findings)
+        launch = _launch(props, mapped, mdir, model, checked, out, env, host, port, python, (dry_run, check_output),
+                         cache_on, env_findings)
     return launch
 
 
 def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: str, checked: str, out: Path,
-            env: dict[str, str], host: "HostSnapshot", port: int, python: str, dry_run: bool,
+            env: dict[str, str], host: "HostSnapshot", port: int, python: str, run: tuple[bool, bool],
             cache_on: bool, env_findings: list[str]) -> ServeLaunch:
+    dry_run, check_output = run
+    check_start(props, checked, host, env)  # what vLLM would refuse, before any file is written
     findings: list[str] = []
     if props.config_file is not None:
         findings = check_user_config(props, checked, host, env)
     findings += env_findings
     secret_env, secret_files = secrets_for_vllm(mapped, props)
     result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files,
-                       model=checked if is_s3(props.model_id or "") else None, resolved=props)
+                       model=checked if is_s3(props.model_id or "") else None, resolved=props,
+                       check_output=check_output)
     # After configure: it refuses a runtime directory another user controls before anything is made in it.
     metrics_env = multiproc_env(env, out, port, cache_on=cache_on, prepare=not dry_run)  # lmi_cache.metrics.settings
     argv = [python, "-m", VLLM_SERVER_MODULE, "--host", "0.0.0.0", "--port", str(port), "--model", model]
@@ -160,9 +175,10 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
     env_set.update(metrics_env)
     if not host.gpus:
         env_set.update(cpu_backend_env(env, env_set, host))
-    summary = _summary(props, result.mode, model, port, mapped, result.messages, findings, env_set, result.plan)
+    summary = serve_summary(props, result.mode, model, port, mapped.notes, result.messages, findings, env_set,
+                            result.plan, env)
     summary[-1:-1] = front.summary
-    return ServeLaunch(argv, {**env, **env_set}, env_set, result.mode, summary)
+    return ServeLaunch(argv, {**env, **env_set}, env_set, result.mode, summary, props, result.plan)
 
 
 def secrets_for_vllm(mapped: MappedArgs, props: ResolvedProperties) -> tuple[dict[str, str], dict[str, str]]:
@@ -194,19 +210,10 @@ def _upstream_recipe(props: ResolvedProperties, args: list[str]) -> list[str]:
 
 
 def load_host_file(path: str) -> "HostSnapshot":
-    """A ``probe --json`` snapshot instead of this machine (dry-run what-ifs, tests)."""
-    import json
+    """A ``probe --json`` snapshot instead of this machine (dry-run what-ifs, tests): the one ``--host`` reader."""
+    from autoconfig.host import load_snapshot_file
 
-    from autoconfig.host import HostSnapshot
-
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except OSError as err:
-        raise ServeError(f"--host {path}: cannot read ({err.strerror})") from None
-    except json.JSONDecodeError as err:
-        raise ServeError(f"--host {path}: not valid JSON (line {err.lineno}); use 'lmi-cache probe --json'") from None
-    return HostSnapshot.from_dict(data, path)
+    return load_snapshot_file(path)
 
 
 def run_launch(launch: ServeLaunch) -> int:
@@ -237,58 +244,9 @@ def _dests(args: list[str]) -> frozenset[str]:
     return frozenset(names[a] for a in args if a in names)
 
 
-def _summary(props: ResolvedProperties, mode: str, model: str, port: int, mapped: MappedArgs,
-             messages: list[str], findings: list[str], env_set: Mapping[str, str], plan: object) -> list[str]:
-    s = props.settings
-    lines = [f"model: {model}",
-             f"parallel: tp={s.tp} pp={s.pp} dp={s.dp}; max_model_len={s.max_model_len or 'model default'}; "
-             f"dtype={s.dtype}; kv_cache_dtype={s.kv_cache_dtype}"]
-    for name, opt in sorted(props.options.items()):
-        lines.append(f"option {name} = {masked(name, opt.value)}  ({opt.where})")
-    lines += [f"note: {n}" for n in props.notes + mapped.notes]
-    lines += [f"note: {key}={value} in {props.properties_path}: " + (SERVER_KEYS_USED[key] if key in SERVER_KEYS_USED
-              else "ignored: this container always runs vLLM's OpenAI server")
-              for key, value in sorted(props.other_properties.items())]
-    lines += _cache_lines(mode, props, plan)
-    lines += [m for m in messages if m.startswith("warning:")]
-    lines += [f"config check: {f}" for f in findings]
-    lines += [f"env {k}={'***' if is_secret_env(k) else v}" for k, v in sorted(env_set.items())]
-    lines.append(f"vLLM OpenAI server on 0.0.0.0:{port} (/ping, /invocations)")
-    return lines
-
-
-def _cache_lines(mode: str, props: ResolvedProperties, plan: object) -> list[str]:
-    lines = _tier_lines(mode, props, plan)
-    if mode != "off" and props.settings.blend_connector:
-        b = props.settings.blend
-        lines.append(f"cache: blending on ({props.settings.blend_where}): LmiBlendConnector, separator "
-                     f"{b.special_str!r}, recompute ratios {list(b.recompute_ratios)} after layers {list(b.check_layers)}")
-    return lines
-
-
-def _tier_lines(mode: str, props: ResolvedProperties, plan: object) -> list[str]:
-    if mode == "file":
-        return [f"cache: LMCache config from {props.config_file} (checked against this host)"]
-    if mode == "off":
-        return ["cache: off (set option.lmcache_auto_config=true or option.lmcache_config_file to enable)"]
-    cpu = getattr(plan, "cpu", None)
-    disk = getattr(plan, "disk", None)
-    parts = []
-    if cpu is not None:
-        parts.append(f"CPU tier {cpu.bytes_per_rank / GIB:.2f} GiB/rank" if cpu.enabled else "CPU tier off")
-    if disk is not None:
-        parts.append(f"disk tier {disk.bytes_per_rank / GIB:.2f} GiB/rank at {disk.path}"
-                     if disk.enabled else "disk tier off")
-    chunk = getattr(plan, "chunk_size", None)
-    if chunk:
-        parts.append(f"chunk {chunk} tokens")
-    return [f"cache: auto-configured ({'; '.join(parts)})"]
-
-
-def run_serve(model_dir: str | None, dry_run: bool, host_file: str | None = None,
+def run_serve(model_dir: str | None, dry_run: bool, host: "HostSnapshot | None" = None,
               echo: Callable[[str], None] = print) -> int:
     """The CLI body: print the summary, then run vLLM until it ends (or, with dry_run, print the command)."""
-    host = load_host_file(host_file) if host_file is not None else None
     launch = prepare_launch(model_dir, host=host, dry_run=dry_run)
     for line in launch.summary:
         echo(f"lmi-cache serve: {line}")

@@ -99,28 +99,36 @@ def check_user_config(
 def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
     """LMCACHE_* variables the server will read: checked now (a bad value fails here) and named at start.
 
-    LMCache's rule, which lmi_cache follows: they override the YAML, planned or
-    the user's, so serve says which ones (names only: values can hold credentials).
+    Which of them override the YAML is said once, by configure (names only: values
+    can hold credentials).
     """
-    from lmi_cache.config import CONFIG_FILE_ENV, env_override_names, load_config
+    from lmi_cache.config import CONFIG_FILE_ENV, load_config
 
     lmcache_env = {k: v for k, v in env.items() if k.startswith("LMCACHE_") and k != CONFIG_FILE_ENV}
     if not cache_on:
         named = sorted(k for k in env if k.startswith("LMCACHE_"))
         if not named:
             return []
-        return [f"WARNING {', '.join(named)} set but the cache is off: not read (turn it on with LMI's "
-                'option.kv_transfer_config={"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}, '
-                "option.lmcache_config_file or option.lmcache_auto_config=true)"]
+        return [f"WARNING {', '.join(named)} set but the cache is off: not read (none of them is an LMCache "
+                "setting; turn the cache on with option.lmcache_auto_config=true or option.lmcache_config_file)"]
     if not lmcache_env:
         return []
     _, warnings = load_config(None, lmcache_env)
-    lines = [f"WARNING {w}" for w in warnings]
-    overrides = env_override_names(lmcache_env)
-    if overrides:
-        lines.append(f"WARNING {', '.join(overrides)} override the LMCache config (the environment wins over "
-                     "the file, as in LMCache)")
-    return lines
+    return [f"WARNING {w}" for w in warnings]  # overrides are named once, by configure
+
+
+def check_start(props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str]) -> None:
+    """What vLLM will refuse (autoconfig.start_checks), in every cache mode, when config.json can be read now."""
+    from autoconfig.model_source import hub_access_from_env, load_model_info
+    from autoconfig.start_checks import check_startable
+
+    try:
+        hf_home, allow_network = hub_access_from_env(env)
+        info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
+                               hf_home=hf_home, allow_network=allow_network)
+    except UserError:
+        return  # configure reports an unreadable model where it needs one; vLLM does otherwise
+    check_startable(info, props.settings, host, env, {n: o.where for n, o in props.options.items()})
 
 
 def largest_fitting_tp(num_gpus: int, heads: tuple[int, int]) -> int:

@@ -14,8 +14,6 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import yaml
-
 from lmi_cache.config_keys import (
     DEPRECATED_ALIASES,
     EXTRA_CONFIG_KEYS,
@@ -23,6 +21,11 @@ from lmi_cache.config_keys import (
     LMCACHE_KEYS,
     SERVED_REMOTE_SCHEMES,
     UNSUPPORTED_FEATURES,
+)
+from lmi_cache.config_yaml import (  # noqa: F401 (re-exported)
+    CONFIG_FILE_ENV,
+    MAX_CONFIG_FILE_BYTES,
+    read_yaml_mapping,
 )
 from lmi_cache.config_remote import REMOTE_EXTRA_KEYS, parse_lookup_timeout, parse_remote_extra, parse_serde, remote_settings
 from lmi_cache.config_env import env_names, env_override_names, env_where, misspelt_env_warnings  # noqa: F401 (re-exported)
@@ -43,12 +46,10 @@ from lmi_cache.config_values import (
 from lmi_cache.errors import ConfigError
 from lmi_cache.eviction.retaining import DEFAULT_RETENTION_SHARE, parse_retention_share
 
-CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 DISK_FEEDS = ("write_through", "demote")
 CACHE_POLICIES = ("LRU", "FIFO")
 # LMCache policies we do not implement: accepted with a warning, LRU is used.
 _FALLBACK_POLICIES = ("LFU", "MRU")
-MAX_CONFIG_FILE_BYTES = 1 << 20  # an LMCache YAML is a few hundred bytes; refuse anything absurd
 
 
 @dataclass(frozen=True)
@@ -141,23 +142,32 @@ def _parse_extra(
     if plugin_keys:
         warnings.append(f"{where_of('extra_config')}: keys for LMCache's own backends, not read by lmi_cache, "
                         f"ignored: {', '.join(plugin_keys)}")
+    problems: list[str] = []  # every bad value at once: one fix-and-retry round, not one per key
     for key in sorted(EXTRA_CONFIG_KEYS & set(extra)):
-        kw = where_of(f"extra_config.{key}")
-        value = extra[key]
-        if key in REMOTE_EXTRA_KEYS:
-            fields[key] = parse_remote_extra(key, value, kw)
-        elif key == "session_retention_share":
-            fields[key] = parse_retention_share(value, kw)
-        elif key in ("use_odirect", "disk_fsync"):
-            fields[key] = parse_bool(value, kw)
-        elif key == "disk_feed":
-            feed = str(value).strip().lower().replace("-", "_")
-            if feed not in DISK_FEEDS:
-                raise ConfigError(f"{kw}: expected one of {', '.join(DISK_FEEDS)}, got {show(value)}")
-            fields[key] = feed
-        else:
-            fields[key] = parse_int(value, kw, minimum=1, maximum=_EXTRA_INT_MAX[key])
+        try:
+            fields[key] = _parse_extra_value(key, extra[key], where_of(f"extra_config.{key}"))
+        except ConfigError as err:
+            problems.append(str(err))
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems in extra_config: " + "; ".join(problems))
     return fields
+
+
+def _parse_extra_value(key: str, value: Any, kw: str) -> Any:
+    if key in REMOTE_EXTRA_KEYS:
+        return parse_remote_extra(key, value, kw)
+    if key == "session_retention_share":
+        return parse_retention_share(value, kw)
+    if key in ("use_odirect", "disk_fsync"):
+        return parse_bool(value, kw)
+    if key == "disk_feed":
+        feed = value.strip().lower().replace("-", "_") if isinstance(value, str) else None
+        if feed not in DISK_FEEDS:
+            raise ConfigError(f"{kw}: expected one of {', '.join(DISK_FEEDS)}, got {show(value)}")
+        return feed
+    return parse_int(value, kw, minimum=1, maximum=_EXTRA_INT_MAX[key])
 
 
 # ---------------------------------------------------------------- loaders
@@ -267,41 +277,6 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> tuple[C
     return config, warnings
 
 
-def read_yaml_mapping(path: str) -> Mapping[str, Any]:
-    """The top-level mapping of an LMCache YAML file; ConfigError (one line naming the file) otherwise.
-
-    Read as bytes and decoded as UTF-8 here, so a bad encoding, an oversized file or
-    a nesting too deep for the parser each give one clear line, never a traceback.
-    """
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_CONFIG_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file; fix {CONFIG_FILE_ENV} or the path given") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read config file ({err.strerror or err}); check the path") from None
-    if len(raw) > MAX_CONFIG_FILE_BYTES:
-        raise ConfigError(f"{path}: larger than {MAX_CONFIG_FILE_BYTES // 1024} KiB; is this an LMCache YAML file?")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {err.start}); save it as UTF-8") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}: not valid YAML{line}; check indentation and quoting") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: nested too deeply to be an LMCache config; use flat key: value lines") from None
-    except (ValueError, OverflowError, TypeError):  # PyYAML's constructors: a 5000-digit int, a bad date, ...
-        raise ConfigError(f"{path}: a value cannot be read (an over-long number or a malformed date?); "
-                          "write plain numbers and strings") from None
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping of LMCache keys at the top level")
-    return data
 
 
 def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -> tuple[CacheConfig, list[str]]:
@@ -312,12 +287,17 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -
     """
     env = os.environ if env is None else env
     path = path or unquote_env(env.get(CONFIG_FILE_ENV, "")) or None
+    return config_with_env(read_yaml_mapping(path) if path else None, env, path or "environment")
+
+
+def config_with_env(data: Mapping[str, Any] | None, env: Mapping[str, str],
+                    source: str = "<dict>") -> tuple[CacheConfig, list[str]]:
+    """An LMCache mapping (``source`` names it; None: no file) with ``LMCACHE_<KEY>`` from ``env`` on top."""
     warnings: list[str] = []
     fields: dict[str, Any] = {}
-    source = path or "environment"
-    if path:
-        data = read_yaml_mapping(path)
-        fields.update(_merge({str(k): v for k, v in data.items()}, lambda k: f"{path}: key {show(k)}", path, warnings, True))
+    if data is not None:
+        fields.update(_merge({str(k): v for k, v in data.items()}, lambda k: f"{source}: key {show(k)}", source,
+                             warnings, True))
     # Only names from the tables are read: other LMCACHE_* vars (log level, ...) are not ours.
     env_values = {key: unquote_env(env[name]) for name, key in env_names().items() if name in env}
     fields.update(_merge(env_values, env_where, "environment", warnings, False))

@@ -18,7 +18,7 @@ from lmi_cache.config_keys import (
     LMCACHE_KEYS,
 )
 
-__all__ = ["env_names", "env_override_names", "env_where", "misspelt_env_warnings"]
+__all__ = ["env_names", "env_override_line", "env_override_names", "env_where", "misspelt_env_warnings"]
 
 
 def env_names() -> dict[str, str]:
@@ -34,6 +34,12 @@ def env_override_names(env: Mapping[str, str] | None = None) -> list[str]:
     """
     env = os.environ if env is None else env
     return sorted(name for name in env_names() if name in env)
+
+
+def env_override_line(names: list[str]) -> str:
+    """The one wording every command uses for LMCACHE_<KEY> variables overriding a YAML (planned or the user's)."""
+    verb = "overrides" if len(names) == 1 else "override"
+    return f"{', '.join(names)} {verb} the LMCache YAML (the environment wins over the file, as in LMCache)"
 
 
 def env_where(key: str) -> str:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from lmi_cache.config_keys import REMOTE_URL_SCHEMES
+from lmi_cache.config_yaml import load_yaml
 from lmi_cache.errors import ConfigError
 
 # Upper bounds: far above any real deployment, low enough that sizes stay exact
@@ -163,7 +164,7 @@ def parse_mapping(value: Any, where: str) -> dict[str, Any]:
     if isinstance(value, str):
         text = unquote_env(value)
         try:
-            value = yaml.safe_load(text) if text.strip() else {}
+            value = load_yaml(text, where) if text.strip() else {}  # bounded: no alias bomb, no duplicate key
         except (yaml.YAMLError, RecursionError, ValueError, OverflowError, TypeError):
             raise ConfigError(f"{where}: expected a JSON object such as {{\"use_odirect\": true}}") from None
     if not isinstance(value, Mapping):

@@ -215,7 +215,7 @@ def test_plan_explains_blending_and_refuses_engine_lmcache_with_it() -> None:
     refused = _cli(["plan", "--model", model, "--host", host, "--enable-blending", "--engine", "lmcache"])
     assert refused.exit_code == 2 and "--engine lmcache" in refused.output
     gemma = _cli(["plan", "--model", str(MODELS / "gemma-2-9b-it"), "--host", host, "--enable-blending"])
-    assert gemma.exit_code == 2 and "--enable-blending: " in gemma.output and "model_type 'gemma2'" in gemma.output
+    assert gemma.exit_code == 2 and "--enable-blending=true: " in gemma.output and "model_type 'gemma2'" in gemma.output
 
 
 def test_every_blend_option_is_kept_from_vllm() -> None:
@@ -253,8 +253,8 @@ def test_validate_names_blending_on_an_uncovered_model(tmp_path: Path) -> None:
 
 
 def test_the_blending_option_without_the_cache_is_an_error_not_a_silent_no(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=r"option.lmcache_enable_blending=true: blending is part of the KV cache, "
-                                        r"which is off; also set option.lmcache_auto_config=true"):
+    with pytest.raises(UserError, match=r"option.lmcache_enable_blending: configures the KV cache, which nothing "
+                                        r"turns on; add option.lmcache_auto_config=true"):
         _launch(tmp_path, "option.lmcache_enable_blending=true\n")
     off = _launch(tmp_path, "option.lmcache_enable_blending=false\n")  # saying no is fine
     assert "--kv-transfer-config" not in off.argv

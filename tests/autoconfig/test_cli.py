@@ -108,7 +108,7 @@ def test_snapshot_not_json(tmp_path: Path) -> None:
 
 def test_tp_beyond_gpus_is_one_line_exit_2() -> None:
     _assert_one_line_error(_run(["plan", "--model", f"{MODELS}/qwen3-8b", "--tp", "16",
-                                 "--host", f"{HOSTS}/a100x8_nvme_cgroup.json"]), "tensor_parallel_degree=16")
+                                 "--host", f"{HOSTS}/a100x8_nvme_cgroup.json"]), "--tp=16", "needs 16 GPUs")
 
 
 def test_hybrid_model_is_refused() -> None:

@@ -142,5 +142,8 @@ def test_rag_blending_example_serves_the_blending_connector(tmp_path: Path) -> N
 
 
 def test_rag_blending_example_refuses_a_model_the_blender_does_not_cover(tmp_path: Path) -> None:
+    mdir = stage(tmp_path, "qwen2.5-7b-rag-blending", "gemma-2-9b-it")
+    props = mdir / "serving.properties"
+    props.write_text(props.read_text().replace("max_model_len=32768", "max_model_len=8192"))  # Gemma 2's own
     with pytest.raises(UserError, match="gemma2"):
-        serve(stage(tmp_path, "qwen2.5-7b-rag-blending", "gemma-2-9b-it"), host(1, 128), tmp_path)
+        serve(mdir, host(1, 128), tmp_path)

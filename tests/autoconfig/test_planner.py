@@ -61,11 +61,14 @@ def test_cpu_backend_sets_kvcache_space_for_one_sequence() -> None:
     assert plan.gpu.block_size == 128
 
 
-def test_cpu_backend_honours_user_space_and_warns_when_too_small() -> None:
+def test_cpu_backend_honours_user_space_and_refuses_one_too_small() -> None:
     cpu_host = HostSnapshot(gpus=[], memory=memory(200), disks=[])
-    plan = plan_tiers(cpu_host, LLAMA8B, S(max_model_len=32768), cpu_kvcache_space_gib=2)
+    plan = plan_tiers(cpu_host, LLAMA8B, S(max_model_len=16384), cpu_kvcache_space_gib=2)
     assert plan.gpu.kv_capacity_tokens == 16384
-    assert any("VLLM_CPU_KVCACHE_SPACE=2" in w for w in plan.warnings)
+    # 2 GiB holds 16,384 tokens of 128 KiB: a 32K sequence does not fit, and the message says what does.
+    with pytest.raises(PlanError, match="VLLM_CPU_KVCACHE_SPACE=2 holds 16,384 tokens.*max_model_len to 16384 or "
+                                        "less, or VLLM_CPU_KVCACHE_SPACE to 4"):
+        plan_tiers(cpu_host, LLAMA8B, S(max_model_len=32768), cpu_kvcache_space_gib=2)
 
 
 def test_cpu_backend_counts_weights_and_kv_space_in_ram_needs() -> None:

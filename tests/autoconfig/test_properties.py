@@ -7,6 +7,7 @@ import pytest
 
 from autoconfig.java_properties import PropertiesSyntaxError, parse_properties
 from autoconfig.properties import PropertiesError, resolve_properties
+from lmi_cache.errors import UserError
 
 
 @pytest.mark.parametrize(
@@ -129,7 +130,7 @@ def test_tier_overrides_are_typed(tmp_path: Path) -> None:
 def test_config_file_relative_to_model_dir_and_exclusive_with_auto(tmp_path: Path) -> None:
     props = resolve_properties(_model_dir(tmp_path, "option.lmcache_config_file=conf/lmcache.yaml\n"), {})
     assert props.config_file == tmp_path / "conf" / "lmcache.yaml" and not props.auto_config
-    with pytest.raises(PropertiesError, match="both set"):
+    with pytest.raises(UserError, match="both set"):
         resolve_properties(tmp_path, {"OPTION_LMCACHE_AUTO_CONFIG": "true"})
     abs_props = resolve_properties(tmp_path / "missing", {"OPTION_LMCACHE_CONFIG_FILE": "/etc/lm.yaml"})
     assert abs_props.config_file == Path("/etc/lm.yaml") and abs_props.properties_path is None

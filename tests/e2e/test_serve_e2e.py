@@ -21,7 +21,7 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import psutil
 import pytest
@@ -90,9 +90,18 @@ def serving(tiny_model: Path, root: Path) -> Iterator[Server]:
     lines = [f"option.model_id={tiny_model}" if line.startswith("option.model_id=") else line
              for line in EXAMPLE.read_text().splitlines()]
     (model_dir / "serving.properties").write_text("\n".join(lines) + "\n")
-    for sub in ("rpc", "vllm-cache", "runtime"):
-        (root / sub).mkdir()
     port = free_port()
+    try:
+        with running_serve(model_dir, root, serve_env(root, port), port) as running:
+            yield running
+    finally:
+        shutil.rmtree(root / "rpc", ignore_errors=True)
+
+
+def serve_env(root: Path, port: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: the caller's without OPTION_/SM_/HF_MODEL_ID/LMCACHE_ settings, scratch under root."""
+    for sub in ("rpc", "vllm-cache", "runtime"):
+        (root / sub).mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SM_", "HF_MODEL_ID", "LMCACHE_"))}
     env.update({
         "SAGEMAKER_BIND_TO_PORT": str(port),
@@ -102,13 +111,17 @@ def serving(tiny_model: Path, root: Path) -> Iterator[Server]:
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     })
+    env.update(extra or {})
+    return env
+
+
+@contextmanager
+def running_serve(model_dir: Path, root: Path, env: Mapping[str, str], port: int) -> Iterator[Server]:
+    """``lmi-cache serve --model-dir model_dir`` with ``env``, its log in root/serve.log, until ready."""
     log_path = root / "serve.log"
-    try:
-        with running_server([*serve_command(), "--model-dir", str(model_dir)], env=env, cwd=root,
-                            log_path=log_path, ready_url=f"http://127.0.0.1:{port}/ping") as proc:
-            yield Server(proc, f"http://127.0.0.1:{port}", log_path)
-    finally:
-        shutil.rmtree(root / "rpc", ignore_errors=True)
+    with running_server([*serve_command(), "--model-dir", str(model_dir)], env=dict(env), cwd=root,
+                        log_path=log_path, ready_url=f"http://127.0.0.1:{port}/ping") as proc:
+        yield Server(proc, f"http://127.0.0.1:{port}", log_path)
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from server_process import resend_until_cached, running_server
+from server_process import resend_until_cached
 
-from tests.e2e.test_serve_e2e import LONG_PROMPT, REPO, Server, free_port, serve_command
+from tests.e2e.test_serve_e2e import LONG_PROMPT, Server, free_port, running_serve, serve_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -72,23 +72,10 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
     ]) + "\n")
     yaml_path = root / "lmcache_config.yaml"
     yaml_path.write_text("chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 1\n")
-    for sub in ("rpc", "vllm-cache"):
-        (root / sub).mkdir()
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SM_", "HF_MODEL_ID", "LMCACHE_"))}
-    env.update({
-        "LMCACHE_CONFIG_FILE": str(yaml_path),
-        "SAGEMAKER_BIND_TO_PORT": str(port),
-        "LMI_CACHE_RUNTIME_DIR": str(root / "runtime"),
-        "VLLM_RPC_BASE_PATH": str(root / "rpc"),
-        "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-    })
-    log_path = root / "serve.log"
-    with running_server([*serve_command(), "--model-dir", str(model_dir)], env=env, cwd=root,
-                        log_path=log_path, ready_url=f"http://127.0.0.1:{port}/ping") as proc:
-        yield Server(proc, f"http://127.0.0.1:{port}", log_path)
+    env = serve_env(root, port, {"LMCACHE_CONFIG_FILE": str(yaml_path)})
+    with running_serve(model_dir, root, env, port) as running:
+        yield running
 
 
 def test_lmi_recipe_runs_lmi_caches_connector_with_the_users_yaml(server: Server) -> None:

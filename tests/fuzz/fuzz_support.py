@@ -55,7 +55,9 @@ NASTY_STRINGS = ["nan", "NaN", "inf", "-inf", "Infinity", "1e308", "-1e308", "1e
                  "file://", "/tmp/a\tb", "'512'", "\"file:///x/\"", "{\"use_odirect\": true}", "'{\"a\": 1}'",
                  "[1, 2", "{", "lm://localhost:65432", "redis://h", "redis://h:99999", "ftp://x", "\u00e9\u00e8",
                  "--trust-remote-code", "a=b", "x y", "[" * 3000 + "]" * 3000, '{"a": ' + "9" * 5000 + "}",
-                 '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}']
+                 '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}',
+                 # a lone UTF-16 half as a Java escape, a whole pair, and a name longer than any filesystem takes
+                 "\\ud800", "x\\udfff", "\\ud83d\\ude00", "a" * 300, "/tmp/" + "b" * 300 + "/kv"]
 nasty_text = st.one_of(st.sampled_from(NASTY_STRINGS), st.text(max_size=24))
 numbers = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),

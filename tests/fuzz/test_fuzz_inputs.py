@@ -209,6 +209,12 @@ def yaml_files(draw: st.DrawFn) -> bytes:
             ["blend_check_layers", "p2p_init_ports", "p2p_lookup_ports", "lmcache_worker_ids", "pd_peer_init_port",
              "nixl_backends"], "abcdef", ['"lol"', "*a", "*b", "*c", "*d", "*e"]))
         return (anchors + f"{draw(st.sampled_from(YAML_KEYS))}: *f\n").encode()
+    if kind == 3:  # the same inside extra_config (9^8 leaves), read by a key of ours, or a key written twice
+        bomb = "".join(f"  {c}: &{c} [{', '.join([p] * 9)}]\n" for c, p in zip("abcdefgh", ['"lol"'] + [
+            f"*{c}" for c in "abcdefg"]))
+        key = draw(st.sampled_from(sorted(EXTRA_CONFIG_KEYS)))
+        return (f"chunk_size: 256\nextra_config:\n{bomb}  {key}: *h\n" if draw(st.booleans())
+                else f"chunk_size: 256\n{key}: 1\n{key}: 2\n").encode()
     data = draw(st.dictionaries(st.sampled_from(YAML_KEYS), yaml_values, max_size=6))
     return yaml.safe_dump(data, allow_unicode=True).encode("utf-8", "surrogatepass")
 
