@@ -103,7 +103,7 @@ def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
     for shape, r in rows:
         loaded = "0 (in vLLM's memory)" if r["config"] == "vllm-prefix" else f"{r['load_bytes_per_hit'] / 1024:,.0f}"
         lines.append(f"| {shape} | {r['config']} | {'on' if r['hma_on'] else 'off'} | "
-                     f"{statistics.median(r['hit_tokens'])} | {loaded} | {statistics.median(r['cold_s']) * 1e3:.1f} ms | "
+                     f"{statistics.median(r['hit_tokens']):,.0f} | {loaded} | {statistics.median(r['cold_s']) * 1e3:.1f} ms | "
                      f"{statistics.median(r['warm_s']) * 1e3:.1f} ms |")
     return "\n".join(lines)
 

@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -282,6 +283,13 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if self._blending is not None:
                 self._blending.run_stores(meta, self._worker)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Asynchronous loads (models with several KV cache groups): done, or failed (vLLM recomputes those)."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.take_async_results()
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed = self._worker.take_failed_block_ids() if self._worker is not None else set()
         if self._blending is not None:
@@ -331,7 +339,8 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         share = self._blending.after_alloc(request, num_external_tokens) if self._blending is not None else None
         if share is None:
-            self._scheduler.update_state_after_alloc(request, num_external_tokens)
+            block_ids = blocks.get_block_ids() if num_external_tokens > 0 else None
+            self._scheduler.update_state_after_alloc(request, num_external_tokens, block_ids=block_ids)
         else:  # blended: the prefix path loads its exact share and saves nothing of this request
             self._scheduler.update_state_after_alloc(request, share, saves=False)
 

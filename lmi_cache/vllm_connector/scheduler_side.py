@@ -11,7 +11,8 @@ events each worker returns through ``build_connector_worker_meta`` ->
   ``cache_salt``; the prompt is hashed once, not once per rank); leading chunks held by all ranks, capped so at least one
   token is left to compute, aligned down to vLLM's block size, minus what
   vLLM's prefix cache already covers; below ``min_retrieve_tokens`` it is 0.
-  Loads are synchronous (``(n, False)``): the worker loads before the forward.
+  Loads are synchronous (``(n, False)``): the worker loads before the forward;
+  except for models that are not one full-attention group (``loads_async``).
   Until the first worker reports its layout tag the key namespace is unknown,
   so the answer is ``None`` (vLLM asks again after one empty step).
   With a remote store, the chunks beyond the local hit (every rank's keys) are
@@ -34,7 +35,11 @@ every group has its own block table and its own keys (the group is in the key
 namespace). A hit needs every chunk before it for full-attention groups and
 only the chunks of the window before it for sliding-window groups; a
 sliding-window group loads only the blocks vLLM allocates for it (from the
-window's start) and never saves a chunk vLLM has freed blocks of.
+window's start) and never saves a chunk vLLM has freed blocks of. Such models
+load asynchronously: the load is planned into the blocks
+``update_state_after_alloc`` receives and goes out with the next metadata
+(``async_loads``) while the request waits; the workers report it done or failed
+per request, and vLLM recomputes a failed one from its first token.
 
 Metrics (``SchedulerMetrics``): a lookup is counted once per admission, in
 ``update_state_after_alloc``, with the answer of the last
@@ -74,6 +79,16 @@ class SchedulerGeometry:
     min_retrieve_tokens: int = 0
     # vLLM's KV cache groups; the default is one full-attention group (the hybrid manager off).
     groups: tuple[KvCacheGroup, ...] = (KvCacheGroup(0, ()),)
+
+    @property
+    def loads_async(self) -> bool:
+        """Load between steps unless the model is one full-attention group.
+
+        vLLM 0.32 stops on failed block ids from a model with several groups, and recomputes a sliding-window
+        group from the first failed block although the blocks before it are null: only a request waiting
+        for its KV (``failed_recving``) is recomputed safely, from its first token.
+        """
+        return not is_single_full_group(self.groups)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -133,6 +148,7 @@ class SchedulerSide:
         self._disabled_reason: str | None = None
         self._asks_without_layout = 0
         self._plans: dict[str, _RequestPlan] = {}
+        self._async_loads: set[str] = set()  # requests whose load goes out with the next metadata (loads_async)
         self.stats = SchedulerStats()
 
     # -- lookups -------------------------------------------------------------------------
@@ -188,7 +204,7 @@ class SchedulerSide:
         if num_new <= 0 or num_new < geo.min_retrieve_tokens:
             return 0, False
         plan.load_range = (num_computed_tokens, hit_tokens)
-        return num_new, False
+        return num_new, geo.loads_async
 
     def _remote_hits(self, plan: _RequestPlan, first: int, end: int) -> set[tuple[int, int]] | None:
         """(group, chunk) pairs of chunks ``first..end`` the remote store holds for every rank; None while asked."""
@@ -216,8 +232,10 @@ class SchedulerSide:
             self.stats.num_remote_hit_chunks += run - first
         return plan.remote_found
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int, saves: bool = True) -> None:
-        """``num_external_tokens``: what this side loads (the prefix path's share); ``saves``: False for a blended request."""
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int, saves: bool = True,
+                                 block_ids: Sequence[Sequence[int]] | None = None) -> None:
+        """``num_external_tokens``: what this side loads (the prefix path's share); ``saves``: False for a blended
+        request; ``block_ids``: the request's blocks per group, which an asynchronous load is planned into now."""
         hit_tokens = self._answered.pop(request.request_id, None)
         if hit_tokens is not None:
             self.metrics.lookup(len(request.prompt_token_ids or ()), hit_tokens, max(num_external_tokens, 0))
@@ -233,6 +251,9 @@ class SchedulerSide:
         plan.load_confirmed = True
         self.stats.num_hit_requests += 1
         self.stats.num_load_tokens += num_external_tokens
+        if self.geometry.loads_async and block_ids is not None:
+            plan.block_ids = self._per_group(block_ids)
+            self._async_loads.add(request.request_id)
 
     # -- per-step planning ---------------------------------------------------------------
 
@@ -247,6 +268,12 @@ class SchedulerSide:
             if plan is not None:
                 plan.block_ids, plan.load_range, plan.load_confirmed = [], None, False
         num_scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in sorted(self._async_loads):
+            plan = self._plans.get(req_id)
+            if plan is not None and plan.load_confirmed and plan.load_range is not None:
+                self._plan_step(req_id, plan, plan.load_range[0], 0, meta)
+                meta.async_loads.append(req_id)
+        self._async_loads.clear()
         for new_req in scheduler_output.scheduled_new_reqs:
             plan = self._plans.get(new_req.req_id)
             if plan is None:

@@ -93,6 +93,8 @@ class WorkerSide:
         self._metrics = worker_stats_follower()  # this rank's lmi_cache_worker_* series
         self._failed_block_ids: set[int] = set()
         self._failed_req_ids: set[str] = set()
+        self._async_done: set[str] = set()  # asynchronous loads of this step that landed
+        self._async_failed: set[str] = set()  # ... and that did not (vLLM recomputes those requests)
         self._removed_digests: list[bytes] = []
         self._num_new_faults = 0  # load faults since the last worker meta (the scheduler counts them)
         self._num_warnings = 0
@@ -140,6 +142,9 @@ class WorkerSide:
 
     def load(self, meta: LmiConnectorMetadata) -> None:
         engine = self.engine
+        planned = {t.req_id for t in meta.loads}
+        # A waiting request with nothing to load (its plan found no blocks) must still be answered, or it waits forever.
+        self._async_failed |= {r for r in meta.async_loads if r not in planned or self.copier is None or engine is None}
         if not meta.loads or self.copier is None or engine is None:
             return
         started = time.perf_counter()
@@ -203,6 +208,23 @@ class WorkerSide:
 
     def _finish_loads(self, meta: LmiConnectorMetadata, keys: list[ChunkKey], loaded: set[int]) -> None:
         """Count loads; a chunk that did not land fails its blocks (vLLM recomputes them) and its request's saves."""
+        self._finish_load_blocks(meta, keys, loaded)
+        waiting = set(meta.async_loads) & {t.req_id for t in meta.loads}
+        if waiting:
+            # An asynchronous load is reported by request, never by block ids: with several KV cache groups a
+            # block id is not unique, and vLLM recomputes a failed waiting request from its first token.
+            self._async_failed |= waiting & self._failed_req_ids
+            self._async_done |= waiting - self._failed_req_ids
+            ids = {b for t in meta.loads if t.req_id in waiting for b in t.block_ids}
+            self._failed_block_ids -= ids
+
+    def take_async_results(self) -> tuple[set[str], set[str]]:
+        """Asynchronous loads finished since the last call: (landed, failed)."""
+        done, failed = self._async_done, self._async_failed
+        self._async_done, self._async_failed = set(), set()
+        return done, failed
+
+    def _finish_load_blocks(self, meta: LmiConnectorMetadata, keys: list[ChunkKey], loaded: set[int]) -> None:
         for position, transfer in enumerate(meta.loads):
             if transfer.req_id in self._failed_req_ids:
                 # vLLM truncates at the first failed block; later ones are recomputed anyway.

@@ -66,7 +66,9 @@ def shape(request: pytest.FixtureRequest, e2e_dir: Path) -> dict[str, Any]:
     }, work / "connector")
     restart = run_job({
         "model": str(model), "connector": True, "disk_dir": str(disk), "env": cache_env(disk),
-        "phases": [gen_phase("reload", prompts(DOCS))],
+        "phases": [gen_phase("reload", prompts(DOCS)),
+                   # Drop the engine's contents behind the scheduler's back: every planned load fails.
+                   gen_phase("stale", prompts(DOCS[:3]), before=["clear_engine"])],
     }, work / "restart")
     return {"name": name, "groups": SHAPES[name], "work": work,
             "reference": reference, "connector": connector, "restart": restart}
@@ -98,7 +100,9 @@ def test_warm_run_from_cpu_tier_matches_and_loads_only_windows(shape: dict[str, 
 
 def test_partial_prefixes(shape: dict[str, Any]) -> None:
     part = phase(shape["connector"], "partial")
-    assert_same_outputs(part, phase(shape["reference"], "partial"))
+    # The requests with a hit wait for their KV while the miss starts: other batches than the reference's,
+    # and vLLM CPU's float32 logprobs move by ~1e-5 with batch composition (no cache involved).
+    assert_same_outputs(part, phase(shape["reference"], "partial"), logprob_atol=1e-4)
     want = [expected_hit_tokens(len(p), shared) for p, shared in zip(PARTIAL, PARTIAL_SHARED_TOKENS)]
     assert [o["num_cached_tokens"] for o in part["outputs"]] == want
 
@@ -109,3 +113,16 @@ def test_fresh_process_reloads_from_disk(shape: dict[str, Any]) -> None:
     assert [o["num_cached_tokens"] for o in reload["outputs"]] == [expected_hit_tokens(len(d)) for d in DOCS]
     assert reload["delta"]["worker.num_load_faults"] == 0
     assert reload["delta"].get("engine.disk_loads", 0) > 0, reload["counters"]
+
+
+def test_failed_loads_are_recomputed(shape: dict[str, Any]) -> None:
+    """A stale index makes every load fail: the requests are recomputed (never a failed request or wrong KV).
+
+    Loads of sliding-window models are asynchronous: a failure restarts the request from its first token
+    (vLLM would recompute a windowed group from a failed block after null blocks).
+    """
+    stale = phase(shape["restart"], "stale")
+    # The recompute runs in other batches than the reference; float32 logprobs move by ~1e-5 with that.
+    ref = {**phase(shape["reference"], "docs"), "outputs": phase(shape["reference"], "docs")["outputs"][:3]}
+    assert_same_outputs(stale, ref, logprob_atol=1e-4)
+    assert stale["delta"]["worker.num_load_faults"] >= 3

@@ -53,18 +53,23 @@ def test_sliding_group_loads_only_its_window_before_the_hit() -> None:
     side = make_side(SLIDING, FULL)
     warm(side, groups=2)
     req = request("r", PROMPT)
-    # 4 chunks held, at most 139 tokens: 128 tokens (block aligned).
-    assert side.get_num_new_matched_tokens(req, 0) == (128, False)
-    side.update_state_after_alloc(req, 128)
+    # 4 chunks held, at most 139 tokens: 128 tokens (block aligned), loaded between steps (two groups).
+    assert side.get_num_new_matched_tokens(req, 0) == (128, True)
     # vLLM gives the sliding group null blocks (id 0) before block (128 - 39) // 16 = 5.
     sliding_ids = [0] * 5 + [15, 16, 17, 18]
     full_ids = list(range(20, 29))
-    meta = side.build_connector_meta(output([new_req("r", [sliding_ids, full_ids], 0)], {"r": 12}))
+    side.update_state_after_alloc(req, 128, block_ids=(sliding_ids, full_ids))
+    meta = side.build_connector_meta(output([], {}))  # the request waits for its KV: not scheduled
+    assert meta.async_loads == ["r"]
     loads = [(t.group, t.block_ids, t.block_offset) for t in meta.loads]
     assert [load for load in loads if load[0] == 0] == [(0, (15,), 1), (0, (16, 17), 0)]
     assert [load for load in loads if load[0] == 1] == [
         (1, (20, 21), 0), (1, (22, 23), 0), (1, (24, 25), 0), (1, (26, 27), 0)
     ]
+    # Once loaded, vLLM schedules it from token 128: nothing is loaded again, the stored chunks are not re-saved.
+    side.update_state_after_alloc(req, 0)
+    again = side.build_connector_meta(output([new_req("r", [sliding_ids, full_ids], 128)], {"r": 12}))
+    assert not again.loads and not again.saves and not again.async_loads
 
 
 def test_mistral_shape_hits_after_its_early_chunks_are_evicted() -> None:
@@ -72,7 +77,7 @@ def test_mistral_shape_hits_after_its_early_chunks_are_evicted() -> None:
     meta = warm(side, groups=1)
     # Evict the first two chunks: a window of 40 before token 128 only needs chunks 2 and 3.
     side.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG}, removed_digests={0: [t.keys[0].digest for t in meta.saves[:2]]}))
-    assert side.get_num_new_matched_tokens(request("r", PROMPT), 0) == (128, False)
+    assert side.get_num_new_matched_tokens(request("r", PROMPT), 0) == (128, True)
 
 
 def test_a_full_group_without_its_early_chunks_misses() -> None:

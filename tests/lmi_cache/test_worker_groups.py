@@ -39,3 +39,18 @@ def test_each_group_saves_and_loads_its_own_layers() -> None:
     block_bytes = 2 * layers[0][0].numel() * layers[0].element_size()
     assert worker.stats.load_bytes == 3 * block_bytes
     assert worker.stats.num_chunks_loaded == 2 and worker.take_failed_block_ids() == set()
+
+
+def test_asynchronous_loads_are_reported_by_request_never_by_block() -> None:
+    worker, engine, layers = make_worker()
+    k = keys(3)
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2), 0, 0)]))
+    worker.load(LmiConnectorMetadata(
+        loads=[ChunkTransfer("ok", (k[0],), (5, 6), 0, 0), ChunkTransfer("bad", (k[2],), (7, 8), 0, 1)],
+        async_loads=["ok", "bad", "nothing-planned"],
+    ))
+    assert torch.equal(layers[0][5], layers[0][1])
+    assert worker.take_async_results() == ({"ok"}, {"bad", "nothing-planned"})
+    # Block ids of several groups are not unique: vLLM must not get them (it stops on them with several groups).
+    assert worker.take_failed_block_ids() == set()
+    assert worker.take_async_results() == (set(), set())
