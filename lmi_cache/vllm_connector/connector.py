@@ -284,7 +284,7 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self._blending.run_stores(meta, self._worker)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Asynchronous loads (models with several KV cache groups): done, or failed (vLLM recomputes those)."""
+        """Asynchronous loads (models that are not one full-attention group): done, or failed (vLLM recomputes those)."""
         if self._worker is None:
             return KVConnectorTransferResults()
         done, failed = self._worker.take_async_results()

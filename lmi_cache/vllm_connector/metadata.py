@@ -49,7 +49,7 @@ class LmiConnectorMetadata:
     # sessions, then retain, per session, new prompt chunks (digests per rank).
     release: list[str] = field(default_factory=list)
     retain: dict[str, list[tuple[bytes, ...]]] = field(default_factory=dict)
-    # Requests whose loads above vLLM waits for between steps (more than one KV cache group): each worker
+    # Requests whose loads above vLLM waits for between steps (sliding-window or multi-group models): each worker
     # reports them finished, or failed (vLLM then recomputes the request), once its loads are done.
     async_loads: list[str] = field(default_factory=list)
 
