@@ -1,10 +1,10 @@
 """The ``lmi-cache`` command line: a thin click shell over the pure core.
 
 Runs in the user's shell or as the container entrypoint. Commands here:
-``probe``, ``plan``, ``configure``, ``validate``. Other commands live in the
-modules listed in ``COMMAND_MODULES``: each exposes ``register(group)`` that
-calls ``group.add_command(...)``; append yours to the tuple. Imports of heavy
-or optional modules stay inside the commands so ``lmi-cache plan`` starts fast.
+``probe``, ``plan``, ``configure``, ``validate``; ``serve`` and ``sagemaker``
+come from ``autoconfig.cli_serve`` and ``bench`` from ``lmi_cache.bench.cli``,
+each through its ``register(group)``. Imports of heavy or optional modules
+stay inside the commands so ``lmi-cache plan`` starts fast.
 
 Every ``UserError`` becomes one line on stderr, ``lmi-cache: error: <msg>``,
 and exit status 2, never a traceback.
@@ -12,23 +12,19 @@ and exit status 2, never a traceback.
 from __future__ import annotations
 
 import errno
-import importlib
 import json
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from autoconfig import cli_serve
 from autoconfig.cli_inputs import HostSource, host_options, model_weights, setting_options
+from lmi_cache.bench import cli as bench_cli
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
-    from autoconfig.host import HostSnapshot
-
-# Modules that add commands to ``main``, e.g. "autoconfig.cli_commands.serve"; each has
-# ``register(group: click.Group) -> None`` (see autoconfig/cli_commands/__init__.py). Append yours.
-COMMAND_MODULES: tuple[str, ...] = ("autoconfig.cli_serve", "lmi_cache.bench.cli")
-
+    from autoconfig.probe.snapshot import HostSnapshot
 
 class LmiCacheGroup(click.Group):
     """A click group whose ``main()`` turns user errors into one line and exit 2."""
@@ -79,7 +75,7 @@ def _one_line(message: str) -> str:
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    from autoconfig.lmi_to_vllm import vllm_table_version
+    from autoconfig.lmi.to_vllm import vllm_table_version
 
     try:
         ours = version("lmi-cache")
@@ -138,7 +134,7 @@ def configure(model_dir: str | None, output_dir: str | None, host_file: str | No
     import os
     from pathlib import Path
 
-    from autoconfig.configure import DEFAULT_MODEL_DIR, configure as run_configure
+    from autoconfig.serve.configure import DEFAULT_MODEL_DIR, configure as run_configure
 
     source = HostSource(host_file, instance_type)
     host = None if source.live else source.load(model_weights(Path(model_dir or DEFAULT_MODEL_DIR), os.environ, {}))
@@ -191,8 +187,8 @@ def _format_snapshot(snap: "HostSnapshot") -> str:
     return "\n".join(lines)
 
 
-for _module in COMMAND_MODULES:
-    importlib.import_module(_module).register(main)
+cli_serve.register(main)
+bench_cli.register(main)
 
 
 if __name__ == "__main__":

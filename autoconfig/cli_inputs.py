@@ -4,7 +4,7 @@ Runs in the CLI process (the user's shell or the container's entrypoint), before
 any planning. ``plan``, ``serve`` (and ``--dry-run``), ``validate``, ``configure``
 and ``probe`` take the same host sources (``--host FILE``, ``--instance-type NAME``
 or a live probe) and resolve settings through one function,
-``autoconfig.configure.resolve_fitted``: serving.properties + ``OPTION_*`` +
+``autoconfig.serve.configure.resolve_fitted``: serving.properties + ``OPTION_*`` +
 LMI's simplified variables, with the flags of ``plan`` / ``validate`` on top
 (``SETTING_FLAGS``). Keep module-level imports light: ``plan`` must start fast.
 """
@@ -19,7 +19,7 @@ import click
 from autoconfig.cli_types import CHUNK_TOKENS, FRACTION, MODEL_LEN, PARALLEL_DEGREE, SIZE_GIB, TP_DEGREE
 
 if TYPE_CHECKING:
-    from autoconfig.host import HostSnapshot
+    from autoconfig.probe.snapshot import HostSnapshot
 
 # Flag -> the LMI option it sets (same parsing and checks as option.<name> in serving.properties).
 SETTING_FLAGS: dict[str, str] = {
@@ -56,7 +56,7 @@ class HostSource:
     def gpu_count(self) -> int | None:
         """The GPUs, when known without a probe (the instance type's)."""
         if self.instance_type:
-            from autoconfig.catalog import get_instance
+            from autoconfig.probe.catalog import get_instance
 
             return get_instance(self.instance_type).gpu_count
         return None
@@ -64,11 +64,11 @@ class HostSource:
     def load(self, weights_bytes: Callable[[int], int] = lambda _gpus: 0) -> "HostSnapshot":
         """The snapshot; ``weights_bytes(gpus)`` is what an instance type's NVMe gives to the downloaded model."""
         if self.host_file:
-            from autoconfig.host import load_snapshot_file
+            from autoconfig.probe.snapshot import load_snapshot_file
 
             return load_snapshot_file(self.host_file)
         if self.instance_type:
-            from autoconfig.catalog import host_snapshot_for
+            from autoconfig.probe.catalog import host_snapshot_for
 
             gpus = self.gpu_count() or 0
             return host_snapshot_for(self.instance_type, model_bytes_on_disk=weights_bytes(gpus))
@@ -136,9 +136,9 @@ def model_weights(model_dir: Path, env: Mapping[str, str], cli: Mapping[str, tup
     """For an instance type: the model's weight bytes (0 when config.json cannot be read yet)."""
 
     def weights(gpus: int) -> int:
-        from autoconfig.configure import resolve_fitted
-        from autoconfig.model_source import hub_access_from_env, load_model_info
-        from autoconfig.s3_model import is_s3
+        from autoconfig.serve.configure import resolve_fitted
+        from autoconfig.model.source import hub_access_from_env, load_model_info
+        from autoconfig.model.s3 import is_s3
         from lmi_cache.errors import UserError
 
         try:

@@ -18,7 +18,7 @@ import click
 from autoconfig.cli_inputs import HostSource, cli_settings, model_weights
 
 if TYPE_CHECKING:
-    from autoconfig.serve import ServeLaunch
+    from autoconfig.serve.launch import ServeLaunch
     from autoconfig.validate import Finding
 
 # How plan says what serve does with the cache, per mode.
@@ -32,8 +32,8 @@ _MODE_TEXT = {
 def run_plan(model_dir: str | None, flags: Mapping[str, Any], source: HostSource, as_json: bool,
              echo: Callable[..., None] = click.echo) -> None:
     """Plan the tiers for the model and settings serve would run with; PlanError (exit 2) when it cannot start."""
-    from autoconfig.configure import NO_MODEL_DIR, plan_for
-    from autoconfig.serve import prepare_launch
+    from autoconfig.serve.configure import NO_MODEL_DIR, plan_for
+    from autoconfig.serve.launch import prepare_launch
 
     if flags.get("enable_blending") and flags.get("engine") == "lmcache":
         raise click.UsageError("--enable-blending plans lmi-cache's own blender; drop --engine lmcache")
@@ -77,8 +77,8 @@ def _shell(launch: "ServeLaunch") -> str:
 def run_validate(config: str | None, model_dir: str | None, flags: Mapping[str, Any], source: HostSource,
                  echo: Callable[[str], None] = click.echo) -> int:
     """Findings for the YAML (CONFIG, or the one the settings name); 1 when any is an error."""
-    from autoconfig.configure import DEFAULT_MODEL_DIR, NO_MODEL_DIR, resolve_fitted
-    from autoconfig.model_source import hub_access_from_env, load_model_info
+    from autoconfig.serve.configure import DEFAULT_MODEL_DIR, NO_MODEL_DIR, resolve_fitted
+    from autoconfig.model.source import hub_access_from_env, load_model_info
     from autoconfig.validate import blend_findings, validate_config
 
     cli = cli_settings(flags)
@@ -110,8 +110,8 @@ def run_validate(config: str | None, model_dir: str | None, flags: Mapping[str, 
 
 def start_findings(info: Any, props: Any, env: Mapping[str, str]) -> list["Finding"]:
     """A max_model_len vLLM would refuse for this model (the size checks follow in validate_config)."""
-    from autoconfig.plan_types import PlanError
-    from autoconfig.start_checks import check_max_model_len
+    from autoconfig.plan.types import PlanError
+    from autoconfig.plan.start_checks import check_max_model_len
     from autoconfig.validate import Finding
 
     opt = props.options.get("max_model_len")
@@ -125,7 +125,7 @@ def start_findings(info: Any, props: Any, env: Mapping[str, str]) -> list["Findi
 def env_findings(env: Mapping[str, str]) -> list["Finding"]:
     """The LMCACHE_* variables the server reads on top of the file: a bad value is an error, overrides a warning."""
     from autoconfig.validate import Finding
-    from lmi_cache.config import CONFIG_FILE_ENV, env_override_names, load_config
+    from lmi_cache.config.cache_config import CONFIG_FILE_ENV, env_override_names, load_config
     from lmi_cache.errors import ConfigError
 
     lmcache_env = {k: v for k, v in env.items() if k.startswith("LMCACHE_") and k != CONFIG_FILE_ENV}
@@ -145,7 +145,7 @@ def env_findings(env: Mapping[str, str]) -> list["Finding"]:
 
 def _refuse_unsafe_dir(path: str) -> None:
     """The planned disk-tier directory must be one only the serving user controls (or creatable as one)."""
-    from autoconfig.plan_types import PlanError
+    from autoconfig.plan.types import PlanError
     from lmi_cache.private_dir import private_dir_problem
 
     problem = private_dir_problem(path)

@@ -1,8 +1,8 @@
 """Click commands ``lmi-cache serve`` and ``lmi-cache sagemaker deploy``.
 
 ``serve`` runs in the container as its entrypoint; ``sagemaker deploy`` runs
-on a developer's machine. Both are thin shells over ``autoconfig.serve`` and
-``autoconfig.sagemaker_deploy``. ``autoconfig.cli`` adds them to the
+on a developer's machine. Both are thin shells over ``autoconfig.serve.launch`` and
+``autoconfig.serve.sagemaker_deploy``. ``autoconfig.cli`` adds them to the
 ``lmi-cache`` group through ``register``; user errors become one line and
 exit 2 there (and in this module's own ``main`` for ``python -m``).
 """
@@ -31,8 +31,8 @@ def serve(sagemaker_arg: str | None, model_dir: str | None, host_file: str | Non
     from pathlib import Path
 
     from autoconfig.cli_inputs import HostSource, model_weights
-    from autoconfig.configure import DEFAULT_MODEL_DIR
-    from autoconfig.serve import run_serve
+    from autoconfig.serve.configure import DEFAULT_MODEL_DIR
+    from autoconfig.serve.launch import run_serve
 
     source = HostSource(host_file, instance_type)
     host = None
@@ -69,7 +69,7 @@ def deploy(name: str, image_uri: str, model_data: str | None, instance_type: str
            option_pairs: tuple[str, ...], env_pairs: tuple[str, ...], instance_count: int, startup_timeout_s: int,
            region: str | None, endpoint_url: str | None, dry_run: bool) -> None:
     """Create a SageMaker model, endpoint config and endpoint with the KV cache on."""
-    from autoconfig.sagemaker_deploy import (
+    from autoconfig.serve.sagemaker_deploy import (
         DeploySpec,
         build_requests,
         deploy as send,
@@ -94,7 +94,7 @@ def deploy(name: str, image_uri: str, model_data: str | None, instance_type: str
 
 
 def register(group: click.Group) -> None:
-    """Called by autoconfig.cli for each module in its COMMAND_MODULES."""
+    """Called by autoconfig.cli: adds this module's commands to ``lmi-cache``."""
     group.add_command(serve)
     group.add_command(sagemaker)
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from autoconfig.host import HostSnapshot
-from autoconfig.plan_types import ModelInfoLike, PlanError, PlanModel
-from autoconfig.settings import ServingSettings, TierOverrides
+from autoconfig.probe.snapshot import HostSnapshot
+from autoconfig.plan.types import ModelInfoLike, PlanError, PlanModel
+from autoconfig.plan.settings import ServingSettings, TierOverrides
 from lmi_cache.errors import ConfigError, UserError
 
 # Planner override name -> the LMCache key it stands for in the file.
@@ -50,7 +50,7 @@ def validate_config(
     check_local_paths: bool = True,
 ) -> list[Finding]:
     """All findings for ``config_path``; errors first. ``check_local_paths``: the host is this machine."""
-    from lmi_cache.config import config_from_dict
+    from lmi_cache.config.cache_config import config_from_dict
 
     data = _read(config_path)
     findings = _key_typos(data, config_path)
@@ -82,9 +82,9 @@ def blend_findings(config_path: str, model: PlanModel | ModelInfoLike) -> list[F
     """The file's blending keys: bad values, and a model the blender does not cover (``validate`` only).
 
     Not part of ``validate_config``: serve checks blending with the environment applied
-    (``autoconfig.blend_options``), where LMCACHE_ENABLE_BLENDING may turn the file's setting off.
+    (``autoconfig.lmi.blend_options``), where LMCACHE_ENABLE_BLENDING may turn the file's setting off.
     """
-    from autoconfig.plan_blend import blend_model_problem
+    from autoconfig.plan.blend import blend_model_problem
     from lmi_cache.blend.settings import BlendConfigError, BlendSettings, blend_keys_in
 
     data = _read(config_path)
@@ -104,7 +104,7 @@ def blend_findings(config_path: str, model: PlanModel | ModelInfoLike) -> list[F
 
 
 def _read(path: str) -> dict[str, Any]:
-    from lmi_cache.config import read_yaml_mapping
+    from lmi_cache.config.cache_config import read_yaml_mapping
 
     try:
         data = read_yaml_mapping(path)
@@ -115,8 +115,8 @@ def _read(path: str) -> dict[str, Any]:
 
 def _key_typos(data: Mapping[str, Any], path: str) -> list[Finding]:
     """Keys no LMCache release defines: errors with a did-you-mean (the engine's own rule, one reader)."""
-    from lmi_cache.config import unknown_key_problem
-    from lmi_cache.config_keys import DEPRECATED_ALIASES, LEGACY_KEYS, LMCACHE_KEYS
+    from lmi_cache.config.cache_config import unknown_key_problem
+    from lmi_cache.config.keys import DEPRECATED_ALIASES, LEGACY_KEYS, LMCACHE_KEYS
 
     valid = set(LMCACHE_KEYS) | set(DEPRECATED_ALIASES) | set(LEGACY_KEYS)
     out = []
@@ -130,7 +130,7 @@ def _key_typos(data: Mapping[str, Any], path: str) -> list[Finding]:
 def _plan_findings(model: PlanModel | ModelInfoLike, settings: ServingSettings, host: HostSnapshot,
                    overrides: TierOverrides) -> list[Finding]:
     """Plan with the file's sizes as overrides; each PlanError names one key: drop it and retry."""
-    from autoconfig.planner import plan_tiers
+    from autoconfig.plan.planner import plan_tiers
 
     out: list[Finding] = []
     for _ in range(len(_OVERRIDE_KEYS) + 1):

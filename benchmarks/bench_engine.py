@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, KeySpace, chunk_keys
-from lmi_cache.config import CacheConfig
+from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine
 from lmi_cache.tiers.disk import object_files
 from lmi_cache.tiers.base import Tier

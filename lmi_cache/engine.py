@@ -59,7 +59,7 @@ import torch
 
 from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.config import CacheConfig
+from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers.base import HitBatch, Tier
 from lmi_cache.tiers.buffers import dtype_name

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoconfig.host import HostSnapshot, SnapshotError
+from autoconfig.probe.snapshot import HostSnapshot, SnapshotError
 
 GOOD = {
     "gpus": [{"index": 0, "name": "NVIDIA L40S", "memory_total_bytes": 48 << 30, "memory_free_bytes": 47 << 30}],
@@ -58,7 +58,7 @@ def test_bad_snapshot_names_file_and_key(mutate, needle) -> None:  # type: ignor
 def test_a_mount_with_a_control_character_round_trips_but_is_never_chosen() -> None:
     import copy
 
-    from autoconfig.plan_disk import choose_disk
+    from autoconfig.plan.disk import choose_disk
 
     data = copy.deepcopy(GOOD)
     data["disks"][0]["mount"] = "/mnt/a\nb"  # possible on a real host: /proc/mounts escapes it as \012

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from autoconfig.host import HostSnapshot
+from autoconfig.probe.snapshot import HostSnapshot
 from autoconfig.probe.disks import disk_for_path, probe_disks
 from autoconfig.probe.gpus import probe_gpus
 from autoconfig.probe.memory import probe_memory

@@ -15,7 +15,7 @@ import mmap
 import os
 import secrets
 
-from autoconfig.host import DiskInfo
+from autoconfig.probe.snapshot import DiskInfo
 from autoconfig.probe.blockdev import UNKNOWN, BlockBacking, resolve_by_name, resolve_device
 from autoconfig.probe.mounts import (
     MountEntry,

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any, Mapping
 
-from autoconfig.host import GpuInfo
+from autoconfig.probe.snapshot import GpuInfo
 
 log = logging.getLogger(__name__)
 

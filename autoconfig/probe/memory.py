@@ -11,7 +11,7 @@ import os
 import resource
 from typing import Callable
 
-from autoconfig.host import MemoryInfo
+from autoconfig.probe.snapshot import MemoryInfo
 from autoconfig.probe.cgroups import probe_cgroup_memory
 
 log = logging.getLogger(__name__)

@@ -1,17 +1,17 @@
 """Render a TierPlan as the LMCache-format config (dict and YAML text).
 
 Run by ``plan``/``configure`` (container-start process). The dict is what both
-upstream LMCache and ``lmi_cache.config`` read: sizes are GiB per rank, rounded
+upstream LMCache and ``lmi_cache.config.cache_config`` read: sizes are GiB per rank, rounded
 DOWN to two decimals so the file never asks for more than the plan sized.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from autoconfig.plan_types import GIB
+from autoconfig.plan.types import GIB
 
 if TYPE_CHECKING:
-    from autoconfig.plan_types import TierPlan
+    from autoconfig.plan.types import TierPlan
 
 
 def gib_2dp_floor(num_bytes: int) -> float:
@@ -36,7 +36,7 @@ def lmcache_dict(plan: "TierPlan") -> dict[str, Any]:
     data["extra_config"] = {"use_odirect": bool(plan.disk.enabled and plan.disk.use_odirect)}
     if plan.engine == "lmi_cache" and plan.cpu.enabled:  # explicit even when 0: the engine's default is on
         data["extra_config"]["session_retention_share"] = plan.cpu.session_retention_share
-    if plan.blend is not None:  # LMCache's own top-level keys, read by LmiBlendConnector
+    if plan.blend is not None:  # LMCache's own top-level keys, read by LmiCacheConnector
         data.update(plan.blend.to_lmcache_dict())
     return data
 

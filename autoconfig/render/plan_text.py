@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autoconfig.plan_types import GIB
+from autoconfig.plan.types import GIB
 
 if TYPE_CHECKING:
-    from autoconfig.plan_types import TierPlan
+    from autoconfig.plan.types import TierPlan
 
 
 def _gib(num_bytes: int) -> str:
@@ -70,7 +70,7 @@ def _retention(plan: "TierPlan") -> str:
 def _remote(plan: "TierPlan") -> str:
     if not plan.remote_url:
         return "off (option.lmcache_remote_url)"
-    from lmi_cache.remote.settings import redact_url
+    from lmi_cache.remote.url import redact_url
 
     return f"{redact_url(plan.remote_url)}, shared by the fleet"
 

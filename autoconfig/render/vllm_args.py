@@ -11,8 +11,8 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from autoconfig.plan_types import TierPlan
-    from autoconfig.settings import ServingSettings
+    from autoconfig.plan.types import TierPlan
+    from autoconfig.plan.settings import ServingSettings
 
 LMI_CACHE_CONNECTOR = {
     "kv_connector": "LmiCacheConnector",

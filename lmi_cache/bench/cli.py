@@ -140,5 +140,5 @@ def main() -> None:
 
 
 def register(group: click.Group) -> None:
-    """Called by autoconfig.cli (COMMAND_MODULES): adds ``lmi-cache bench``."""
+    """Called by autoconfig.cli: adds ``lmi-cache bench``."""
     group.add_command(bench)

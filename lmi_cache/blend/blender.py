@@ -11,7 +11,9 @@ blended tokens through the layers before the first check layer and the Q/K/V
 of the check layer itself (those K/V are exact: their inputs are), then keeps
 only the tokens whose fresh K deviates most from the cached one and carries
 them through the remaining layers, attending causally over
-[prefix | blended segments]. Every other token keeps its cached KV. With
+[prefix | blended segments]. One check layer is run as gradual filtering
+(``selection.gradual_schedule``: twice the count kept there, 1.5 times at the
+next layer, the count from the one after). Every other token keeps its cached KV. With
 ratio 1.0 this is exactly a prefill; with one segment at position 0 and ratio
 0 it is exactly the cached KV. ``prefill`` then computes the tail (the
 question) over the blended KV as vLLM would.
@@ -25,7 +27,7 @@ import torch
 
 from lmi_cache.blend.attention import SegmentAttention, attend, attend_with_lse, merge_attention
 from lmi_cache.blend.rope import RopeSpec, apply_rope, rerotate
-from lmi_cache.blend.selection import kv_deviation, select_random, select_topk
+from lmi_cache.blend.selection import gradual_schedule, kv_deviation, select_random, select_topk
 
 
 class LayerwiseModel(Protocol):
@@ -204,6 +206,7 @@ def blend(
     include_prefix: bool = True,
     layer0_within: Sequence[SegmentAttention | None] | None = None,
     cross_attention: CrossAttention | None = None,
+    gradual: bool = True,
 ) -> BlendOutcome:
     """Blend cached segments after an exact prefix; see the module docstring.
 
@@ -214,6 +217,8 @@ def blend(
     ``cached[i]`` is segment i's stored KV, or None when it is not cached: its tokens are then
     computed in full (never deselected). ``recompute_counts[i]`` cached tokens stay in the
     recompute set after ``check_layers[i]``; each check selects among those the previous one kept.
+    A single check layer becomes gradual filtering (``selection.gradual_schedule``) unless
+    ``gradual=False`` (one check keeping the count: the ablation's baseline).
 
     ``layer0_within[i]``, segment i's layer-0 attention over itself (``layer0_reuse``), lets
     layer 0 attend its tokens only to what precedes the segment (``cross_attention``, else the
@@ -223,6 +228,8 @@ def blend(
         raise ValueError("give the token ids and the cached KV (or None) of each segment (at least one)")
     if len(check_layers) != len(recompute_counts):
         raise ValueError("one recompute count per check layer")
+    if gradual:
+        check_layers, recompute_counts = gradual_schedule(check_layers, recompute_counts, model.num_layers)
     tokens = torch.cat(list(segment_tokens))
     start = prefix_kv.num_tokens
     positions = torch.arange(start, start + tokens.numel())

@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from lmi_cache.blend.attention import SegmentAttention, attend_with_lse
 from lmi_cache.blend.blender import (
     KVStack,
     LayerwiseModel,
@@ -28,6 +29,7 @@ from lmi_cache.blend.blender import (
     prefill,
     segment_kv,
 )
+from lmi_cache.blend.layer0_reuse import segment_kv_and_attention
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class Condition:
     ratio: float = 0.0
     selection: Literal["topk", "random"] = "topk"
     deviation: Literal["k", "kv"] = "k"
+    gradual: bool = True  # False: one check keeping the count (``blender.blend``'s ``gradual``)
+    layer0_merge: bool = False  # layer 0 from each segment's stored attention, as the vLLM worker's native path
 
 
 def standard_conditions(ratios: Sequence[float], random_ratios: Sequence[float] = ()) -> list[Condition]:
@@ -74,6 +78,9 @@ def run_conditions(
     with torch.no_grad():
         prefix_kv, _ = prefill(model, case.prefix)
         cached = [segment_kv(model, s) for s in case.segments]
+        within: list[SegmentAttention | None] | None = None
+        if any(c.layer0_merge for c in conditions):
+            within = [segment_kv_and_attention(model, s, None, _attend_with_lse)[1] for s in case.segments]
         body = torch.cat(list(case.segments))
         for cond in conditions:
             if cond.kind == "full":
@@ -90,10 +97,16 @@ def run_conditions(
                 generator = torch.Generator().manual_seed(seed)
                 context = blend(
                     model, prefix_kv, case.segments, cached, check_layers, [count] * len(check_layers),
-                    selection=cond.selection, deviation=cond.deviation, generator=generator,
+                    selection=cond.selection, deviation=cond.deviation, generator=generator, gradual=cond.gradual,
+                    layer0_within=within if cond.layer0_merge else None,
                 ).kv
             out[cond.name] = _tail_logits(model, context, case.tail)
     return out
+
+
+def _attend_with_lse(q: torch.Tensor, limits: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return attend_with_lse(q, k, v, limits, scale)
 
 
 def _tail_logits(model: LayerwiseModel, context: KVStack, tail: torch.Tensor) -> torch.Tensor:

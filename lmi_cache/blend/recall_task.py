@@ -143,12 +143,13 @@ def training_batch(task: RecallTask, rng: random.Random, batch_size: int) -> tup
 
 
 def measure(model: Any, task: RecallTask, num_prompts: int, seed: int, conditions: Sequence[Condition],
-            check_layers: Sequence[int] = (1,)) -> dict[str, QualityTally]:
+            check_layers: Sequence[int] = (1,), first_token: bool = False) -> dict[str, QualityTally]:
     """Tallies of each condition on fresh prompts, per split (``SPLITS``: all, direct facts, through references).
 
     A prompt's documents are the blended segments (no prefix: the prompt opens with the first
     document) and its first question without the answer is the tail. ``model``: a transformers
-    Llama; random selection draws with ``seed`` + the prompt's index.
+    Llama; random selection draws with ``seed`` + the prompt's index. ``first_token``: the KL
+    and greedy agreement of the answer's position only (else every position of the tail).
     """
     adapter = HFLayerwiseModel(model)
     rng = random.Random(seed)
@@ -160,6 +161,8 @@ def measure(model: Any, task: RecallTask, num_prompts: int, seed: int, condition
             torch.tensor(prompt.tail_ids()),
         )
         logits = run_conditions(adapter, case, conditions, check_layers=check_layers, seed=seed + i)
+        if first_token:
+            logits = {name: lg[-1:] for name, lg in logits.items()}
         _, answer, hops = prompt.questions[0]
         tallies["all"].add(logits, answer=answer)
         tallies["through references" if hops else "direct"].add(logits, answer=answer)

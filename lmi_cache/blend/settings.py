@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lmi_cache.config_values import parse_bool, parse_int, unquote_env
+from lmi_cache.config.values import parse_bool, parse_int, unquote_env
 from lmi_cache.errors import ConfigError
 
 BLEND_KEYS = (
@@ -204,7 +204,7 @@ def load_blend_settings(env: Mapping[str, str] | None = None) -> BlendSettings:
     """Blending keys from the LMCache YAML (``LMCACHE_CONFIG_FILE``) overridden by ``LMCACHE_<KEY>`` env."""
     import os
 
-    from lmi_cache.config import CONFIG_FILE_ENV, read_yaml_mapping
+    from lmi_cache.config.cache_config import CONFIG_FILE_ENV, read_yaml_mapping
 
     env = os.environ if env is None else env
     path = unquote_env(env.get(CONFIG_FILE_ENV, ""))

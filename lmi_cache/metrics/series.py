@@ -49,7 +49,7 @@ Worker series (per rank; with TP every rank holds its own part of each token's K
 - lmi_cache_load_seconds{tier}                    latency of a successful load (histogram)
 - lmi_cache_store_seconds{tier}                   latency of a store (CPU: copy; disk: file write)
 
-Blending series (``LmiBlendConnector`` only, with ``enable_blending`` on), in the
+Blending series (``LmiCacheConnector`` with ``enable_blending`` on), in the
 registry of the scheduler's or the rank's object above, so with the same labels
 and the same exporter. ``BlendSchedulerMetrics`` (scheduler, {engine}):
 

@@ -16,7 +16,7 @@ import threading
 from typing import Any, Sequence
 
 from lmi_cache.errors import ConfigError
-from lmi_cache.remote.settings import PASSWORD_ENV, USERNAME_ENV, RemoteSettings, redis_client_url
+from lmi_cache.remote.settings import PASSWORD_ENV, USERNAME_ENV, RemoteSettings
 from lmi_cache.remote.resp_reply import BulkArrayReader, ReplyError
 from lmi_cache.remote.store import BodyAllocator, ReceivedValue, RemoteStore, StoreError
 
@@ -46,7 +46,7 @@ class RedisStore(RemoteStore):
     def __init__(self, settings: RemoteSettings) -> None:
         super().__init__(settings.key_prefix)
         self._redis = _import_redis()
-        self._url = redis_client_url(settings.url)
+        self._url = settings.remote_url.redis_client_url()
         self._cluster = settings.wants_cluster
         self._ttl_s = settings.ttl_s or None
         self._lookup_timeout_s = settings.lookup_timeout_ms / 1000
@@ -56,7 +56,7 @@ class RedisStore(RemoteStore):
             self._credentials["password"] = os.environ[PASSWORD_ENV]
             if os.environ.get(USERNAME_ENV):
                 self._credentials["username"] = os.environ[USERNAME_ENV]
-        self._secrets = [s for s in (self._credentials.get("password"), _url_password(self._url)) if s]
+        self._secrets = [s for s in (self._credentials.get("password"), settings.remote_url.password) if s]
         self._lock = threading.Lock()
         self._lookup_client: Any = None
         self._io_client: Any = None
@@ -210,10 +210,3 @@ class RedisStore(RemoteStore):
                     client.close()
                 except Exception:  # closing a broken connection: nothing left to do
                     pass
-
-
-def _url_password(url: str) -> str | None:
-    from urllib.parse import unquote, urlsplit
-
-    password = urlsplit(url).password
-    return unquote(password) if password else None

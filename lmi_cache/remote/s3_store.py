@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
 from lmi_cache.errors import ConfigError
-from lmi_cache.remote.settings import RemoteSettings, s3_location
+from lmi_cache.remote.settings import RemoteSettings
 from lmi_cache.remote.store import RemoteStore, StoreError
 from lmi_cache.remote.value_codec import KEY_VERSION
 from lmi_cache.thread_affinity import unpin_current_thread
@@ -41,7 +41,7 @@ class S3Store(RemoteStore):
         boto3 = _import_boto3()
         from botocore.config import Config
 
-        self.bucket, self._prefix = s3_location(settings.url)
+        self.bucket, self._prefix = settings.remote_url.s3_location()
         if settings.ttl_s:
             logger.warning("remote ttl_s=%d has no effect on S3: expire objects with a lifecycle rule on "
                            "bucket %s instead", settings.ttl_s, self.bucket)

@@ -11,18 +11,16 @@ chain (S3), and never appear in ``display_url``, logs, metrics or errors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from lmi_cache.errors import ConfigError
+from lmi_cache.remote.url import RemoteUrl, parse_remote_url
 from lmi_cache.remote.value_codec import COMPRESSION_CHOICES
 
 USERNAME_ENV = "LMI_CACHE_REMOTE_USERNAME"
 PASSWORD_ENV = "LMI_CACHE_REMOTE_PASSWORD"
-REDIS_SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss", "unix": "unix"}
 # LMCache's remote_serde values: only "naive" stores KV as is; the others are lossy encodings.
 LOSSLESS_SERDES = ("naive",)
 LOSSY_SERDES = ("cachegen", "kivi", "fp8")
-_TRUE = {"1", "true", "yes", "on"}
 
 
 @dataclass(frozen=True)
@@ -57,20 +55,23 @@ class RemoteSettings:
             raise ConfigError(f"remote setting ttl_s must be 0 (no expiry) or positive, got {self.ttl_s!r}")
         if not self.key_prefix or any(c in self.key_prefix for c in " \n\r\t{}"):
             raise ConfigError(f"remote key_prefix {self.key_prefix!r} must be non-empty, without spaces or braces")
-        store_kind(self.url)
+        self.remote_url.store_kind()
+
+    @property
+    def remote_url(self) -> RemoteUrl:
+        return parse_remote_url(self.url)
 
     @property
     def kind(self) -> str:
-        return store_kind(self.url)
+        return self.remote_url.store_kind()
 
     @property
     def display_url(self) -> str:
-        return redact_url(self.url)
+        return self.remote_url.redacted
 
     @property
     def wants_cluster(self) -> bool:
-        query = dict(parse_qsl(urlsplit(self.url).query))
-        return self.cluster or query.get("cluster", "").lower() in _TRUE
+        return self.cluster or self.remote_url.flag("cluster")
 
 
 def check_serde(serde: str) -> None:
@@ -82,52 +83,3 @@ def check_serde(serde: str) -> None:
             "use remote_serde: naive (lmi-cache compresses remote values losslessly instead)"
         )
     raise ConfigError(f"remote_serde: unknown value {serde!r}; use naive")
-
-
-def store_kind(url: str) -> str:
-    """"redis" or "s3" for a supported ``remote_url``; ConfigError naming the URL (redacted) otherwise."""
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme in REDIS_SCHEMES:
-        if scheme != "unix" and not parts.hostname:
-            raise ConfigError(f"remote_url {redact_url(url)!r} has no host; e.g. redis://cache:6379")
-        if scheme == "unix" and not parts.path:
-            raise ConfigError(f"remote_url {redact_url(url)!r} has no socket path; e.g. unix:///run/redis.sock")
-        try:
-            parts.port
-        except ValueError:
-            raise ConfigError(f"remote_url {redact_url(url)!r} has a bad port; use a number 1-65535") from None
-        return "redis"
-    if scheme == "s3":
-        if not parts.netloc or "@" in parts.netloc:
-            raise ConfigError(f"remote_url {redact_url(url)!r} needs a bucket, e.g. s3://my-bucket/kv-cache")
-        return "s3"
-    raise ConfigError(
-        f"remote_url {redact_url(url)!r}: unsupported scheme {scheme!r}; use redis://, rediss://, "
-        "valkey://, valkeys://, unix:// or s3://"
-    )
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its userinfo (credentials never reach logs or messages)."""
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc.rpartition("@")[2]
-        if "@" in parts.netloc:
-            netloc = "***@" + netloc
-        return f"{parts.scheme}://{netloc}{parts.path}"
-    except ValueError:
-        return "<unparseable url>"
-
-
-def redis_client_url(url: str) -> str:
-    """The URL redis-py understands: valkey schemes mapped, our own query options removed."""
-    parts = urlsplit(url)
-    query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k != "cluster"])
-    return f"{REDIS_SCHEMES[parts.scheme.lower()]}://{parts.netloc}{parts.path}" + (f"?{query}" if query else "")
-
-
-def s3_location(url: str) -> tuple[str, str]:
-    """``s3://bucket/some/prefix`` -> ("bucket", "some/prefix") (prefix without slashes at the ends)."""
-    parts = urlsplit(url)
-    return parts.netloc, parts.path.strip("/")

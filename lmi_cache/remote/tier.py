@@ -29,7 +29,7 @@ from lmi_cache.tiers.base import HitBatch, Tier
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 
 if TYPE_CHECKING:
-    from lmi_cache.config import CacheConfig
+    from lmi_cache.config.cache_config import CacheConfig
     from lmi_cache.tiers.factory import TierContext
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class RemoteTier(Tier):
 
 def build(config: CacheConfig, context: TierContext) -> RemoteTier | None:
     """The remote tier of ``remote_url``, or None without one."""
-    from lmi_cache.config_remote import remote_settings
+    from lmi_cache.config.remote import remote_settings
 
     settings = remote_settings(config)
     if settings is None:

@@ -26,7 +26,7 @@ from lmi_cache.tiers.cpu_index import CpuIndex, Refused
 from lmi_cache.tiers.host_memory import ChunkObject
 
 if TYPE_CHECKING:
-    from lmi_cache.config import CacheConfig
+    from lmi_cache.config.cache_config import CacheConfig
     from lmi_cache.tiers.factory import TierContext
 
 # Called with an object the tier evicted, before the tier drops its reference (demote-to-disk takes one).

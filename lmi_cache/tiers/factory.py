@@ -18,7 +18,7 @@ from lmi_cache.tiers.disk import tier as disk_tier
 from lmi_cache.tiers.host_memory import HostAllocator
 
 if TYPE_CHECKING:
-    from lmi_cache.config import CacheConfig
+    from lmi_cache.config.cache_config import CacheConfig
     from lmi_cache.tiers.cpu_tier import EvictCallback
 
 

@@ -199,7 +199,7 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _open_remote_lookups(self) -> Any:
         """The scheduler's client of the remote store (existence checks only), or None without one."""
-        from lmi_cache.config_remote import remote_settings
+        from lmi_cache.config.remote import remote_settings
 
         settings = remote_settings(self._config, "lmi-cache config")
         if settings is None:

@@ -47,7 +47,7 @@ def weights_identity(vllm_config: VllmConfig) -> str:
 
 
 def load_cache_config() -> Any:
-    from lmi_cache.config import load_config
+    from lmi_cache.config.cache_config import load_config
 
     config, warnings = load_config()
     for warning in warnings:

@@ -1,8 +1,8 @@
 """Builders for host snapshots and models used by the planner/render/validate tests."""
 from __future__ import annotations
 
-from autoconfig.host import DiskInfo, GpuInfo, HostSnapshot, MemoryInfo
-from autoconfig.plan_types import PlanModel
+from autoconfig.probe.snapshot import DiskInfo, GpuInfo, HostSnapshot, MemoryInfo
+from autoconfig.plan.types import PlanModel
 from lmi_cache.kv_layout import KvLayout
 
 GIB = 1 << 30

@@ -19,17 +19,17 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from autoconfig.blend_options import BLEND_OPTIONS, BlendOptionError, resolve_blend
+from autoconfig.lmi.blend_options import BLEND_OPTIONS, BlendOptionError, resolve_blend
 from autoconfig.cli import main
-from autoconfig.configure import configure
-from autoconfig.host import GpuInfo, HostSnapshot, MemoryInfo
-from autoconfig.lmi_to_vllm import LMCACHE_OPTIONS
-from autoconfig.model_source import load_model_info
-from autoconfig.plan_types import PlanError
-from autoconfig.planner import plan_tiers
-from autoconfig.properties import RawOption
-from autoconfig.serve import ServeLaunch, prepare_launch
-from autoconfig.settings import ServingSettings
+from autoconfig.serve.configure import configure
+from autoconfig.probe.snapshot import GpuInfo, HostSnapshot, MemoryInfo
+from autoconfig.lmi.to_vllm import LMCACHE_OPTIONS
+from autoconfig.model.source import load_model_info
+from autoconfig.plan.types import PlanError
+from autoconfig.plan.planner import plan_tiers
+from autoconfig.lmi.properties import RawOption
+from autoconfig.serve.launch import ServeLaunch, prepare_launch
+from autoconfig.plan.settings import ServingSettings
 from lmi_cache.blend.settings import BlendSettings
 from lmi_cache.errors import UserError
 
@@ -84,9 +84,9 @@ def test_options_select_the_blending_connector_and_the_yaml_carries_the_keys(tmp
     assert data["blend_special_str"] == " # # "
     assert BlendSettings.from_mapping(data).recompute_ratios == (0.3,)  # what the connector reads back
     line = next(s for s in launch.summary if "blending on" in s)
-    assert "option.lmcache_enable_blending=true" in line and "LmiBlendConnector" in line
+    assert "option.lmcache_enable_blending=true" in line and "LmiCacheConnector" in line
     plan = json.loads((tmp_path / "runtime" / "plan.json").read_text())
-    assert plan["blending"]["connector"] == "LmiBlendConnector"
+    assert plan["blending"]["connector"] == "LmiCacheConnector"
 
 
 def test_option_env_variables_are_the_same_setting(tmp_path: Path) -> None:
@@ -104,7 +104,7 @@ def test_lmcache_env_turns_it_on_over_auto_configuration(tmp_path: Path) -> None
     assert _connector(launch.argv) == BLEND
     assert _written_yaml(tmp_path)["enable_blending"] is True
     assert any("environment variable LMCACHE_ENABLE_BLENDING=true" in s for s in launch.summary)
-    # lmi_cache.config's hint for the exact-prefix connector is not shown when the blending one is loaded.
+    # lmi_cache.config.cache_config's hint for the exact-prefix connector is not shown when the blending one is loaded.
     assert not any("blending needs the blending connector" in s for s in launch.summary)
     off = _launch(tmp_path, "option.lmcache_auto_config=true\n", {"LMCACHE_ENABLE_BLENDING": "false"})
     assert _connector(off.argv)["kv_connector"] == "LmiCacheConnector"
@@ -209,7 +209,7 @@ def test_plan_explains_blending_and_refuses_engine_lmcache_with_it() -> None:
     assert result.exit_code == 0, result.output
     (line,) = [ln for ln in result.output.splitlines() if "blending = on" in ln]
     assert "--enable-blending" in line and "30%" in line and "model_type 'llama' is covered" in line
-    assert "LmiBlendConnector" in result.output
+    assert "LmiCacheConnector blends" in line
     plain = _cli(["plan", "--model", model, "--host", host])
     assert "blending" not in plain.output and "LmiCacheConnector" in plain.output
     refused = _cli(["plan", "--model", model, "--host", host, "--enable-blending", "--engine", "lmcache"])
@@ -229,7 +229,7 @@ def test_prepare_launch_with_blending_imports_neither_vllm_nor_torch(tmp_path: P
     host.write_text(json.dumps(_host().to_dict()))
     code = textwrap.dedent(f"""
         import json, sys
-        from autoconfig.serve import load_host_file, prepare_launch
+        from autoconfig.serve.launch import load_host_file, prepare_launch
         launch = prepare_launch({str(mdir)!r}, {{}}, host=load_host_file({str(host)!r}),
                                 output_dir={str(tmp_path / 'rt')!r}, dry_run=True)
         assert json.loads(launch.argv[launch.argv.index("--kv-transfer-config") + 1])["kv_connector"] == "LmiCacheConnector"
@@ -261,8 +261,8 @@ def test_the_blending_option_without_the_cache_is_an_error_not_a_silent_no(tmp_p
 
 
 def test_on_the_cpu_backend_the_plan_reserves_the_blend_heap_per_worker() -> None:
-    from autoconfig.host import load_snapshot_file
-    from autoconfig.settings import ServingSettings
+    from autoconfig.probe.snapshot import load_snapshot_file
+    from autoconfig.plan.settings import ServingSettings
     from lmi_cache.blend.host_heap import blend_heap_bytes
 
     import dataclasses

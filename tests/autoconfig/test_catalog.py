@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from autoconfig.catalog import (
+from autoconfig.probe.catalog import (
     HOST_RAM_RESERVE_MIN_BYTES,
     INSTANCE_STORE_MOUNT,
     UnknownInstanceError,
@@ -13,7 +13,7 @@ from autoconfig.catalog import (
     host_snapshot_for,
     list_instances,
 )
-from autoconfig.host import HostSnapshot
+from autoconfig.probe.snapshot import HostSnapshot
 from lmi_cache.errors import UserError
 
 GiB = 1024**3

@@ -23,9 +23,9 @@ import pytest
 
 from tests.moto_server import moto_endpoint
 
-from autoconfig.catalog import host_snapshot_for
-from autoconfig.host import HostSnapshot
-from autoconfig.serve import ServeLaunch, prepare_launch
+from autoconfig.probe.catalog import host_snapshot_for
+from autoconfig.probe.snapshot import HostSnapshot
+from autoconfig.serve.launch import ServeLaunch, prepare_launch
 from lmi_cache.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1] / "fixtures"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from plan_helpers import disk, host
 
-from autoconfig.configure import ConfigureError, configure, cpu_kvcache_space_from_env
-from autoconfig.properties import PropertiesError
-from lmi_cache.config import load_config
+from autoconfig.serve.configure import ConfigureError, configure, cpu_kvcache_space_from_env
+from autoconfig.lmi.properties import PropertiesError
+from lmi_cache.config.cache_config import load_config
 from lmi_cache.errors import ConfigError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from autoconfig.host import DiskInfo, GpuInfo, HostSnapshot, MemoryInfo
-from autoconfig.serve import ServeLaunch, prepare_launch
+from autoconfig.probe.snapshot import DiskInfo, GpuInfo, HostSnapshot, MemoryInfo
+from autoconfig.serve.launch import ServeLaunch, prepare_launch
 from lmi_cache.errors import UserError
 
 GIB = 1 << 30

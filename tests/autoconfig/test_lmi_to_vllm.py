@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoconfig.lmi_names import SECRET_OPTIONS
-from autoconfig.lmi_to_vllm import (
+from autoconfig.lmi.names import SECRET_OPTIONS
+from autoconfig.lmi.to_vllm import (
     LMI_IGNORED,
     LMI_RENAMES,
     RESERVED,

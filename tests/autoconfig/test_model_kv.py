@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autoconfig.model_kv import HybridModelError, ModelConfigError, kv_layout_from_config
+from autoconfig.model.kv import HybridModelError, ModelConfigError, kv_layout_from_config
 from lmi_cache.errors import UserError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs"

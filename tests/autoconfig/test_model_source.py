@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from autoconfig.model_kv import ModelConfigError
-from autoconfig.model_source import (
+from autoconfig.model.kv import ModelConfigError
+from autoconfig.model.source import (
     ModelNotFoundError,
     estimate_num_params,
     hf_hub_cache_dir,
@@ -243,7 +243,7 @@ def test_hf_hub_cache_dir_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
 
 def test_hub_access_follows_huggingface_hub_env_rules() -> None:
-    from autoconfig.model_source import hub_access_from_env
+    from autoconfig.model.source import hub_access_from_env
 
     assert hub_access_from_env({}) == (None, True)
     assert hub_access_from_env({"HF_HOME": "/h"}) == ("/h", True)
@@ -303,7 +303,7 @@ def test_moe_layer_count_ignores_a_zero_step_and_garbage_dense_list(tmp_path: Pa
 
 
 def test_moe_layer_count_matches_the_rule() -> None:
-    from autoconfig.model_params import _moe_layer_count
+    from autoconfig.model.params import _moe_layer_count
 
     def brute(layers: int, first: int, step: int, only: list[int]) -> int:
         return sum(1 for i in range(layers) if i >= first and i not in only and (i + 1) % step == 0)

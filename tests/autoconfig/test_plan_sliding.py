@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from test_cli import HOSTS, MODELS, _golden, _run
 
-from autoconfig.model_kv import hybrid_group_layers
+from autoconfig.model.kv import hybrid_group_layers
 
 # (golden name, model fixture, extra arguments, layers, windowed layers, layers per hybrid group)
 CASES = [

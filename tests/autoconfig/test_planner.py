@@ -1,4 +1,4 @@
-"""Unit tests for each planner rule (autoconfig.planner.plan_tiers)."""
+"""Unit tests for each planner rule (autoconfig.plan.planner.plan_tiers)."""
 from __future__ import annotations
 
 import math
@@ -6,10 +6,10 @@ import math
 import pytest
 from plan_helpers import GIB, LLAMA8B, disk, gpus, host, memory
 
-from autoconfig.host import HostSnapshot
-from autoconfig.plan_types import PlanError, PlanModel
-from autoconfig.planner import gib_floor_bytes, lmi_reference, plan_tiers
-from autoconfig.settings import ServingSettings, TierOverrides
+from autoconfig.probe.snapshot import HostSnapshot
+from autoconfig.plan.types import PlanError, PlanModel
+from autoconfig.plan.planner import gib_floor_bytes, lmi_reference, plan_tiers
+from autoconfig.plan.settings import ServingSettings, TierOverrides
 from lmi_cache.kv_layout import KvLayout
 
 S = ServingSettings

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from plan_helpers import GIB, LLAMA8B, disk, host
 
 from autoconfig.cli import main
-from autoconfig.plan_types import PlanError, PlanModel
-from autoconfig.planner import plan_tiers
-from autoconfig.settings import ServingSettings, TierOverrides
+from autoconfig.plan.types import PlanError, PlanModel
+from autoconfig.plan.planner import plan_tiers
+from autoconfig.plan.settings import ServingSettings, TierOverrides
 from lmi_cache.kv_layout import KvLayout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def test_pp_larger_than_the_layers_is_refused() -> None:
 
 
 def test_real_config_carries_its_head_count() -> None:
-    from autoconfig.model_source import load_model_info
+    from autoconfig.model.source import load_model_info
 
     info = load_model_info(str(REPO / "tests/fixtures/hf_configs/qwen2.5-7b-instruct"))  # 28 heads, 4 KV heads
     with pytest.raises(PlanError, match="28 attention heads"):
@@ -185,7 +185,7 @@ def _model_dir(tmp_path: Path, properties: str) -> Path:
     ],
 )
 def test_configure_refuses_before_writing(tmp_path: Path, line: str, needle: str) -> None:
-    from autoconfig.configure import configure
+    from autoconfig.serve.configure import configure
 
     mdir = _model_dir(tmp_path, f"option.lmcache_auto_config=true\n{line}\n")
     with pytest.raises(PlanError, match=needle):
@@ -194,7 +194,7 @@ def test_configure_refuses_before_writing(tmp_path: Path, line: str, needle: str
 
 
 def test_configure_lists_lmcache_env_overrides(tmp_path: Path) -> None:
-    from autoconfig.configure import configure
+    from autoconfig.serve.configure import configure
 
     mdir = _model_dir(tmp_path, "option.lmcache_auto_config=true\n")
     env = {"LMCACHE_CHUNK_SIZE": "512", "LMCACHE_REMOTE_URL": "redis://u:secret@h:6379", "LMCACHE_LOG_LEVEL": "DEBUG"}

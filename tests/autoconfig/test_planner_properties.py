@@ -4,12 +4,12 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autoconfig.host import DiskInfo, GpuInfo, HostSnapshot, MemoryInfo
-from autoconfig.plan_disk import unsuitable_reason
-from autoconfig.plan_types import PlanError, PlanModel
-from autoconfig.planner import plan_tiers
+from autoconfig.probe.snapshot import DiskInfo, GpuInfo, HostSnapshot, MemoryInfo
+from autoconfig.plan.disk import unsuitable_reason
+from autoconfig.plan.types import PlanError, PlanModel
+from autoconfig.plan.planner import plan_tiers
 from autoconfig.render.lmcache_yaml import gib_2dp_floor
-from autoconfig.settings import ServingSettings, TierOverrides
+from autoconfig.plan.settings import ServingSettings, TierOverrides
 from lmi_cache.kv_layout import KV_DTYPE_BYTES, KvLayout
 
 GIB = 1 << 30

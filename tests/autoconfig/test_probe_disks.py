@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autoconfig.host import DiskInfo
+from autoconfig.probe.snapshot import DiskInfo
 from autoconfig.probe import disks as disks_mod
 from autoconfig.probe.blockdev import resolve_device
 from autoconfig.probe.disks import disk_for_path, odirect_supported, probe_disks

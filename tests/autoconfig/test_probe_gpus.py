@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from autoconfig.host import GpuInfo
+from autoconfig.probe.snapshot import GpuInfo
 from autoconfig.probe.gpus import probe_gpus
 
 GIB = 1024**3

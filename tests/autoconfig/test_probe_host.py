@@ -5,7 +5,7 @@ import json
 import os
 import time
 
-from autoconfig.host import HostSnapshot
+from autoconfig.probe.snapshot import HostSnapshot
 from autoconfig.probe import probe_host
 from autoconfig.probe.disks import disk_for_path
 

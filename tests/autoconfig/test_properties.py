@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from autoconfig.java_properties import PropertiesSyntaxError, parse_properties
-from autoconfig.properties import PropertiesError, resolve_properties
+from autoconfig.lmi.java_properties import PropertiesSyntaxError, parse_properties
+from autoconfig.lmi.properties import PropertiesError, resolve_properties
 from lmi_cache.errors import UserError
 
 

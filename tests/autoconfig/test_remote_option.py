@@ -12,10 +12,10 @@ from plan_helpers import disk, host
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lmi_cache"))
 from remote_fixtures import redis_server  # noqa: E402,F401
 
-from autoconfig.configure import configure  # noqa: E402
-from autoconfig.properties import PropertiesError  # noqa: E402
+from autoconfig.serve.configure import configure  # noqa: E402
+from autoconfig.lmi.properties import PropertiesError  # noqa: E402
 from autoconfig.render.plan_text import format_plan  # noqa: E402
-from lmi_cache.config import load_config  # noqa: E402
+from lmi_cache.config.cache_config import load_config  # noqa: E402
 from lmi_cache.devtools.redis_server import RedisServer, free_port  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs"
@@ -82,3 +82,13 @@ def test_a_bad_remote_url_is_one_line_without_the_password(tmp_path: Path, url: 
     assert "option.lmcache_remote_url" in message and needle in message
     assert "pw-secret" not in message and "\n" not in message
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("url", ["redis://cache", "valkey://cache", "rediss://u:pw@cache:6380/2?cluster=true",
+                                 "unix:///run/redis.sock", "s3://bucket/kv"])
+def test_a_url_the_option_accepts_is_one_the_engine_loads(tmp_path: Path, url: str) -> None:
+    # One parser: auto-configuration never writes a remote_url the engine then refuses when vLLM starts.
+    mdir = _model_dir(tmp_path, AUTO + f"option.lmcache_remote_url={url}\n")
+    configure(mdir, tmp_path / "out", {}, host=HOST, check_output=False)
+    config, _ = load_config(str(tmp_path / "out" / "lmcache.yaml"), env={})
+    assert config.remote_url == url

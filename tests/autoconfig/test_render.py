@@ -1,4 +1,4 @@
-"""Renderers: LMCache dict/YAML (loads with lmi_cache.config) and vLLM arguments."""
+"""Renderers: LMCache dict/YAML (loads with lmi_cache.config.cache_config) and vLLM arguments."""
 from __future__ import annotations
 
 import json
@@ -9,11 +9,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from plan_helpers import GIB, LLAMA8B, disk, host
 
-from autoconfig.planner import plan_tiers
+from autoconfig.plan.planner import plan_tiers
 from autoconfig.render.lmcache_yaml import gib_2dp_floor, lmcache_dict, render_yaml
 from autoconfig.render.vllm_args import vllm_args
-from autoconfig.settings import ServingSettings
-from lmi_cache.config import config_from_dict, load_config
+from autoconfig.plan.settings import ServingSettings
+from lmi_cache.config.cache_config import config_from_dict, load_config
 
 
 def _plan(**kw: object):

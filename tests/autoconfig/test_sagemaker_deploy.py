@@ -10,7 +10,7 @@ from tests.moto_server import moto_endpoint
 from click.testing import CliRunner
 
 from autoconfig.cli_serve import deploy as deploy_command
-from autoconfig.sagemaker_deploy import (
+from autoconfig.serve.sagemaker_deploy import (
     DeployError,
     DeploySpec,
     build_requests,
@@ -219,7 +219,7 @@ def test_env_pairs_reach_the_container_and_secrets_are_never_printed() -> None:
 
 
 def test_bad_pairs_do_not_echo_their_value() -> None:
-    from autoconfig.sagemaker_deploy import parse_env_pairs
+    from autoconfig.serve.sagemaker_deploy import parse_env_pairs
 
     with pytest.raises(DeployError) as info:
         parse_option_pairs(["hf token=hf_leak"])

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from autoconfig.host import DiskInfo, GpuInfo, HostSnapshot, MemoryInfo
-from autoconfig.serve import ServeLaunch, prepare_launch
+from autoconfig.probe.snapshot import DiskInfo, GpuInfo, HostSnapshot, MemoryInfo
+from autoconfig.serve.launch import ServeLaunch, prepare_launch
 from lmi_cache.errors import UserError
 
 GIB = 1 << 30
@@ -184,3 +184,14 @@ def test_secrets_are_masked_in_the_summary_and_printed_command(tmp_path: Path) -
     assert "hf_secret123" not in printed
     assert "option hf_token = ***" in printed and "env HF_TOKEN=***" in printed
     assert any("engine=Python" in line and "ignored" in line for line in result.summary)
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_only_a_real_start_cleans_the_sessions_folder(tmp_path: Path, dry_run: bool) -> None:
+    folder = tmp_path / "sessions"
+    (folder / "crashed").mkdir(parents=True)
+    (folder / "crashed" / ".expiration_ts").write_text("")  # a crash mid-write: AWS's library cannot start on it
+    mdir = model_dir(tmp_path, f"option.sessions_path={folder}\n")
+    prepare_launch(mdir, {}, host=make_host(1), output_dir=tmp_path / "runtime", python="/usr/bin/python3",
+                   dry_run=dry_run)
+    assert (folder / "crashed").exists() == dry_run

@@ -103,7 +103,7 @@ def test_prepare_launch_imports_neither_vllm_nor_torch(tmp_path: Path) -> None:
     (mdir / "serving.properties").write_text("option.lmcache_auto_config=true\n")
     code = textwrap.dedent(f"""
         import sys
-        from autoconfig.serve import load_host_file, prepare_launch
+        from autoconfig.serve.launch import load_host_file, prepare_launch
         prepare_launch({str(mdir)!r}, {{}}, host=load_host_file({str(host_json(tmp_path, 1))!r}),
                        output_dir={str(tmp_path / 'rt')!r})
         print(sorted(m for m in ("vllm", "torch", "transformers") if m in sys.modules))
@@ -117,7 +117,7 @@ def test_prepare_launch_imports_neither_vllm_nor_torch(tmp_path: Path) -> None:
 def test_the_server_runs_as_a_child_with_serves_environment_and_passes_its_exit_code(tmp_path: Path) -> None:
     code = textwrap.dedent("""
         import os, sys
-        from autoconfig.serve import ServeLaunch, run_launch
+        from autoconfig.serve.launch import ServeLaunch, run_launch
         print(os.getpid(), flush=True)
         child = "import os, sys; print(os.getppid(), os.environ['MARK'], flush=True); sys.exit(7)"
         sys.exit(run_launch(ServeLaunch([sys.executable, "-c", child], {**os.environ, "MARK": "set"}, {}, "off")))

@@ -18,8 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from autoconfig.cli import main as cli_main
-from autoconfig.lmi_to_vllm import vllm_table_version
-from autoconfig.serve import DEFAULT_PORT, PORT_ENV
+from autoconfig.lmi.to_vllm import vllm_table_version
+from autoconfig.serve.launch import DEFAULT_PORT, PORT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = [REPO / "containers" / "Dockerfile.gpu", REPO / "containers" / "Dockerfile.cpu"]

@@ -1,7 +1,7 @@
 """What LMI users write works unchanged: the LMCache recipe, simplified env vars, defaults, typos.
 
 Each case is an ``lmi-cache serve`` start (``prepare_launch``, no exec) on a
-host snapshot; LMI's rules are cited in autoconfig/lmi_names.py.
+host snapshot; LMI's rules are cited in autoconfig/lmi/names.py.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from autoconfig.properties import resolve_properties
+from autoconfig.lmi.properties import resolve_properties
 from lmi_cache.errors import UserError
 from tests.autoconfig.test_serve import flag_value, launch, make_host, model_dir
 
@@ -216,7 +216,7 @@ def test_tp_max_is_lowered_to_what_the_models_heads_allow(tmp_path: Path) -> Non
 @pytest.mark.parametrize(("gpus", "heads", "expected"), [(8, (32, 8), 8), (6, (32, 8), 4), (8, (28, 4), 4),
                                                          (8, (64, 1), 8), (3, (40, 8), 2), (8, (12, 12), 6)])
 def test_largest_fitting_tp(gpus: int, heads: tuple[int, int], expected: int) -> None:
-    from autoconfig.serve_checks import largest_fitting_tp
+    from autoconfig.serve.checks import largest_fitting_tp
 
     assert largest_fitting_tp(gpus, heads) == expected
 
@@ -233,7 +233,7 @@ def test_a_misspelt_front_option_gets_a_did_you_mean(tmp_path: Path, line: str, 
 
 
 def test_front_options_are_served_not_passed_to_vllm(tmp_path: Path) -> None:
-    from autoconfig.lmi_to_vllm import map_lmi_options
+    from autoconfig.lmi.to_vllm import map_lmi_options
 
     result = launch(tmp_path, "option.sessions_expiration=60\noption.enable_stateful_sessions=true\n")
     assert result.env_set["SAGEMAKER_SESSIONS_EXPIRATION"] == "60"

@@ -13,10 +13,10 @@ import pytest
 
 from tests.moto_server import moto_endpoint
 
-from autoconfig.s3_model import local_dir
+from autoconfig.model.s3 import local_dir
 from lmi_cache.errors import UserError
 from tests.autoconfig.test_serve import FIXTURES, flag_value, make_host, model_dir
-from autoconfig.serve import prepare_launch
+from autoconfig.serve.launch import prepare_launch
 
 BUCKET = "djl-llm"
 PREFIX = "llama-3-8b-instruct-hf/"

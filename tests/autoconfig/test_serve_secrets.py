@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from autoconfig.configure import configure
-from autoconfig.serve import prepare_launch
+from autoconfig.serve.configure import configure
+from autoconfig.serve.launch import prepare_launch
 from lmi_cache.errors import UserError
 from tests.autoconfig.test_serve import launch, make_host, model_dir
 from tests.autoconfig.test_serve_cli import run_serve

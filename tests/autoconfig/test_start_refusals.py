@@ -13,7 +13,7 @@ from cli_helpers import one_line_error
 from click.testing import CliRunner, Result
 
 from autoconfig.cli import main
-from autoconfig.start_checks import derived_max_model_len
+from autoconfig.plan.start_checks import derived_max_model_len
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "tests" / "fixtures" / "hf_configs"

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from autoconfig.supervise import UNASKED_EXIT_STATUS, exit_status
+from autoconfig.serve.supervise import UNASKED_EXIT_STATUS, exit_status
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ SERVER = textwrap.dedent("""
 # serve's part, as run_launch runs it: the stand-in's argv and a line of output per event.
 SUPERVISOR = textwrap.dedent("""
     import ctypes, sys
-    from autoconfig.supervise import run_supervised
+    from autoconfig.serve.supervise import run_supervised
     if sys.argv[2] == "orphan":  # orphans re-parent to this process, as to PID 1 in a container
         assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
     status = run_supervised([sys.executable, "-c", sys.argv[1], sys.argv[2]], dict(__import__("os").environ),
@@ -134,7 +134,7 @@ def test_exit_status_mapping() -> None:
 
 
 def test_a_signal_before_the_server_started_still_reaches_it() -> None:
-    from autoconfig import supervise
+    from autoconfig.serve import supervise
 
     forwarder = supervise._Forwarder()
     forwarder(signal.SIGTERM, None)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from plan_helpers import LLAMA8B, disk, host
 
-from autoconfig.settings import ServingSettings
+from autoconfig.plan.settings import ServingSettings
 from autoconfig.validate import ValidateInputError, validate_config
 
 HOST = host(2, 400, disks=[disk("/nvme", free_gib=1000, total_gib=2000)])

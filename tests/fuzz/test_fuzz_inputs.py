@@ -24,8 +24,8 @@ from fuzz_support import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmi_cache.config import load_config
-from lmi_cache.config_keys import DEPRECATED_ALIASES, EXTRA_CONFIG_KEYS, LEGACY_KEYS, LMCACHE_KEYS
+from lmi_cache.config.cache_config import load_config
+from lmi_cache.config.keys import DEPRECATED_ALIASES, EXTRA_CONFIG_KEYS, LEGACY_KEYS, LMCACHE_KEYS
 from lmi_cache.errors import UserError
 
 CONFIG_KEYS_READ = [

@@ -4,6 +4,7 @@ Tiny random float32 Llama/Qwen2/Qwen3/Mistral models built with transformers on 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -80,8 +81,8 @@ def test_single_segment_at_position_zero_with_ratio_zero_is_exact(model: Any) ->
         torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
 
 
-def test_partial_blend_keeps_exact_layers_and_cached_rows(llama: Any) -> None:
-    """Prefix rows and layers up to the check layer are exact; unselected rows past it are the cached KV."""
+def _partial_blend(llama: Any) -> tuple[HFLayerwiseModel, int, Any, Any, Callable[..., BlendOutcome]]:
+    """(adapter, prefix length, exact KV, naive KV, blend of case 5's segments with the given keyword arguments)."""
     adapter = HFLayerwiseModel(llama)
     prefix, segments, _ = _case(5)
     with torch.no_grad():
@@ -89,16 +90,39 @@ def test_partial_blend_keeps_exact_layers_and_cached_rows(llama: Any) -> None:
         exact = prefix_kv.cat(prefill(adapter, torch.cat(segments), prefix_kv)[0])
         cached = [segment_kv(adapter, s) for s in segments]
         naive = naive_concat(adapter, prefix_kv, cached)
-        out: BlendOutcome = blend(adapter, prefix_kv, segments, cached, check_layers=[1], recompute_counts=[14])
-    p = prefix.numel()
+
+    def run(**kwargs: Any) -> BlendOutcome:
+        with torch.no_grad():
+            return blend(adapter, prefix_kv, segments, cached, **kwargs)
+
+    return adapter, prefix.numel(), exact, naive, run
+
+
+def test_partial_blend_keeps_exact_layers_and_cached_rows(llama: Any) -> None:
+    """Prefix rows and layers up to the check layer are exact; unselected rows past it are the cached KV."""
+    _, p, exact, naive, run = _partial_blend(llama)
+    out: BlendOutcome = run(check_layers=[1], recompute_counts=[14], gradual=False)
     assert out.recomputed.numel() == 14
     torch.testing.assert_close(out.kv.k[:2], exact.k[:2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.kv.v[:2], exact.v[:2], rtol=1e-5, atol=1e-5)
-    assert torch.equal(out.kv.k[:, :p], prefix_kv.k)
+    assert torch.equal(out.kv.k[:, :p], exact.k[:, :p])  # the prefix's own KV
     kept = torch.ones(exact.num_tokens - p, dtype=torch.bool)
     kept[out.recomputed] = False
     assert torch.equal(out.kv.k[2:, p:][:, kept], naive.k[2:, p:][:, kept])
     assert not torch.allclose(out.kv.k[2:, p:][:, ~kept], naive.k[2:, p:][:, ~kept])
+
+
+def test_one_check_layer_is_gradual_filtering(llama: Any) -> None:
+    """Check layer 1 keeping 14: layer 2 recomputes 28 rows, layer 3 (the last) 21, and 14 of those stay."""
+    _, p, exact, naive, run = _partial_blend(llama)
+    out = run(check_layers=[1], recompute_counts=[14])
+    same = run(check_layers=[1, 2, 3], recompute_counts=[28, 21, 14], gradual=False)
+    torch.testing.assert_close(out.kv.k[:2], exact.k[:2], rtol=1e-5, atol=1e-5)
+    fresh = [(out.kv.k[layer, p:] != naive.k[layer, p:]).flatten(1).any(dim=1) for layer in (2, 3)]
+    assert [int(f.sum()) for f in fresh] == [28, 21]
+    assert bool(fresh[0][fresh[1]].all())  # layer 3's rows are among layer 2's
+    assert out.recomputed.numel() == 14 and bool(fresh[1][out.recomputed].all())
+    assert torch.equal(out.kv.k, same.kv.k) and torch.equal(out.recomputed, same.recomputed)
 
 
 def test_random_blend_needs_a_generator(llama: Any) -> None:

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import yaml
 
-from autoconfig.catalog import host_snapshot_for
-from autoconfig.model_source import load_model_info
-from autoconfig.settings import ServingSettings
+from autoconfig.probe.catalog import host_snapshot_for
+from autoconfig.model.source import load_model_info
+from autoconfig.plan.settings import ServingSettings
 from autoconfig.validate import validate_config
-from lmi_cache.config import load_config
+from lmi_cache.config.cache_config import load_config
 from lmi_cache.errors import ConfigError
 
 COMPAT = Path(__file__).resolve().parents[1] / "fixtures" / "compat" / "lmcache"
@@ -104,14 +104,14 @@ def test_lmcache_ci_environments(name: str) -> None:
     ],
 )
 def test_extra_config_env_forms_from_lmcache_tests(raw: str, expected: dict[str, Any]) -> None:
-    from lmi_cache.config_values import parse_mapping
+    from lmi_cache.config.values import parse_mapping
 
     assert parse_mapping(raw, "env LMCACHE_EXTRA_CONFIG") == expected
     load_config(env={"LMCACHE_EXTRA_CONFIG": raw})  # accepted by the engine's loader too
 
 
 def test_scalar_env_forms_from_lmcache_tests() -> None:
-    from lmi_cache.config_values import unquote_env
+    from lmi_cache.config.values import unquote_env
 
     config, _ = load_config(env={"LMCACHE_CHUNK_SIZE": "  512  "})
     assert config.chunk_size == 512

@@ -1,4 +1,4 @@
-"""Tests for lmi_cache.config: LMCache YAML + LMCACHE_* env parsing."""
+"""Tests for lmi_cache.config.cache_config: LMCache YAML + LMCACHE_* env parsing."""
 from __future__ import annotations
 
 import subprocess
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lmi_cache.config import CacheConfig, config_from_dict, config_to_dict, load_config
-from lmi_cache.config_keys import IMPLEMENTED_KEYS, LMCACHE_KEYS
+from lmi_cache.config.cache_config import CacheConfig, config_from_dict, config_to_dict, load_config
+from lmi_cache.config.keys import IMPLEMENTED_KEYS, LMCACHE_KEYS
 from lmi_cache.errors import ConfigError, UserError
 
 
@@ -117,7 +117,7 @@ def test_legacy_and_deprecated_keys_warn_with_replacement() -> None:
         ({"local_disk": "relative/path"}, "local_disk"),
         ({"local_disk": "gds:///x"}, "local_disk"),
         ({"remote_url": "ftp://x"}, "remote_url"),
-        ({"remote_url": "redis://host"}, "remote_url"),
+        ({"remote_url": "redis://:6379"}, "remote_url"),
         ({"remote_url": "redis://host:notaport"}, "remote_url"),
         ({"cache_policy": "RANDOM"}, "cache_policy"),
         ({"extra_config": {"disk_feed": "sideways"}}, "disk_feed"),
@@ -158,7 +158,7 @@ def test_round_trip_through_dict() -> None:
 
 
 def test_config_import_is_torch_free() -> None:
-    code = "import sys, lmi_cache.config, lmi_cache.keys.hashing; assert 'torch' not in sys.modules"
+    code = "import sys, lmi_cache.config.cache_config, lmi_cache.keys.hashing; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -213,7 +213,7 @@ def test_extra_config_typo_gets_did_you_mean() -> None:
 
 
 def test_env_override_names_lists_only_config_variables() -> None:
-    from lmi_cache.config import env_override_names
+    from lmi_cache.config.cache_config import env_override_names
 
     env = {"LMCACHE_CHUNK_SIZE": "1", "LMCACHE_REMOTE_URL": "redis://u:p@h:1", "LMCACHE_LOG_LEVEL": "x",
            "LMCACHE_NIXL_ROLE": "sender", "HOME": "/root"}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lmi_cache.config import load_config
-from lmi_cache.config_yaml import MAX_EXPANDED_NODES, load_yaml
+from lmi_cache.config.cache_config import load_config
+from lmi_cache.config.yaml_reader import MAX_EXPANDED_NODES, load_yaml
 from lmi_cache.errors import ConfigError
 
 BOMB = "".join(f"  {k}: &{k} [{', '.join([prev] * 9)}]\n" for k, prev in zip(

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
-from lmi_cache.config import CacheConfig
+from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine
 from lmi_cache.tiers.disk.ranks import rank_label
 

@@ -244,7 +244,7 @@ def test_page_locked_pools_keep_their_fixed_limit() -> None:
 
 
 def test_an_engines_cpu_tier_budget_is_kept_warm() -> None:
-    from lmi_cache.config import CacheConfig
+    from lmi_cache.config.cache_config import CacheConfig
     from lmi_cache.engine import CacheEngine
 
     payload = 100_000

@@ -79,7 +79,6 @@ def test_sigkill_mid_write_never_yields_wrong_bytes(tmp_path: Path) -> None:
     durable: set[int] = set()
     attempted: set[int] = set()
     rounds_with_torn_tmp = 0
-    started = time.monotonic()
     for round_number in range(ROUNDS):
         first = round_number * KEYS_PER_ROUND // 2  # rounds overlap: re-stores of existing chunks too
         attempted.update(range(first, first + KEYS_PER_ROUND))
@@ -115,4 +114,3 @@ def test_sigkill_mid_write_never_yields_wrong_bytes(tmp_path: Path) -> None:
         shutil.rmtree(root, ignore_errors=True)
     # The kills must really land mid-write sometimes, or this test proves nothing.
     assert rounds_with_torn_tmp >= 5
-    assert time.monotonic() - started < 60

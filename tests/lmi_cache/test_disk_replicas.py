@@ -17,7 +17,7 @@ import torch
 
 from lmi_cache.keys.chunk_format import ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
-from lmi_cache.config import CacheConfig
+from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine, scan_persisted_digests
 from lmi_cache.tiers.disk.ranks import rank_disk_dirs
 from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace
-from lmi_cache.config import CacheConfig
+from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine, scan_persisted_digests
 from lmi_cache.tiers.disk import object_files
 from engine_verbs import held_by, keys_for, load, load_many, lookup, lookup_tokens, save, tier  # noqa: E402
@@ -180,7 +180,7 @@ def test_restart_in_a_new_process_serves_old_entries(tmp_path: Path) -> None:
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from engine_verbs import keys_for, save
         from lmi_cache.keys.hashing import KeyNamespace
-        from lmi_cache.config import CacheConfig
+        from lmi_cache.config.cache_config import CacheConfig
         from lmi_cache.engine import CacheEngine
         ns = KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1")
         cfg = CacheConfig(chunk_size=16, local_disk=({str(tmp_path)!r},), max_local_disk_size=1 / 1024)

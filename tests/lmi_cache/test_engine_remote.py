@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from remote_fixtures import BUCKET, moto_s3, redis_server  # noqa: E402,F401
 
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys  # noqa: E402
-from lmi_cache.config import CacheConfig, config_from_dict  # noqa: E402
+from lmi_cache.config.cache_config import CacheConfig, config_from_dict  # noqa: E402
 from lmi_cache.engine import CacheEngine  # noqa: E402
 from lmi_cache.devtools.redis_server import RedisServer, free_port  # noqa: E402
 from engine_verbs import held_by, load, save  # noqa: E402
@@ -136,13 +136,13 @@ def test_config_refuses_a_lossy_serde_and_a_bad_store_url() -> None:
 
     with pytest.raises(ConfigError, match="remote_serde.*lossy"):
         config_from_dict({"remote_url": "redis://cache:6379", "remote_serde": "cachegen"}, "c.yaml")
-    with pytest.raises(ConfigError, match="c.yaml: remote_url 's3://' needs a bucket"):
+    with pytest.raises(ConfigError, match="c.yaml: key 'remote_url': remote_url 's3://' needs a bucket"):
         config_from_dict({"remote_url": "s3://"}, "c.yaml")
     with pytest.raises(ConfigError, match="extra_config.remote_compression"):
         config_from_dict({"remote_url": "redis://cache:6379", "extra_config": {"remote_compression": "lz9"}}, "c.yaml")
     config, _ = config_from_dict({"remote_url": "valkeys://cache:6380", "lookup_timeout_ms": 20,
                                   "extra_config": {"remote_ttl_s": 3600, "remote_cluster": "true"}}, "c.yaml")
-    from lmi_cache.config_remote import remote_settings
+    from lmi_cache.config.remote import remote_settings
 
     settings = remote_settings(config)
     assert settings is not None and settings.lookup_timeout_ms == 20 and settings.ttl_s == 3600 and settings.cluster

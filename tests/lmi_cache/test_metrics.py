@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from lmi_cache.keys.hashing import KeyNamespace
-from lmi_cache.config import CacheConfig
+from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine
 from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner, SchedulerMetrics
 from engine_verbs import keys_for, load, lookup, save  # noqa: E402

@@ -13,7 +13,8 @@ from lmi_cache.keys.chunk_format import ChunkFormatError, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.errors import ConfigError
 from lmi_cache.remote.put_queue import PutQueue
-from lmi_cache.remote.settings import RemoteSettings, redact_url, redis_client_url, s3_location
+from lmi_cache.remote.settings import RemoteSettings
+from lmi_cache.remote.url import redact_url
 from lmi_cache.remote.store import Backoff
 from lmi_cache.remote.value_codec import (
     SECRET_ENV,
@@ -168,7 +169,7 @@ def test_redis_urls(url: str) -> None:
 
 def test_s3_url() -> None:
     settings = RemoteSettings("s3://bucket/a/b/")
-    assert settings.kind == "s3" and s3_location(settings.url) == ("bucket", "a/b")
+    assert settings.kind == "s3" and settings.remote_url.s3_location() == ("bucket", "a/b")
 
 
 @pytest.mark.parametrize("url,message", [("http://h", "unsupported scheme"), ("redis://:6379", "no host"),
@@ -192,7 +193,7 @@ def test_credentials_never_shown() -> None:
 def test_valkey_scheme_and_cluster_option() -> None:
     settings = RemoteSettings("valkeys://cache:6380/0?cluster=true")
     assert settings.wants_cluster
-    assert redis_client_url(settings.url) == "rediss://cache:6380/0"
+    assert settings.remote_url.redis_client_url() == "rediss://cache:6380/0"
     assert not RemoteSettings("redis://cache").wants_cluster
     assert RemoteSettings("redis://cache", cluster=True).wants_cluster
 

@@ -97,7 +97,8 @@ def test_ttl_expires_values(redis_server: RedisServer) -> None:
 
 def test_store_side_lru_eviction_is_a_miss_not_an_error() -> None:
     with RedisServer(extra_args=["--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"]) as server:
-        cache = open_remote(redis_settings(server.url, "lru"))
+        # Generous timeouts: this is about eviction, and a loaded host must not turn reads into timeout misses.
+        cache = open_remote(redis_settings(server.url, "lru", lookup_timeout_ms=10_000, io_timeout_ms=20_000))
         try:
             keys, objs = fill(cache, 60, size=64 << 10)  # ~4 MB into a 3 MB store
             present = cache.contains_many(keys)

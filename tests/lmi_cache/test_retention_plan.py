@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from autoconfig.planner import plan_tiers
-from autoconfig.properties import PropertiesError, resolve_properties
+from autoconfig.plan.planner import plan_tiers
+from autoconfig.lmi.properties import PropertiesError, resolve_properties
 from autoconfig.render.plan_text import format_plan
-from autoconfig.settings import ServingSettings, TierOverrides
-from lmi_cache.config import config_from_dict
+from autoconfig.plan.settings import ServingSettings, TierOverrides
+from lmi_cache.config.cache_config import config_from_dict
 from lmi_cache.errors import ConfigError
 from tests.autoconfig.plan_helpers import LLAMA8B, host
 
@@ -81,7 +81,7 @@ def test_engine_config_reads_and_checks_the_share() -> None:
 
 
 def test_the_option_is_read_by_the_planner_not_passed_to_vllm() -> None:
-    from autoconfig.lmi_to_vllm import map_lmi_options
+    from autoconfig.lmi.to_vllm import map_lmi_options
 
     mapped = map_lmi_options({"lmcache_session_retention_share": "0.3", "max_model_len": "4096"})
     assert "session" not in repr(mapped)

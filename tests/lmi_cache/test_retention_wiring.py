@@ -9,7 +9,7 @@ import torch
 
 from lmi_cache.keys.chunk_format import ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.config import CacheConfig
+from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine
 from lmi_cache.eviction.session_tracker import SessionSource, SessionTracker
 from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner, SchedulerMetrics

@@ -37,7 +37,7 @@ from lmi_cache.tiers.disk.space import FreeSpaceLimit
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 
 if TYPE_CHECKING:
-    from lmi_cache.config import CacheConfig
+    from lmi_cache.config.cache_config import CacheConfig
     from lmi_cache.tiers.factory import TierContext
 
 logger = logging.getLogger(__name__)
