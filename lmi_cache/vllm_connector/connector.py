@@ -40,11 +40,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from lmi_cache.blend.settings import BlendSettings, load_blend_settings
+from lmi_cache.errors import ConfigError
 from lmi_cache.keys.hashing import KeySpace
+from lmi_cache.keys.kv_groups import KvCacheGroup, UnsupportedKvGroups, kv_groups_of
 from lmi_cache.transfer.layouts import ExpectedGeometry
 from lmi_cache.vllm_connector.blending import BlendContext, ConnectorBlending, check_model
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
@@ -79,8 +83,20 @@ KVConnectorMetadata.register(LmiConnectorMetadata)
 KVConnectorWorkerMetadata.register(LmiWorkerMeta)
 
 
-class LmiCacheConnector(KVConnectorBase_V1):
-    """KV connector storing prompt chunks in lmi_cache tiers (CPU RAM, disk, remote), blending when configured."""
+def _kv_groups(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
+    try:
+        return kv_groups_of(kv_cache_config)
+    except UnsupportedKvGroups as err:
+        raise ConfigError(f"{err}; serve this model without the lmi-cache connector") from None
+
+
+class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """KV connector storing prompt chunks in lmi_cache tiers (CPU RAM, disk, remote), blending when configured.
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``): sliding-window
+    models keep it on, and each KV cache group is cached on its own (blending
+    refuses sliding-window models at start, in ``check_model``).
+    """
 
     force_blending = False  # LmiBlendConnector (the earlier name) says True
 
@@ -96,6 +112,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
         self._config = load_cache_config()
         block_size = int(vllm_config.cache_config.block_size)
         check_chunk_size(self._config.chunk_size, block_size)
+        self._kv_groups = _kv_groups(kv_cache_config)
         self._model_id = str(vllm_config.model_config.model)
         self._kv_dtype = kv_dtype_name(vllm_config)
         self._tp_size, self._pp_size = parallel_sizes(vllm_config)
@@ -157,6 +174,7 @@ class LmiCacheConnector(KVConnectorBase_V1):
             chunk_size_tokens=self._config.chunk_size,
             world_size=self._tp_size * self._pp_size,
             min_retrieve_tokens=self._config.min_retrieve_tokens,
+            **({"groups": self._kv_groups} if self._kv_groups else {}),
         )
         from lmi_cache.metrics.series import SchedulerMetrics
         from lmi_cache.metrics.server import note_where_metrics_go, serve_metrics
@@ -219,7 +237,8 @@ class LmiCacheConnector(KVConnectorBase_V1):
             return engine
 
         self._worker = WorkerSide(
-            rank_index=0, geometry=geometry, chunk_size_tokens=config.chunk_size, engine_factory=make_engine
+            rank_index=0, geometry=geometry, chunk_size_tokens=config.chunk_size, engine_factory=make_engine,
+            groups=self._kv_groups,
         )
 
     def _rank_index(self) -> int:
@@ -263,6 +282,13 @@ class LmiCacheConnector(KVConnectorBase_V1):
             self._worker.save(meta)
             if self._blending is not None:
                 self._blending.run_stores(meta, self._worker)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Asynchronous loads (models that are not one full-attention group): done, or failed (vLLM recomputes those)."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.take_async_results()
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed = self._worker.take_failed_block_ids() if self._worker is not None else set()
@@ -313,7 +339,8 @@ class LmiCacheConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         share = self._blending.after_alloc(request, num_external_tokens) if self._blending is not None else None
         if share is None:
-            self._scheduler.update_state_after_alloc(request, num_external_tokens)
+            block_ids = blocks.get_block_ids() if num_external_tokens > 0 else None
+            self._scheduler.update_state_after_alloc(request, num_external_tokens, block_ids=block_ids)
         else:  # blended: the prefix path loads its exact share and saves nothing of this request
             self._scheduler.update_state_after_alloc(request, share, saves=False)
 
@@ -336,6 +363,12 @@ class LmiCacheConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.request_finished(request.request_id)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The hybrid manager's end of a request: saves are synchronous, so every group's blocks are free to go."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
 
 class LmiBlendConnector(LmiCacheConnector):

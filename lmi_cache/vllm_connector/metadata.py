@@ -26,13 +26,17 @@ class ChunkTransfer:
     tp_size + tp_rank). ``block_ids[i]`` receives (load) or provides (save)
     block ``block_offset + i`` of the chunk; a save always covers the whole
     chunk, a load may cover a tail of it (vLLM's prefix cache holds the head)
-    or a head of it (at least one prompt token is left to compute).
+    or a head of it (at least one prompt token is left to compute), or, for a
+    sliding-window group, a tail of the first chunk its window touches.
+    ``group`` is the vLLM KV cache group (``lmi_cache.keys.kv_groups``) whose
+    layers and block table the chunk belongs to.
     """
 
     req_id: str
     keys: tuple[ChunkKey, ...]  # one per rank
     block_ids: tuple[int, ...]
     block_offset: int = 0
+    group: int = 0
 
 
 @dataclass
@@ -45,10 +49,13 @@ class LmiConnectorMetadata:
     # sessions, then retain, per session, new prompt chunks (digests per rank).
     release: list[str] = field(default_factory=list)
     retain: dict[str, list[tuple[bytes, ...]]] = field(default_factory=dict)
+    # Requests whose loads above vLLM waits for between steps (sliding-window or multi-group models): each worker
+    # reports them finished, or failed (vLLM then recomputes the request), once its loads are done.
+    async_loads: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves and not self.release and not self.retain
+        return not self.loads and not self.saves and not self.release and not self.retain and not self.async_loads
 
 
 @dataclass

@@ -11,7 +11,8 @@ events each worker returns through ``build_connector_worker_meta`` ->
   ``cache_salt``; the prompt is hashed once, not once per rank); leading chunks held by all ranks, capped so at least one
   token is left to compute, aligned down to vLLM's block size, minus what
   vLLM's prefix cache already covers; below ``min_retrieve_tokens`` it is 0.
-  Loads are synchronous (``(n, False)``): the worker loads before the forward.
+  Loads are synchronous (``(n, False)``): the worker loads before the forward;
+  except for models that are not one full-attention group (``loads_async``).
   Until the first worker reports its layout tag the key namespace is unknown,
   so the answer is ``None`` (vLLM asks again after one empty step).
   With a remote store, the chunks beyond the local hit (every rank's keys) are
@@ -29,6 +30,17 @@ events each worker returns through ``build_connector_worker_meta`` ->
   matches again and it re-plans; chunks already saved are not saved again.
 * ``request_finished`` / finished ids: the plan is dropped (aborts included).
 
+KV cache groups (vLLM's hybrid KV cache manager, ``lmi_cache.keys.kv_groups``):
+every group has its own block table and its own keys (the group is in the key
+namespace). A hit needs every chunk before it for full-attention groups and
+only the chunks of the window before it for sliding-window groups; a
+sliding-window group loads only the blocks vLLM allocates for it (from the
+window's start) and never saves a chunk vLLM has freed blocks of. Such models
+load asynchronously: the load is planned into the blocks
+``update_state_after_alloc`` receives and goes out with the next metadata
+(``async_loads``) while the request waits; the workers report it done or failed
+per request, and vLLM recomputes a failed one from its first token.
+
 Metrics (``SchedulerMetrics``): a lookup is counted once per admission, in
 ``update_state_after_alloc``, with the answer of the last
 ``get_num_new_matched_tokens`` for that request; re-asks while the request
@@ -40,10 +52,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
+from lmi_cache.keys.kv_groups import NULL_BLOCK_ID, KvCacheGroup, is_single_full_group, longest_hit_tokens
 from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.vllm_connector.key_index import KeyIndex
@@ -64,6 +77,18 @@ class SchedulerGeometry:
     chunk_size_tokens: int
     world_size: int  # tp_size * pp_size: one namespace per rank
     min_retrieve_tokens: int = 0
+    # vLLM's KV cache groups; the default is one full-attention group (the hybrid manager off).
+    groups: tuple[KvCacheGroup, ...] = (KvCacheGroup(0, ()),)
+
+    @property
+    def loads_async(self) -> bool:
+        """Load between steps unless the model is one full-attention group.
+
+        vLLM 0.32 stops on failed block ids from a model with several groups, and recomputes a sliding-window
+        group from the first failed block although the blocks before it are null: only a request waiting
+        for its KV (``failed_recving``) is recomputed safely, from its first token.
+        """
+        return not is_single_full_group(self.groups)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -72,15 +97,15 @@ class SchedulerGeometry:
 
 @dataclass
 class _RequestPlan:
-    chunk_keys: Sequence[tuple[ChunkKey, ...]]  # per full prompt chunk, per rank
+    chunk_keys: Sequence[Sequence[tuple[ChunkKey, ...]]]  # per KV cache group, per full prompt chunk, per rank
     num_prompt_tokens: int
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     num_done_chunks: int = 0  # chunks below this were loaded, saved or found cached
     load_range: tuple[int, int] | None = None  # tokens [start, end) to load
     load_confirmed: bool = False
     remote_from: int = -1  # first chunk the remote lookup below covers (-1: none yet)
     remote_pending: Any = None  # lmi_cache.remote.cache.PendingLookup while in flight
-    remote_chunks: int | None = None  # leading chunks from remote_from present on every rank
+    remote_found: set[tuple[int, int]] | None = None  # (group, chunk) from remote_from present on every rank
     session_id: str | None = None  # vLLM's request.session_id (the front forwards LMI's session)
     saves_allowed: bool = True  # False once the request was blended: none of its chunks is exact KV to store
 
@@ -116,22 +141,24 @@ class SchedulerSide:
         self._answered: dict[str, int] = {}
         self._key_space_factory = key_space
         self._key_space: KeySpace | None = None  # set with layout_tag
+        self._group_spaces: tuple[KeySpace, ...] = ()  # one per KV cache group
         self._remote = remote  # a RemoteCache (contains_many_async), or None without a remote tier
         self.index = KeyIndex(seed_digests)
         self.layout_tag: str | None = None
         self._disabled_reason: str | None = None
         self._asks_without_layout = 0
         self._plans: dict[str, _RequestPlan] = {}
+        self._async_loads: set[str] = set()  # requests whose load goes out with the next metadata (loads_async)
         self.stats = SchedulerStats()
 
     # -- lookups -------------------------------------------------------------------------
 
-    def _chunk_keys(self, request: Any) -> Sequence[tuple[ChunkKey, ...]]:
-        assert self._key_space is not None
+    def _chunk_keys(self, request: Any) -> list[Sequence[tuple[ChunkKey, ...]]]:
         lora = getattr(request, "lora_request", None)
         lora_name = getattr(lora, "lora_name", None) if lora is not None else None
         salt = getattr(request, "cache_salt", None)
-        return self._key_space.for_request(request.prompt_token_ids or [], lora_name, salt).per_chunk
+        tokens = request.prompt_token_ids or []
+        return [space.for_request(tokens, lora_name, salt).per_chunk for space in self._group_spaces]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
@@ -153,17 +180,23 @@ class SchedulerSide:
         plan.load_range, plan.load_confirmed = None, False
         self.stats.num_match_queries += 1
         geo = self.geometry
-        hit_chunks = self.index.leading_hits(plan.chunk_keys)
+        keys, index = plan.chunk_keys, self.index
+        num_chunks = len(keys[0])
+
+        def held(group: int, chunk: int) -> bool:
+            return index.has_all(keys[group][chunk])
+
+        remote: set[tuple[int, int]] = set()
         if self._remote is not None:
-            useful_chunks = min(len(plan.chunk_keys), max(request.num_tokens - 1, 0) // geo.chunk_size_tokens)
-            remote_chunks = self._remote_hits(plan, hit_chunks, useful_chunks)
-            if remote_chunks is None:
+            useful_chunks = min(num_chunks, max(request.num_tokens - 1, 0) // geo.chunk_size_tokens)
+            first = min(index.leading_hits(group_keys) for group_keys in keys)
+            found = self._remote_hits(plan, first, useful_chunks)
+            if found is None:
                 return None, False  # the remote lookup is in flight: vLLM asks again next step
-            hit_chunks += remote_chunks
-        hit_tokens = hit_chunks * geo.chunk_size_tokens
+            remote = found
         # vLLM must compute at least one token to produce logits.
-        hit_tokens = min(hit_tokens, request.num_tokens - 1)
-        hit_tokens -= hit_tokens % geo.block_size_tokens
+        hit_tokens = longest_hit_tokens(geo.groups, num_chunks, geo.chunk_size_tokens, geo.block_size_tokens,
+                                        request.num_tokens - 1, lambda g, c: held(g, c) or (g, c) in remote)
         if hit_tokens < geo.min_retrieve_tokens:
             hit_tokens = 0
         self._answered[req_id] = max(hit_tokens, 0)
@@ -171,31 +204,38 @@ class SchedulerSide:
         if num_new <= 0 or num_new < geo.min_retrieve_tokens:
             return 0, False
         plan.load_range = (num_computed_tokens, hit_tokens)
-        return num_new, False
+        return num_new, geo.loads_async
 
-    def _remote_hits(self, plan: _RequestPlan, first: int, end: int) -> int | None:
-        """Leading chunks ``first..end`` that the remote store holds for every rank; None while it is asked."""
+    def _remote_hits(self, plan: _RequestPlan, first: int, end: int) -> set[tuple[int, int]] | None:
+        """(group, chunk) pairs of chunks ``first..end`` the remote store holds for every rank; None while asked."""
         if first >= end:
-            return 0
+            return set()
+        num_groups = len(plan.chunk_keys)
         if plan.remote_from != first:
-            flat = [key for keys in plan.chunk_keys[first:end] for key in keys]
-            plan.remote_from, plan.remote_chunks = first, None
+            flat = [key for c in range(first, end) for g in range(num_groups) for key in plan.chunk_keys[g][c]]
+            plan.remote_from, plan.remote_found = first, None
             plan.remote_pending = self._remote.contains_many_async(flat)
             self.stats.num_remote_lookups += 1
-        if plan.remote_chunks is None:
+        if plan.remote_found is None:
             found = plan.remote_pending.poll()
             if found is None:
                 return None
             self.metrics.remote_lookup(getattr(plan.remote_pending, "outcome", "answered"))
-            ranks, hits = self.geometry.world_size, 0
-            while hits < end - first and all(found[hits * ranks : (hits + 1) * ranks]):
-                hits += 1
-            plan.remote_chunks, plan.remote_pending = hits, None
-            self.stats.num_remote_hit_chunks += hits
-        return plan.remote_chunks
+            ranks = self.geometry.world_size
+            pairs = [(g, c) for c in range(first, end) for g in range(num_groups)]
+            plan.remote_found = {pair for i, pair in enumerate(pairs) if all(found[i * ranks : (i + 1) * ranks])}
+            plan.remote_pending = None
+            # Chunks every group holds remotely in one run from ``first`` (what a full-attention hit can use).
+            run = first
+            while all((g, run) in plan.remote_found for g in range(num_groups)):
+                run += 1
+            self.stats.num_remote_hit_chunks += run - first
+        return plan.remote_found
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int, saves: bool = True) -> None:
-        """``num_external_tokens``: what this side loads (the prefix path's share); ``saves``: False for a blended request."""
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int, saves: bool = True,
+                                 block_ids: Sequence[Sequence[int]] | None = None) -> None:
+        """``num_external_tokens``: what this side loads (the prefix path's share); ``saves``: False for a blended
+        request; ``block_ids``: the request's blocks per group, which an asynchronous load is planned into now."""
         hit_tokens = self._answered.pop(request.request_id, None)
         if hit_tokens is not None:
             self.metrics.lookup(len(request.prompt_token_ids or ()), hit_tokens, max(num_external_tokens, 0))
@@ -211,6 +251,9 @@ class SchedulerSide:
         plan.load_confirmed = True
         self.stats.num_hit_requests += 1
         self.stats.num_load_tokens += num_external_tokens
+        if self.geometry.loads_async and block_ids is not None:
+            plan.block_ids = self._per_group(block_ids)
+            self._async_loads.add(request.request_id)
 
     # -- per-step planning ---------------------------------------------------------------
 
@@ -225,13 +268,20 @@ class SchedulerSide:
             if plan is not None:
                 plan.block_ids, plan.load_range, plan.load_confirmed = [], None, False
         num_scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in sorted(self._async_loads):
+            plan = self._plans.get(req_id)
+            if plan is not None and plan.load_confirmed and plan.load_range is not None:
+                self._plan_step(req_id, plan, plan.load_range[0], 0, meta)
+                meta.async_loads.append(req_id)
+        self._async_loads.clear()
         for new_req in scheduler_output.scheduled_new_reqs:
             plan = self._plans.get(new_req.req_id)
             if plan is None:
                 continue
-            plan.block_ids = list(new_req.block_ids[0]) if new_req.block_ids else []
+            plan.block_ids = self._per_group(new_req.block_ids)
             if self._sessions is not None and plan.session_id:
-                self._sessions.note(plan.session_id, [tuple(k.digest for k in keys) for keys in plan.chunk_keys])
+                self._sessions.note(plan.session_id, [tuple(k.digest for k in keys)
+                                                      for group_keys in plan.chunk_keys for keys in group_keys])
             self._plan_step(new_req.req_id, plan, new_req.num_computed_tokens, num_scheduled.get(new_req.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -240,9 +290,10 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                plan.block_ids = list(new_ids[0]) if new_ids else []
+                plan.block_ids = self._per_group(new_ids)
             elif new_ids:
-                plan.block_ids.extend(new_ids[0])
+                for ids, more in zip(plan.block_ids, new_ids):
+                    ids.extend(more)
             self._plan_step(req_id, plan, cached.num_computed_tokens[i], num_scheduled.get(req_id, 0), meta)
         if self._sessions is not None:
             retention = self._sessions.take_step()
@@ -252,39 +303,66 @@ class SchedulerSide:
         self.index.next_step()
         return meta
 
+    def _per_group(self, block_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:
+        """vLLM's block ids (one list per KV cache group) as one list per group of ours."""
+        ids = list(block_ids or ())
+        return [list(ids[g.index]) if g.index < len(ids) else [] for g in self.geometry.groups]
+
     def _plan_step(
         self, req_id: str, plan: _RequestPlan, num_computed_tokens: int, num_scheduled_tokens: int, meta: LmiConnectorMetadata
     ) -> None:
-        geo = self.geometry
-        chunk, block, per_chunk = geo.chunk_size_tokens, geo.block_size_tokens, geo.blocks_per_chunk
+        chunk = self.geometry.chunk_size_tokens
         if plan.load_confirmed and plan.load_range is not None:
             start, end = plan.load_range
-            for c in range(start // chunk, -(-end // chunk)):
-                first_block = max(start, c * chunk) // block
-                end_block = min(end, (c + 1) * chunk) // block
-                ids = plan.block_ids[first_block:end_block]
-                if len(ids) != end_block - first_block:
-                    logger.warning("lmi-cache: request %s has too few blocks for its load; skipping it", req_id)
-                    break
-                meta.loads.append(ChunkTransfer(req_id, plan.chunk_keys[c], tuple(ids), first_block - c * per_chunk))
+            for group in self.geometry.groups:
+                self._plan_group_load(req_id, plan, group, start, end, meta)
             # Loaded chunks (even a partially loaded last one) are already in the store.
             plan.num_done_chunks = max(plan.num_done_chunks, -(-end // chunk))
         plan.load_range, plan.load_confirmed = None, False
         if not plan.saves_allowed:
             return
         computed_after = min(num_computed_tokens + num_scheduled_tokens, plan.num_prompt_tokens)
-        ready_chunks = min(computed_after // chunk, len(plan.chunk_keys))
+        ready_chunks = min(computed_after // chunk, len(plan.chunk_keys[0]))
         for c in range(plan.num_done_chunks, ready_chunks):
-            keys = plan.chunk_keys[c]
-            if self.index.has_all(keys) or self.index.save_pending(keys):
-                continue
-            ids = plan.block_ids[c * per_chunk : (c + 1) * per_chunk]
-            if len(ids) != per_chunk:
-                break
-            meta.saves.append(ChunkTransfer(req_id, keys, tuple(ids), 0))
-            self.index.mark_save_pending(keys)
-            self.stats.num_planned_saves += 1
+            for group in self.geometry.groups:
+                self._plan_group_save(req_id, plan, group, c, num_computed_tokens, meta)
         plan.num_done_chunks = max(plan.num_done_chunks, ready_chunks)
+
+    def _plan_group_load(self, req_id: str, plan: _RequestPlan, group: KvCacheGroup, start: int, end: int,
+                         meta: LmiConnectorMetadata) -> None:
+        """Loads of tokens [start, end) for one group; a sliding-window group only from its window's first block."""
+        geo = self.geometry
+        chunk, block, per_chunk = geo.chunk_size_tokens, geo.block_size_tokens, geo.blocks_per_chunk
+        start = max(start, group.first_needed_block(end, block) * block)
+        block_ids = plan.block_ids[group.index]
+        for c in range(start // chunk, -(-end // chunk)):
+            first_block = max(start, c * chunk) // block
+            end_block = min(end, (c + 1) * chunk) // block
+            ids = block_ids[first_block:end_block]
+            if len(ids) != end_block - first_block or (group.is_sliding and NULL_BLOCK_ID in ids):
+                logger.warning("lmi-cache: request %s has no blocks for its load of group %d; skipping it",
+                               req_id, group.index)
+                return
+            meta.loads.append(ChunkTransfer(req_id, plan.chunk_keys[group.index][c], tuple(ids),
+                                            first_block - c * per_chunk, group.index))
+
+    def _plan_group_save(self, req_id: str, plan: _RequestPlan, group: KvCacheGroup, c: int, num_computed_tokens: int,
+                         meta: LmiConnectorMetadata) -> None:
+        """Save chunk ``c`` of one group, unless stored, or vLLM no longer keeps all of its blocks."""
+        per_chunk = self.geometry.blocks_per_chunk
+        keys = plan.chunk_keys[group.index][c]
+        if self.index.has_all(keys) or self.index.save_pending(keys):
+            return
+        # vLLM freed a sliding-window group's blocks before its window when this step started: their ids
+        # may already hold another request's KV.
+        if group.first_needed_block(num_computed_tokens, self.geometry.block_size_tokens) > c * per_chunk:
+            return
+        ids = plan.block_ids[group.index][c * per_chunk : (c + 1) * per_chunk]
+        if len(ids) != per_chunk or (group.is_sliding and NULL_BLOCK_ID in ids):
+            return
+        meta.saves.append(ChunkTransfer(req_id, keys, tuple(ids), 0, group.index))
+        self.index.mark_save_pending(keys)
+        self.stats.num_planned_saves += 1
 
     # -- feedback and lifecycle ----------------------------------------------------------
 
@@ -317,6 +395,9 @@ class SchedulerSide:
             logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
             return
         self._key_space = space
+        # One full-attention group keeps the keys of the group-unaware scheme; otherwise every group is named.
+        single = is_single_full_group(geo.groups)
+        self._group_spaces = tuple(space if single else replace(space, kv_group=g.key_tag) for g in geo.groups)
 
     def request_finished(self, req_id: str) -> None:
         self._plans.pop(req_id, None)

@@ -20,6 +20,10 @@
   ``stats.save_seconds`` measures it.
 * ``build_worker_meta``: this rank's stored/removed digests and layout tag.
 
+With vLLM's hybrid KV cache manager on, each KV cache group (full attention,
+sliding window) has its own copier over its own layers; a transfer names its
+group (``ChunkTransfer.group``), so a chunk holds one group's layers only.
+
 Every engine or transfer call is wrapped: a fault is a miss, a warning and a
 counter, never an exception into vLLM.
 """
@@ -33,10 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmi_cache.keys.kv_groups import KvCacheGroup, is_single_full_group
 from lmi_cache.metrics.series import worker_stats_follower
 from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
-from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
+from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
 
 if TYPE_CHECKING:
     from lmi_cache.keys.hashing import ChunkKey
@@ -56,6 +61,7 @@ class WorkerStats:
     num_saves_refused: int = 0
     num_load_faults: int = 0
     num_save_faults: int = 0
+    load_bytes: int = 0  # KV bytes copied into vLLM's cache by loads
     load_seconds: float = 0.0
     save_seconds: float = 0.0
 
@@ -70,6 +76,7 @@ class WorkerSide:
         geometry: ExpectedGeometry,
         chunk_size_tokens: int,
         engine_factory: Callable[[], Engine],
+        groups: tuple[KvCacheGroup, ...] = (),
     ) -> None:
         if chunk_size_tokens % geometry.block_size_tokens:
             raise ValueError("chunk size must be a multiple of the block size")
@@ -79,11 +86,15 @@ class WorkerSide:
         self._engine_factory = engine_factory
         self.engine: Engine | None = None
         self.layout: LayoutDescriptor | None = None
-        self.copier: PagedChunkCopier | None = None
+        self.copier: PagedChunkCopier | None = None  # group 0's (the only one without the hybrid manager)
+        self._groups = groups  # () or one full-attention group: every layer in one chunk, in vLLM's order
+        self._copiers: dict[int, PagedChunkCopier] = {}
         self.stats = WorkerStats()
         self._metrics = worker_stats_follower()  # this rank's lmi_cache_worker_* series
         self._failed_block_ids: set[int] = set()
         self._failed_req_ids: set[str] = set()
+        self._async_done: set[str] = set()  # asynchronous loads of this step that landed
+        self._async_failed: set[str] = set()  # ... and that did not (vLLM recomputes those requests)
         self._removed_digests: list[bytes] = []
         self._num_new_faults = 0  # load faults since the last worker meta (the scheduler counts them)
         self._num_warnings = 0
@@ -92,12 +103,20 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.layout = describe_kv_caches(kv_caches, self._geometry)
-        self.copier = PagedChunkCopier(list(kv_caches.values()), self.layout, self._blocks_per_chunk)
+        if not self._groups or is_single_full_group(self._groups):
+            self._copiers = {0: PagedChunkCopier(list(kv_caches.values()), self.layout, self._blocks_per_chunk)}
+        else:
+            self._copiers = {
+                g.index: PagedChunkCopier([kv_caches[name] for name in g.layer_names], self.layout, self._blocks_per_chunk)
+                for g in self._groups
+            }
+        self.copier = next(iter(self._copiers.values()))
         self.engine = self._engine_factory()
-        self.engine.expect_chunks(self.copier.chunk_bytes)
+        self.engine.expect_chunks(max(c.chunk_bytes for c in self._copiers.values()))
         logger.info(
-            "lmi-cache: rank %d registered %d KV layers, layout %s, %d bytes per chunk",
-            self.rank_index, len(kv_caches), self.layout.tag, self.copier.chunk_bytes,
+            "lmi-cache: rank %d registered %d KV layers in %d group(s), layout %s, %s bytes per chunk",
+            self.rank_index, len(kv_caches), len(self._copiers), self.layout.tag,
+            "/".join(str(c.chunk_bytes) for c in self._copiers.values()),
         )
 
     def _fault(self, what: str, err: BaseException | None, op: str = "load") -> None:
@@ -123,6 +142,9 @@ class WorkerSide:
 
     def load(self, meta: LmiConnectorMetadata) -> None:
         engine = self.engine
+        planned = {t.req_id for t in meta.loads}
+        # A waiting request with nothing to load (its plan found no blocks) must still be answered, or it waits forever.
+        self._async_failed |= {r for r in meta.async_loads if r not in planned or self.copier is None or engine is None}
         if not meta.loads or self.copier is None or engine is None:
             return
         started = time.perf_counter()
@@ -141,25 +163,36 @@ class WorkerSide:
             for batch in engine.load(keys):
                 held.extend(obj for _, obj in batch)
                 if overlap:
-                    loaded.update(self._scatter(meta, batch))
+                    loaded.update(self._scatter_groups(meta, batch))
                 else:
                     arrived.extend(batch)
         except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
             self._fault("chunk load failed", err)
         if arrived:
-            loaded.update(self._scatter(meta, arrived))
+            loaded.update(self._scatter_groups(meta, arrived))
         self._finish_loads(meta, keys, loaded)
         self._pending_releases.append((self._last_event, held))
         self._last_event = None
         self._release_finished_loads()
         self.stats.load_seconds += time.perf_counter() - started
 
-    def _scatter(self, meta: LmiConnectorMetadata, batch: list[tuple[int, ChunkObject]]) -> list[int]:
-        """Copy one batch of hits into the paged cache in one kernel call; the positions that landed."""
-        assert self.copier is not None
+    def _scatter_groups(self, meta: LmiConnectorMetadata, batch: list[tuple[int, ChunkObject]]) -> list[int]:
+        """Copy a batch of hits into the paged cache, one kernel call per KV cache group; the positions that landed."""
+        landed: list[int] = []
+        for group, copier in self._copiers.items():
+            part = [item for item in batch if meta.loads[item[0]].group == group]
+            if part:
+                landed.extend(self._scatter(meta, part, copier))
+        per_block = {g: c.chunk_bytes // self._blocks_per_chunk for g, c in self._copiers.items()}
+        self.stats.load_bytes += sum(len(meta.loads[p].block_ids) * per_block[meta.loads[p].group] for p in landed)
+        return landed
+
+    def _scatter(self, meta: LmiConnectorMetadata, batch: list[tuple[int, ChunkObject]],
+                 copier: PagedChunkCopier) -> list[int]:
+        """Copy one batch of one group's hits into the paged cache in one kernel call; the positions that landed."""
         transfers = [meta.loads[position] for position, _ in batch]
         try:
-            self._last_event = self.copier.scatter_many(
+            self._last_event = copier.scatter_many(
                 [obj.payload_tensor() for _, obj in batch], [t.block_ids for t in transfers],
                 [t.block_offset for t in transfers],
             ) or self._last_event
@@ -170,11 +203,28 @@ class WorkerSide:
                 return []
             landed: list[int] = []
             for item in batch:
-                landed.extend(self._scatter(meta, [item]))
+                landed.extend(self._scatter(meta, [item], copier))
             return landed
 
     def _finish_loads(self, meta: LmiConnectorMetadata, keys: list[ChunkKey], loaded: set[int]) -> None:
         """Count loads; a chunk that did not land fails its blocks (vLLM recomputes them) and its request's saves."""
+        self._finish_load_blocks(meta, keys, loaded)
+        waiting = set(meta.async_loads) & {t.req_id for t in meta.loads}
+        if waiting:
+            # An asynchronous load is reported by request, never by block ids: with several KV cache groups a
+            # block id is not unique, and vLLM recomputes a failed waiting request from its first token.
+            self._async_failed |= waiting & self._failed_req_ids
+            self._async_done |= waiting - self._failed_req_ids
+            ids = {b for t in meta.loads if t.req_id in waiting for b in t.block_ids}
+            self._failed_block_ids -= ids
+
+    def take_async_results(self) -> tuple[set[str], set[str]]:
+        """Asynchronous loads finished since the last call: (landed, failed)."""
+        done, failed = self._async_done, self._async_failed
+        self._async_done, self._async_failed = set(), set()
+        return done, failed
+
+    def _finish_load_blocks(self, meta: LmiConnectorMetadata, keys: list[ChunkKey], loaded: set[int]) -> None:
         for position, transfer in enumerate(meta.loads):
             if transfer.req_id in self._failed_req_ids:
                 # vLLM truncates at the first failed block; later ones are recomputed anyway.
@@ -216,22 +266,24 @@ class WorkerSide:
         if not meta.saves or self.copier is None or engine is None:
             return
         started = time.perf_counter()
-        transfers = [t for t in meta.saves if t.req_id not in self._failed_req_ids]
-        if not transfers:
-            return
-        copier = self.copier
+        for group, copier in self._copiers.items():
+            transfers = [t for t in meta.saves if t.group == group and t.req_id not in self._failed_req_ids]
+            if transfers:
+                self._save_group(engine, transfers, copier)
+        self.stats.save_seconds += time.perf_counter() - started
+
+    def _save_group(self, engine: Engine, transfers: list[ChunkTransfer], copier: PagedChunkCopier) -> None:
         keys = [t.keys[self.rank_index] for t in transfers]
         block_ids = [t.block_ids for t in transfers]
         try:
             # Every full chunk of the step gathered in one kernel call, straight into engine memory.
             saved = engine.save_many(keys, copier.chunk_shape, copier.dtype,
-                                          lambda outs: copier.gather_many(block_ids, outs))
+                                     lambda outs: copier.gather_many(block_ids, outs))
             self.stats.num_chunks_saved += sum(saved)
             self.stats.num_saves_refused += len(saved) - sum(saved)
         except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
             self.stats.num_save_faults += len(transfers)
             self._fault(f"could not save {len(transfers)} chunk(s)", err, op="save")
-        self.stats.save_seconds += time.perf_counter() - started
 
     def _apply_retention(self, meta: LmiConnectorMetadata) -> None:
         engine = self.engine

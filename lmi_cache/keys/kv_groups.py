@@ -1,0 +1,135 @@
+"""vLLM's KV cache groups as the cache sees them, and which chunks a hit needs (scheduler and worker processes).
+
+With vLLM's hybrid KV cache manager on, a model's attention layers are split
+into KV cache groups, each with its own block table: full-attention layers in
+one group, sliding-window layers of one window in another (Gemma 2 and gpt-oss
+alternate; Mistral-style models window every layer). The cache stores and
+loads each group's chunks separately, under a key space that names the group
+(its kind, window and layers), so a change of grouping or window is a miss,
+never KV read into the wrong layers.
+
+A hit of ``H`` tokens needs, for a full-attention group, every chunk before
+``H``; for a sliding-window group of window ``W``, only the blocks vLLM keeps
+for a request resumed at ``H``: from token ``H - W + 1`` (vLLM's
+``SlidingWindowManager.get_num_skipped_tokens``) rounded down to a block.
+Blocks before that are vLLM's null block in the request's block table: they
+are neither loaded nor saved.
+
+Pure and vLLM-free: :func:`kv_groups_of` reads vLLM's ``KVCacheConfig`` by
+attribute, so tests drive everything here with plain objects.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# vLLM's BlockPool hands block 0 out as the null block: the placeholder for blocks a group does not keep.
+NULL_BLOCK_ID = 0
+
+# vLLM spec classes the cache can serve, by class name (no vLLM import here). Subclasses of
+# FullAttentionSpec with other semantics (MLA, sinks, R-SWA) are named so they are refused, not
+# mistaken for plain full attention.
+_FULL_SPECS = {"FullAttentionSpec"}
+_SLIDING_SPECS = {"SlidingWindowSpec"}
+
+
+class UnsupportedKvGroups(ValueError):
+    """The model has a KV cache group kind the cache cannot store (e.g. Mamba state, chunked local attention)."""
+
+
+@dataclass(frozen=True)
+class KvCacheGroup:
+    """One vLLM KV cache group: its position, its layers, and its window (None: full attention)."""
+
+    index: int
+    layer_names: tuple[str, ...]
+    sliding_window_tokens: int | None = None
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.sliding_window_tokens is not None
+
+    @property
+    def key_tag(self) -> str:
+        """What the chunk-key namespace records about this group: kind, window, layers."""
+        kind = f"sliding{self.sliding_window_tokens}" if self.is_sliding else "full"
+        return f"{self.index}:{kind}:{','.join(self.layer_names)}"
+
+    def first_needed_token(self, hit_tokens: int) -> int:
+        """First token whose KV a request resumed after ``hit_tokens`` computed tokens still attends to."""
+        if self.sliding_window_tokens is None:
+            return 0
+        return max(0, hit_tokens - self.sliding_window_tokens + 1)
+
+    def first_needed_block(self, hit_tokens: int, block_size_tokens: int) -> int:
+        """First block vLLM allocates (not the null block) for this group when a request resumes at ``hit_tokens``."""
+        return self.first_needed_token(hit_tokens) // block_size_tokens
+
+
+def kv_groups_of(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
+    """The groups of vLLM's ``KVCacheConfig`` (``kv_cache_groups[i].layer_names`` / ``.kv_cache_spec``).
+
+    Raises :class:`UnsupportedKvGroups` naming the first group whose kind the cache cannot store.
+    """
+    groups = []
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        names = tuple(group.layer_names)
+        if kind in _FULL_SPECS:
+            groups.append(KvCacheGroup(index, names))
+        elif kind in _SLIDING_SPECS and not getattr(spec, "extra_retained_tokens", 0):
+            groups.append(KvCacheGroup(index, names, int(spec.sliding_window)))
+        else:
+            raise UnsupportedKvGroups(
+                f"KV cache group {index} ({kind}, layers {names[0]}..) is not one the cache can store: "
+                "only full-attention and sliding-window attention layers are supported"
+            )
+    return tuple(groups)
+
+
+def is_single_full_group(groups: Sequence[KvCacheGroup]) -> bool:
+    """One full-attention group: the layout every pre-hybrid key was written under (its keys stay the same)."""
+    return len(groups) == 1 and not groups[0].is_sliding
+
+
+def longest_hit_tokens(
+    groups: Sequence[KvCacheGroup],
+    num_chunks: int,
+    chunk_size_tokens: int,
+    block_size_tokens: int,
+    max_tokens: int,
+    held: Callable[[int, int], bool],
+) -> int:
+    """The longest block-aligned prefix every group can restore; 0 if none.
+
+    ``num_chunks`` full chunks of the prompt have keys; ``held(group_index, chunk)``
+    says whether every rank holds that group's chunk; ``max_tokens`` caps the hit
+    (vLLM computes at least one prompt token). Full-attention groups need every
+    chunk up to the hit; sliding-window groups only the chunks their window
+    before the hit touches, so a prefix whose early chunks were evicted can
+    still hit.
+    """
+    full = [g for g in groups if not g.is_sliding]
+    sliding = [g for g in groups if g.is_sliding]
+    top = num_chunks
+    for group in full:
+        count = 0
+        while count < top and held(group.index, count):
+            count += 1
+        top = count
+    for chunks in range(top, 0, -1):
+        hit = min(chunks * chunk_size_tokens, max_tokens)
+        hit -= hit % block_size_tokens
+        if hit <= 0:
+            continue
+        last_chunk = -(-hit // chunk_size_tokens)
+        if all(
+            held(group.index, c)
+            for group in sliding
+            for c in range(group.first_needed_block(hit, block_size_tokens) * block_size_tokens // chunk_size_tokens,
+                           last_chunk)
+        ):
+            return hit
+    return 0
