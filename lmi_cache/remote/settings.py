@@ -11,6 +11,7 @@ chain (S3), and never appear in ``display_url``, logs, metrics or errors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from lmi_cache.errors import ConfigError
 from lmi_cache.remote.url import RemoteUrl, parse_remote_url
@@ -57,8 +58,9 @@ class RemoteSettings:
             raise ConfigError(f"remote key_prefix {self.key_prefix!r} must be non-empty, without spaces or braces")
         self.remote_url.store_kind()
 
-    @property
+    @cached_property
     def remote_url(self) -> RemoteUrl:
+        """``url`` parsed once (checked in ``__post_init__``); kind, display and store clients read it."""
         return parse_remote_url(self.url)
 
     @property

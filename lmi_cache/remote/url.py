@@ -52,11 +52,6 @@ class RemoteUrl:
         """Whether lmi-cache has a store for this scheme (the others leave the remote tier off)."""
         return self.scheme in SERVED_REMOTE_SCHEMES
 
-    @property
-    def is_file(self) -> bool:
-        """``file://``: LMI's LMCache guide shows it; a local path, not a remote store."""
-        return self.scheme == "file"
-
     def store_kind(self) -> str:
         """"redis" or "s3"; ConfigError naming the (redacted) URL for a scheme lmi-cache does not serve."""
         if self.scheme in REDIS_SCHEMES:
