@@ -37,13 +37,13 @@ from lmi_cache.config.values import (
     parse_local_disk,
     parse_mapping,
     parse_optional_str,
-    parse_remote_url,
+    parse_remote_url_value,
     parse_size_gib,
     show,
     unquote_env,
 )
 from lmi_cache.errors import ConfigError
-from lmi_cache.remote.url import parse_remote_url as parse_url
+from lmi_cache.remote.url import parse_remote_url
 from lmi_cache.eviction.retaining import DEFAULT_RETENTION_SHARE, parse_retention_share
 
 DISK_FEEDS = ("write_through", "demote")
@@ -208,7 +208,7 @@ def _merge(
         elif key == "cache_policy":
             fields[key] = _parse_policy(value, where, warnings)
         elif key == "remote_url":
-            url = parse_remote_url(value, where)
+            url = parse_remote_url_value(value, where)
             if url is not None and url.lower().startswith("file://"):
                 warnings.append(f"{where}: file:// is not a remote store in LMCache 0.3-0.5 (LMI's LMCache guide shows "
                                 "it), ignored; to keep KV on local disk set local_disk: file:///path/ and "
@@ -255,7 +255,7 @@ def _check(config: CacheConfig, source: str, warnings: list[str]) -> None:
         warnings.append(f"{source}: local_disk is set but max_local_disk_size is 0, so the disk tier is off")
     if config.max_local_disk_size > 0 and not config.local_disk:
         warnings.append(f"{source}: max_local_disk_size is set but local_disk is empty, so the disk tier is off")
-    remote = parse_url(config.remote_url) if config.remote_url else None  # parsed at load
+    remote = parse_remote_url(config.remote_url) if config.remote_url else None  # parsed at load
     scheme = remote.scheme if remote is not None else ""
     if remote is not None and not remote.served:
         warnings.append(f"{source}: remote_url ({scheme}://) is a valid LMCache remote store, but lmi_cache has "

@@ -19,6 +19,7 @@ import yaml
 
 from lmi_cache.config.yaml_reader import load_yaml
 from lmi_cache.errors import ConfigError
+from lmi_cache.remote.url import parse_remote_url
 
 # Upper bounds: far above any real deployment, low enough that sizes stay exact
 # floats and byte counts stay 64-bit integers.
@@ -130,16 +131,14 @@ def parse_local_disk(value: Any, where: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(paths))  # de-duplicate, keep order
 
 
-def parse_remote_url(value: Any, where: str) -> str | None:
+def parse_remote_url_value(value: Any, where: str) -> str | None:
     """Any remote_url scheme LMCache accepts, checked by the one parser every reader shares
     (``lmi_cache.remote.url``); a typo'd scheme is an error. Credentials are never echoed."""
     url = parse_optional_str(value, where)
     if url is None:
         return None
-    from lmi_cache.remote.url import parse_remote_url as check_url
-
     try:
-        check_url(url)
+        parse_remote_url(url)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
     return url
