@@ -32,9 +32,6 @@ The serving verbs (the vLLM connector uses exactly these):
 - ``drain_events() -> (stored, removed)``: digests newly held by some local
   tier and digests no longer held by any since the last call (for the
   scheduler's index; a hint, since loads stay verified).
-- ``retain(session, digests)`` / ``release(session)``: while a stateful
-  session is open its chunks (held now or saved later) are evicted last, within
-  ``extra_config.session_retention_share`` of the CPU tier (``eviction.retaining``).
 - ``flush(timeout_s)``, ``clear()``, ``stats()``, ``close()``, ``metrics``,
   ``tiers``.
 
@@ -61,6 +58,7 @@ from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.placement.messages import TierEvent
 from lmi_cache.tiers.base import HitBatch, Tier
 from lmi_cache.tiers.buffers import dtype_name
 from lmi_cache.tiers.disk.ranks import replica_rank_dirs
@@ -81,11 +79,11 @@ class Engine(Protocol):
 
     def expect_chunks(self, payload_bytes: int) -> None: ...
     def save_many(self, keys: Sequence[ChunkKey], shape: tuple[int, ...], dtype: torch.dtype,
-                  fill: FillMany) -> list[bool]: ...
-    def load(self, keys: Sequence[ChunkKey]) -> Iterator[HitBatch]: ...
-    def retain(self, session: str, digests: Sequence[bytes]) -> None: ...
-    def release(self, session: str) -> None: ...
-    def drain_events(self) -> tuple[list[bytes], list[bytes]]: ...
+                  fill: FillMany, tiers: Sequence[Sequence[str]] | None = None) -> list[bool]: ...
+    def load(self, keys: Sequence[ChunkKey], sources: Sequence[str] | None = None,
+             promote: Sequence[bool] | None = None) -> Iterator[HitBatch]: ...
+    def evict(self, tier: str, digest: bytes, demote_to: str | None = None) -> None: ...
+    def drain_events(self) -> tuple[list[TierEvent], list[TierEvent]]: ...
     def flush(self, timeout_s: float = 30.0) -> None: ...
     def close(self) -> None: ...
 
@@ -103,8 +101,8 @@ class CacheEngine:
         self.metrics = metrics if metrics is not None else CacheMetrics(rank_label)
         self._warner = RateLimitedWarner(logger)
         self._events_lock = threading.Lock()
-        self._stored_events: list[bytes] = []
-        self._removed_events: list[bytes] = []
+        self._stored_events: list[TierEvent] = []
+        self._removed_events: list[TierEvent] = []
         self._closed = False
         # Warm free buffers (a fresh 4 MiB buffer costs ~1,000 page faults on vLLM's critical path):
         # at most 256 MiB, about a full disk write queue of 4 MiB chunks; with a CPU tier, at most a
@@ -129,14 +127,17 @@ class CacheEngine:
         self.allocator.keep_warm(HEADER_BYTES + payload_bytes)
 
     # ------------------------------------------------------------ save
-    def save_many(self, keys: Sequence[ChunkKey], shape: tuple[int, ...], dtype: torch.dtype, fill: FillMany) -> list[bool]:
+    def save_many(self, keys: Sequence[ChunkKey], shape: tuple[int, ...], dtype: torch.dtype, fill: FillMany,
+                  tiers: Sequence[Sequence[str]] | None = None) -> list[bool]:
         results = [False] * len(keys)
         fresh: list[tuple[int, ChunkObject]] = []
         try:
             num_bytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
             for position, key in enumerate(keys):
-                if self._held_locally(key.digest):
+                if tiers is None and self._held_locally(key.digest):
                     results[position] = True
+                    continue
+                if tiers is not None and not tiers[position]:
                     continue
                 header = ChunkHeader.for_key(key, num_bytes, dtype_name(dtype), tuple(shape))
                 obj = self.allocator.new_object(key, header)
@@ -154,50 +155,57 @@ class CacheEngine:
             return [False] * len(keys)
         for position, obj in fresh:
             try:
-                results[position] = self._put(obj)
+                results[position] = self._put(obj, None if tiers is None else tiers[position])
             finally:
                 obj.release()
         return results
 
-    def _put(self, obj: ChunkObject) -> bool:
-        stored, stored_locally = False, False
+    def _put(self, obj: ChunkObject, names: Sequence[str] | None = None) -> bool:
+        """Into the named tiers, or (None) the first tier and every write-through tier behind it."""
+        stored = False
         for position, tier in enumerate(self.tiers):
-            if position > 0 and not tier.write_through:
+            if names is not None and tier.name not in names:
+                continue
+            if names is None and position > 0 and not tier.write_through:
                 continue  # fed by evictions from the tier in front (demote)
-            if self._tier_put(tier, obj):
-                stored = True
-                stored_locally = stored_locally or tier.local
-        if stored_locally:
-            self._event(self._stored_events, obj.key.digest)
+            stored = self._tier_put(tier, obj) or stored
         return stored
 
     def _tier_put(self, tier: Tier, obj: ChunkObject) -> bool:
         try:
-            return tier.put(obj)
+            stored = tier.put(obj)
         except Exception as err:  # a tier bug must not lose the others' copies
             self.metrics.error(tier.name, "save")
             self._warner.warn(f"put-{tier.name}", f"{tier.name} tier: put failed ({err!r}); chunk not stored there")
             return False
+        if stored and tier.local:
+            self._event(self._stored_events, TierEvent(tier.name, obj.key.digest, obj.header.payload_bytes))
+        return stored
 
     def _held_locally(self, digest: bytes) -> bool:
         return any(tier.local and tier.contains(digest) for tier in self.tiers)
 
     # ------------------------------------------------------------ load
-    def load(self, keys: Sequence[ChunkKey]) -> Iterator[HitBatch]:
+    def load(self, keys: Sequence[ChunkKey], sources: Sequence[str] | None = None,
+             promote: Sequence[bool] | None = None) -> Iterator[HitBatch]:
+        """Hits among ``keys``. With ``sources`` each key is asked of its named tier only, and promoted into
+        the first tier where ``promote`` says so (the placement directory decided both); without, every tier
+        is asked in order for what the ones before it missed, and hits from behind are promoted."""
         remaining = list(range(len(keys)))
         for number, tier in enumerate(self.tiers):
-            if not remaining:
-                return
+            asked = remaining if sources is None else [i for i in remaining if sources[i] == tier.name]
+            if not asked:
+                continue
             found: set[int] = set()
             started = time.perf_counter()
-            batches = tier.get_many([keys[i] for i in remaining])
+            batches = tier.get_many([keys[i] for i in asked])
             try:
                 for batch in batches:
-                    hits = [(remaining[j], obj) for j, obj in batch]
-                    for _, obj in hits:
+                    hits = [(asked[j], obj) for j, obj in batch]
+                    for position, obj in hits:
                         self.metrics.loaded(tier.name, time.perf_counter() - started)
                         self.metrics.loaded_tokens(tier.name, obj.key.num_tokens)
-                        if number:
+                        if number and (promote is None if sources is None else bool(promote and promote[position])):
                             self._promote(obj, number)
                     found.update(i for i, _ in hits)
                     yield hits
@@ -208,49 +216,55 @@ class CacheEngine:
                 close = getattr(batches, "close", None)
                 if close is not None:  # a caller that stopped early: the tier's reads in flight clean up now
                     close()
-            remaining = [i for i in remaining if i not in found]
+            if sources is None:
+                remaining = [i for i in remaining if i not in found]
 
     def _promote(self, obj: ChunkObject, tier_number: int) -> None:
         """Put a hit from a slower tier into the faster ones that take hits (the CPU tier), by reference."""
-        held_before = self._held_locally(obj.key.digest)
-        promoted = False
         for tier in self.tiers[:tier_number]:
-            if tier.promote_hits and self._tier_put(tier, obj):
-                promoted = True
-        if promoted and not held_before:
-            self._event(self._stored_events, obj.key.digest)
+            if tier.promote_hits:
+                self._tier_put(tier, obj)
 
-    # ------------------------------------------------------------ session retention
-    def retain(self, session: str, digests: Sequence[bytes]) -> None:
-        for tier in self.tiers:
-            tier.retain(session, digests)
-
-    def release(self, session: str) -> None:
-        for tier in self.tiers:
-            tier.release(session)
+    # ------------------------------------------------------------ placement instructions
+    def evict(self, tier: str, digest: bytes, demote_to: str | None = None) -> None:
+        """Drop ``digest`` from ``tier`` as the placement directory decided; first hand it to ``demote_to``."""
+        source = next((t for t in self.tiers if t.name == tier), None)
+        if source is None:
+            return
+        if demote_to is not None:
+            target = next((t for t in self.tiers if t.name == demote_to), None)
+            if target is not None:
+                obj = source.peek(digest)
+                if obj is not None:
+                    try:
+                        self._tier_put(target, obj)
+                    finally:
+                        obj.release()
+        if source.remove(digest):
+            self.metrics.evicted(source.name, 1)
 
     # ------------------------------------------------------------ events
     def _on_evict(self, obj: ChunkObject) -> None:
-        """The CPU tier dropped ``obj``: demote it to the tiers it feeds, then tell the index if it is gone."""
+        """The CPU tier evicted ``obj`` on its own (over its budget): demote it to the tiers it feeds, and report it."""
         try:
             source = next((n for n, tier in enumerate(self.tiers) if tier.promote_hits), 0)
             for tier in self.tiers[source + 1 :]:
                 if tier.local and not tier.write_through:
                     self._tier_put(tier, obj)
-            if not self._held_locally(obj.key.digest):
-                self._event(self._removed_events, obj.key.digest)
+            self._event(self._removed_events, TierEvent(self.tiers[source].name, obj.key.digest))
         except Exception as err:  # called from inside a tier: never raise there
             self._warner.warn("evict", f"eviction bookkeeping failed ({err!r})")
 
     def _on_removed(self, digest: bytes) -> None:
-        if not self._held_locally(digest):
-            self._event(self._removed_events, digest)
+        """A persistent tier lost an entry on its own (damaged, unreadable, its filesystem filled up)."""
+        self._event(self._removed_events, TierEvent("disk", digest))
 
-    def _event(self, events: list[bytes], digest: bytes) -> None:
+    def _event(self, events: list[TierEvent], event: TierEvent) -> None:
         with self._events_lock:
-            events.append(digest)
+            events.append(event)
 
-    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+    def drain_events(self) -> tuple[list[TierEvent], list[TierEvent]]:
+        """Entries stored into local tiers, and entries local tiers lost on their own, since the last call."""
         with self._events_lock:
             stored, removed = self._stored_events, self._removed_events
             self._stored_events, self._removed_events = [], []
@@ -263,12 +277,12 @@ class CacheEngine:
                 logger.warning("%s tier: writes still queued after %.1f s", tier.name, timeout_s)
 
     def clear(self) -> None:
-        digests: set[bytes] = set()
+        removed: list[TierEvent] = []
         for tier in self.tiers:
-            digests.update(tier.digests())  # a shared (remote) store lists nothing and is never cleared
+            removed.extend(TierEvent(tier.name, d) for d in tier.digests())  # a shared store lists nothing
             tier.clear()
         with self._events_lock:
-            self._removed_events.extend(digests)
+            self._removed_events.extend(removed)
 
     def stats(self) -> dict[str, int | float]:
         stats: dict[str, int | float] = dict(self.metrics.snapshot())

@@ -49,6 +49,7 @@ class SegmentStore:
     req_id: str
     token_ids: tuple[int, ...]
     keys: tuple[ChunkKey, ...]  # per rank
+    tiers: tuple[str, ...] = ()  # where the placement directory reserved room for it
 
 
 @dataclass

@@ -6,16 +6,16 @@ prompt, or explicit segment ends in ``kv_transfer_params["blend_segment_ends"]``
 
 * ``plan``: the segment keys (the deployment's ``KeySpace`` under its segment
   variant, with the request's own ``cache_salt`` and LoRA, the segment's tokens
-  alone), which segments the workers hold (an index fed by the digests their
-  engines report), and ``segments.plan_blend`` after the exact prefix: vLLM's
+  alone), which segments the tiers hold (the connector's placement directory), and ``segments.plan_blend`` after the exact prefix: vLLM's
   own hit plus the chunks the prefix path loads. An exact prefix hit always
   wins: the blend starts where it ends, so a prompt whose prefix chunks are
   cached is served from them exactly, and only segments after them are blended.
   The answer is the number of tokens the blend provides, or None when the
   prefix path serves the request alone.
 * ``take_jobs``: on the step a request is first scheduled, its ``BlendJob``
-  (pieces, block ids) and one ``SegmentStore`` per segment no worker holds yet
-  (each issued once across concurrent requests).
+  (pieces, block ids) and one ``SegmentStore`` per segment no tier holds yet,
+  into the tiers the directory reserved room in (each issued once across
+  concurrent requests).
 
 The connector's blending component (``lmi_cache.vllm_connector.blending``)
 isolates a blended request's blocks from vLLM's prefix cache and keeps the
@@ -32,7 +32,7 @@ from lmi_cache.blend.jobs import BlendConnectorMetadata, BlendJob, BlendPiece, S
 from lmi_cache.blend.segments import BlendPlan, SegmentSplit, Span, plan_blend, split_segments
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
-from lmi_cache.vllm_connector.key_index import KeyIndex
+from lmi_cache.placement.directory import PlacementDirectory
 
 if TYPE_CHECKING:
     from lmi_cache.metrics.series import BlendSchedulerMetrics
@@ -104,13 +104,13 @@ class BlendScheduler:
 
     def __init__(
         self, settings: BlendSettings, separator_ids: Sequence[int], key_space: KeySpaceFactory,
-        metrics: BlendSchedulerMetrics | None = None,
+        directory: PlacementDirectory, metrics: BlendSchedulerMetrics | None = None,
     ) -> None:
         self.settings = settings
         self._sep = tuple(separator_ids)
         self._key_space = key_space
         self._segment_spaces: dict[str, KeySpace] = {}  # per layout tag
-        self.index = KeyIndex()
+        self.directory = directory  # the connector's: segments are placed like every other entry
         self._states: dict[str, _BlendState] = {}
         self.stats = BlendSchedulerStats()
         self.metrics = metrics  # lmi_cache_blend_* series of this scheduler (None: plain stats only)
@@ -179,7 +179,7 @@ class BlendScheduler:
         state.blend, state.confirmed = None, False
         if not self.settings.enabled or state.opted_out:
             return None
-        cached = [self.index.has_all(keys) for keys in state.segment_keys]
+        cached = [self.directory.holds(keys) for keys in state.segment_keys]
         blend = plan_blend(state.split, max(prefix_path_end, num_computed_tokens), cached, self.settings.min_tokens)
         if blend is None or blend.tail.num_tokens == 0:
             return None
@@ -214,7 +214,6 @@ class BlendScheduler:
             if req_id in cached.resumed_req_ids:
                 new_ids = cached.new_block_ids[i]
                 self._jobs_for(req_id, list(new_ids[0]) if new_ids else [], meta)
-        self.index.next_step()
 
     def _jobs_for(self, req_id: str, block_ids: list[int], meta: BlendConnectorMetadata) -> None:
         state = self._states.get(req_id)
@@ -235,10 +234,10 @@ class BlendScheduler:
             return  # an opted-out request neither blends nor stores segments
         state.stores_issued = True
         for span, keys in zip(state.split.segments, state.segment_keys):
-            if self.index.has_all(keys) or self.index.save_pending(keys):
-                continue
-            meta.segment_stores.append(SegmentStore(req_id, tuple(state.prompt[span.start : span.end]), keys))
-            self.index.mark_save_pending(keys)
+            tiers = self.directory.prepare_store(keys, 0, span.end - span.start)
+            if not tiers:
+                continue  # held, being stored, or no room now
+            meta.segment_stores.append(SegmentStore(req_id, tuple(state.prompt[span.start : span.end]), keys, tiers))
             self.stats.num_segment_stores += 1
             if self.metrics is not None:
                 self.metrics.segment_stores()
@@ -249,10 +248,6 @@ class BlendScheduler:
             if seg == span:
                 return keys
         raise ValueError(f"no segment {span} in the request's split")
-
-    def update_from_workers(self, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
-        self.index.add(stored)
-        self.index.discard(removed)
 
     def finished(self, req_id: str) -> _BlendState | None:
         return self._states.pop(req_id, None)

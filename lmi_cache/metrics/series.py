@@ -28,6 +28,12 @@ is looked up again):
                                                   not vLLM's own prefix cache also had them
 - lmi_cache_load_tokens_total{engine}             tokens the workers were told to load: the hit beyond
                                                   vLLM's own prefix cache (the prefill the cache saved)
+- lmi_cache_placement_evictions_total{engine,tier} entries the placement directory evicted (every rank's)
+- lmi_cache_placement_dropped_total{engine,tier}  entries a worker's tier lost on its own (damaged or
+                                                  unreadable, a full filesystem, over its budget)
+- lmi_cache_placement_entries{engine,tier}        entries the directory holds now (every rank's)
+- lmi_cache_session_retained_bytes{engine,tier}   bytes of open sessions' chunks evicted last (within
+                                                  extra_config.session_retention_share of the tier)
 
 Worker series (per rank; with TP every rank holds its own part of each token's KV):
 
@@ -35,7 +41,8 @@ Worker series (per rank; with TP every rank holds its own part of each token's K
 - lmi_cache_stored_chunks_total{tier}             chunks stored
 - lmi_cache_stored_tokens_total{tier}             tokens stored
 - lmi_cache_stored_bytes_total{tier}              chunk-object bytes stored
-- lmi_cache_evictions_total{tier}                 chunks evicted to stay within the byte budget
+- lmi_cache_evictions_total{tier}                 chunks evicted (as the placement directory decided, or,
+                                                  as a safety net, by a tier over its own budget)
 - lmi_cache_dropped_stores_total{tier,reason}     stores refused (full, queue_full, too_large, error)
 - lmi_cache_fingerprint_mismatches_total{tier}    loads whose token fingerprint differed (a miss)
 - lmi_cache_corrupted_reads_total{tier}           loads of damaged objects (a miss; file removed)
@@ -44,8 +51,6 @@ Worker series (per rank; with TP every rank holds its own part of each token's K
                                                   foreign_owner) and directories refused (unsafe_dir, busy_dir)
 - lmi_cache_tier_usage_bytes{tier}                bytes held now
 - lmi_cache_tier_capacity_bytes{tier}             byte budget
-- lmi_cache_session_retained_bytes{tier}          bytes of open sessions' chunks evicted last (within
-                                                  extra_config.session_retention_share of the tier)
 - lmi_cache_load_seconds{tier}                    latency of a successful load (histogram)
 - lmi_cache_store_seconds{tier}                   latency of a store (CPU: copy; disk: file write)
 
@@ -109,6 +114,25 @@ class SchedulerMetrics:
             "(answered, or why not: timeout, unavailable)", ["engine", "outcome"], registry=r)
         self._releases = Counter("lmi_cache_session_releases", "Sessions whose chunks stopped being retained", labels,
                                  registry=r)
+        tiers = ["engine", "tier"]
+        self._evictions = Counter("lmi_cache_placement_evictions", "Entries the placement directory evicted, by tier",
+                                  tiers, registry=r)
+        self._dropped = Counter("lmi_cache_placement_dropped", "Entries a worker's tier lost on its own (damaged, "
+                                "unreadable, a full filesystem), by tier", tiers, registry=r)
+        self._entries = Gauge("lmi_cache_placement_entries", "Entries the placement directory holds, all ranks, by tier",
+                              tiers, registry=r, multiprocess_mode=_GAUGE_MODE)
+        self._retained = Gauge("lmi_cache_session_retained_bytes", "Bytes of open sessions' chunks evicted last, all "
+                               "ranks, by tier", tiers, registry=r, multiprocess_mode=_GAUGE_MODE)
+
+    def evicted(self, tier: str, count: int) -> None:
+        self._evictions.labels(self.engine_label, tier).inc(count)
+
+    def dropped(self, tier: str, count: int) -> None:
+        self._dropped.labels(self.engine_label, tier).inc(count)
+
+    def placement(self, tier: str, entries: int, retained_bytes: int) -> None:
+        self._entries.labels(self.engine_label, tier).set(entries)
+        self._retained.labels(self.engine_label, tier).set(retained_bytes)
 
     def remote_lookup(self, outcome: str) -> None:
         self._remote_lookups.labels(self.engine_label, outcome).inc()
@@ -149,8 +173,6 @@ class CacheMetrics:
                             multiprocess_mode=_GAUGE_MODE)
         self._capacity = Gauge("lmi_cache_tier_capacity_bytes", "Byte budget", tier, registry=r,
                                multiprocess_mode=_GAUGE_MODE)
-        self._retained = Gauge("lmi_cache_session_retained_bytes", "Bytes of open sessions' chunks evicted last", tier,
-                               registry=r, multiprocess_mode=_GAUGE_MODE)
         self._load_s = Histogram("lmi_cache_load_seconds", "Load latency", tier, buckets=_LATENCY_BUCKETS_S, registry=r)
         self._store_s = Histogram(
             "lmi_cache_store_seconds", "Store latency", tier, buckets=_LATENCY_BUCKETS_S, registry=r
@@ -209,11 +231,6 @@ class CacheMetrics:
         with self._lock:
             self._plain[f"{tier}_usage_bytes"] = used_bytes
             self._plain[f"{tier}_capacity_bytes"] = capacity_bytes
-
-    def retained(self, tier: str, num_bytes: int) -> None:
-        self._retained.labels(*self._ids, tier).set(num_bytes)
-        with self._lock:
-            self._plain[f"{tier}_session_retained_bytes"] = num_bytes
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:

@@ -89,12 +89,8 @@ class Tier(ABC):
     @abstractmethod
     def capacity_bytes(self) -> int: ...
 
-    def retain(self, session: str, digests: Sequence[bytes]) -> None:
-        """Evict ``digests`` last while ``session`` is open (the CPU tier; others ignore it)."""
-        return None
-
-    def release(self, session: str) -> None:
-        """``session`` closed or expired: its chunks are ordinary again."""
+    def peek(self, digest: bytes) -> ChunkObject | None:
+        """The held object itself with a reference for the caller (a tier of host buffers), else None."""
         return None
 
     def flush(self, timeout_s: float = 30.0) -> bool:

@@ -15,11 +15,10 @@ they release it (bounded by one step's loads and the disk write queue).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.eviction import EvictionPolicy, make_policy
-from lmi_cache.eviction.retaining import RetainingPolicy
 from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.tiers.base import HitBatch, Tier
 from lmi_cache.tiers.cpu_index import CpuIndex, Refused
@@ -48,7 +47,6 @@ class CpuTier(Tier):
         on_evict: EvictCallback | None = None,
     ) -> None:
         self.index: CpuIndex[ChunkObject] = CpuIndex(capacity_bytes, policy)
-        self._retention = policy if isinstance(policy, RetainingPolicy) else None
         self._metrics = metrics
         self._warner = warner
         self._on_evict = on_evict
@@ -85,17 +83,8 @@ class CpuTier(Tier):
     def close(self) -> None:
         self.clear()
 
-    def retain(self, session: str, digests: Sequence[bytes]) -> None:
-        retention = self._retention
-        if retention is not None:
-            self.index.under_lock(lambda: retention.retain(session, digests))
-            self._report_usage()
-
-    def release(self, session: str) -> None:
-        retention = self._retention
-        if retention is not None:
-            self.index.under_lock(lambda: retention.release(session))
-            self._report_usage()
+    def peek(self, digest: bytes) -> ChunkObject | None:
+        return self.index.get(digest, claim=ChunkObject.acquire)
 
     # ------------------------------------------------------------ data path
     def get_many(self, keys: Sequence[ChunkKey]) -> Iterator[HitBatch]:
@@ -142,18 +131,13 @@ class CpuTier(Tier):
 
     def _report_usage(self) -> None:
         self._metrics.usage(self.name, self.used_bytes, self.capacity_bytes)
-        if self._retention is not None:
-            self._metrics.retained(self.name, self._retention.protected_bytes)
 
 
 def build(config: CacheConfig, context: TierContext) -> CpuTier | None:
     """The CPU tier of ``config`` (``max_local_cpu_size``), or None when it is 0."""
     if config.cpu_capacity_bytes <= 0:
         return None
-    policy: EvictionPolicy = make_policy(config.cache_policy)
-    if config.session_retention_share > 0:  # open sessions' chunks are evicted last, within the share
-        cap_bytes = int(config.cpu_capacity_bytes * config.session_retention_share)
-        policy = RetainingPolicy(policy, cap_bytes, lambda digest: tier.index.entry_bytes(cast(bytes, digest)))
-    tier = CpuTier(config.cpu_capacity_bytes, policy, metrics=context.metrics, warner=context.warner,
-                   on_evict=context.on_evict)
-    return tier
+    # Its own eviction is a safety net: the placement directory (scheduler) decides what leaves, within
+    # the same budget, and keeps open sessions' chunks (``session_retention_share``).
+    return CpuTier(config.cpu_capacity_bytes, make_policy(config.cache_policy), metrics=context.metrics,
+                   warner=context.warner, on_evict=context.on_evict)

@@ -4,8 +4,8 @@ vLLM loads ``LmiCacheConnector`` from this module path
 (``kv_connector_module_path="lmi_cache.vllm_connector"``): it imports the
 package and reads the attribute, which imports the connector (and vLLM) then.
 ``LmiBlendConnector`` is the earlier name of the connector with blending on.
-The package itself stays free of vLLM, so its vLLM-free parts (``key_index``,
-``metadata``) import in milliseconds for tools and tests. Nothing outside this
+The package itself stays free of vLLM, so its vLLM-free part (``metadata``)
+imports in milliseconds for tools and tests. Nothing outside this
 package imports vLLM (``tests/lmi_cache/test_vllm_imports.py`` checks it).
 """
 from __future__ import annotations

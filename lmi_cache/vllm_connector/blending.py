@@ -45,8 +45,10 @@ from lmi_cache.blend.jobs import BlendConnectorMetadata
 from lmi_cache.blend.scheduler_plan import BlendScheduler, KeySpaceFactory
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
 from lmi_cache.metrics.series import BlendSchedulerMetrics, blend_stats_follower
+from lmi_cache.placement.directory import PlacementDirectory
+from lmi_cache.placement.messages import TierEvent
 from lmi_cache.transfer.layouts import LayoutDescriptor
-from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
+from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,6 +71,7 @@ class BlendContext:
     key_space: KeySpaceFactory  # the connector's key space for a KV layout tag (segments use its variant)
     block_size_tokens: int
     scheduler_metrics: SchedulerMetrics | None = None  # the scheduler's registry; None on workers
+    directory: PlacementDirectory | None = None  # the scheduler's placement directory; None on workers
 
 
 def hf_config(vllm_config: VllmConfig) -> dict[str, Any]:
@@ -134,7 +137,9 @@ class ConnectorBlending:
         if scheduler:
             settings = context.settings
             sep = _separator_ids(context.vllm_config, settings.special_str)
-            self.scheduler = BlendScheduler(settings, sep, context.key_space, self._scheduler_metrics())
+            assert context.directory is not None, "the scheduler's blending needs the placement directory"
+            self.scheduler = BlendScheduler(settings, sep, context.key_space, context.directory,
+                                            self._scheduler_metrics())
             logger.info("lmi-cache: blending on (separator %r = token ids %s, check layers %s, ratios %s)",
                         settings.special_str, list(sep), list(settings.check_layers), list(settings.recompute_ratios))
 
@@ -178,15 +183,9 @@ class ConnectorBlending:
 
     def add_jobs(self, meta: LmiConnectorMetadata, scheduler_output: SchedulerOutput) -> BlendConnectorMetadata:
         assert self.scheduler is not None
-        out = BlendConnectorMetadata(loads=meta.loads, saves=meta.saves, release=meta.release, retain=meta.retain)
+        out = BlendConnectorMetadata(loads=meta.loads, saves=meta.saves, async_loads=meta.async_loads)
         self.scheduler.take_jobs(scheduler_output, out)
         return out
-
-    def update_from_workers(self, worker_meta: object) -> None:
-        if self.scheduler is not None and isinstance(worker_meta, LmiWorkerMeta):
-            stored = [d for digests in worker_meta.stored_digests.values() for d in digests]
-            removed = [d for digests in worker_meta.removed_digests.values() for d in digests]
-            self.scheduler.update_from_workers(stored, removed)
 
     def finished(self, req_id: str) -> None:
         self._isolated.pop(req_id, None)
@@ -250,6 +249,9 @@ class ConnectorBlending:
         if self.worker is None or side.engine is None or not isinstance(meta, BlendConnectorMetadata) \
                 or not meta.segment_stores:
             return
+        # Every segment store is answered to the directory: stored, or failed.
+        side.expect_stores(TierEvent(tier, store.keys[side.rank_index].digest)
+                           for store in meta.segment_stores for tier in store.tiers)
         self.worker.run_stores(meta.segment_stores, side.engine)
         self._follow_stats(side)
 

@@ -129,7 +129,8 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._blending: ConnectorBlending | None = None
         if blend_settings.enabled:
             metrics = self._scheduler.metrics if self._scheduler is not None else None
-            context = BlendContext(blend_settings, vllm_config, self.key_space, block_size, metrics)
+            directory = self._scheduler.directory if self._scheduler is not None else None
+            context = BlendContext(blend_settings, vllm_config, self.key_space, block_size, metrics, directory)
             self._blending = ConnectorBlending(context, scheduler=role == KVConnectorRole.SCHEDULER)
 
     def _blend_settings(self) -> BlendSettings:
@@ -156,19 +157,6 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             logger.info("lmi-cache: kv_load_failure_policy set to 'recompute' (a cache miss must not fail a request)")
-        seed: set[bytes] = set()
-        if self._config.local_disk:
-            started = time.perf_counter()
-            try:
-                from lmi_cache.engine import scan_persisted_digests
-                from lmi_cache.tiers.disk.ranks import prune_orphan_rank_dirs
-
-                world_size = self._tp_size * self._pp_size
-                prune_orphan_rank_dirs(self._config.local_disk, self._dp_index, world_size)
-                seed = set(scan_persisted_digests(self._config, self._dp_index, world_size))
-            except Exception as err:  # noqa: BLE001 - a cold index is only slower
-                logger.warning("lmi-cache: could not scan the disk tier (%s); starting with an empty index", err)
-            logger.info("lmi-cache: seeded the index with %d persisted chunks in %.3f s", len(seed), time.perf_counter() - started)
         geometry = SchedulerGeometry(
             block_size_tokens=block_size,
             chunk_size_tokens=self._config.chunk_size,
@@ -182,11 +170,16 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         metrics = SchedulerMetrics(engine_label=str(self._dp_index))
         note_where_metrics_go()
         serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
-        self._scheduler = SchedulerSide(geometry, self.key_space, seed, metrics, remote=self._open_remote_lookups(),
-                                        sessions=self._session_tracker())
+        from lmi_cache.placement.startup import build_directory
+
+        sessions = self._session_tracker()
+        directory = build_directory(self._config, replica=self._dp_index, world_size=geometry.world_size,
+                                    remote=self._open_remote_lookups(), retention=sessions is not None,
+                                    metrics=metrics)
+        self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions)
 
     def _session_tracker(self) -> Any:
-        """Which sessions are open (for retention in the CPU tier), or None when retention is off."""
+        """Which sessions are open (the directory evicts their chunks last), or None when retention is off."""
         if self._config.session_retention_share <= 0 or self._config.cpu_capacity_bytes <= 0:
             return None
         from lmi_cache.eviction.session_tracker import SessionSource, SessionTracker
@@ -349,13 +342,12 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._scheduler.build_connector_meta(scheduler_output)
         if self._blending is not None:
             meta = self._blending.add_jobs(meta, scheduler_output)
+        self._scheduler.finish_step(meta)
         return meta  # type: ignore[return-value]  # a registered virtual subclass (see above), which mypy does not see
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             self._scheduler.update_from_workers(connector_output.kv_connector_worker_meta)
-        if self._blending is not None:
-            self._blending.update_from_workers(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._blending is not None:

@@ -1,11 +1,13 @@
 """Small dataclasses that cross the scheduler <-> worker boundary of the connector.
 
 Scheduler -> workers: ``LmiConnectorMetadata`` (built once per step in the
-scheduler process, bound on every worker): which chunks to load into which
-block ids before the forward pass, and which full chunks to save after it.
-Workers -> scheduler: ``LmiWorkerMeta`` (built per step on each worker,
-aggregated across ranks by vLLM): the digests each rank's engine stored or
-dropped, the KV layout tag it recognised, and load faults. Everything here is
+scheduler process, bound on every worker): the placement directory's
+evictions, then which chunks to load into which block ids (from which tier)
+before the forward pass, and which full chunks to save (into which tiers)
+after it. Workers -> scheduler: ``LmiWorkerMeta`` (built per step on each
+worker, aggregated across ranks by vLLM): per rank, the stores that landed or
+failed and the entries its media lost (``placement.messages.TierEvent``), the
+KV layout tag and chunk sizes it recognised, and load faults. Everything here is
 plain data so it pickles across vLLM's process boundaries; no tensors, and no
 vLLM import: vLLM only duck-types these objects (it binds the metadata on the
 workers and calls ``aggregate`` on the workers' metadata), so its abstract
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.placement.messages import Eviction, TierEvent
 
 
 @dataclass(frozen=True)
@@ -37,47 +40,54 @@ class ChunkTransfer:
     block_ids: tuple[int, ...]
     block_offset: int = 0
     group: int = 0
+    source: str = ""  # a load: the tier the placement directory says holds it ("": ask every tier in order)
+    promote_to: str = ""  # a load: also put it into this tier (the first one; "": no)
+    tiers: tuple[str, ...] = ()  # a save: the tiers to store it into
 
 
 @dataclass
 class LmiConnectorMetadata:
     """What every worker must do this step."""
 
+    evictions: list[Eviction] = field(default_factory=list)  # applied before the loads
     loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
-    # Session retention (lmi_cache.eviction.session_tracker), applied before the saves: release these
-    # sessions, then retain, per session, new prompt chunks (digests per rank).
-    release: list[str] = field(default_factory=list)
-    retain: dict[str, list[tuple[bytes, ...]]] = field(default_factory=dict)
     # Requests whose loads above vLLM waits for between steps (sliding-window or multi-group models): each worker
     # reports them finished, or failed (vLLM then recomputes the request), once its loads are done.
     async_loads: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves and not self.release and not self.retain and not self.async_loads
+        return not self.loads and not self.saves and not self.evictions and not self.async_loads
+
+
+def _merged(*parts: dict[int, list[TierEvent]]) -> dict[int, list[TierEvent]]:
+    merged: dict[int, list[TierEvent]] = {}
+    for part in parts:
+        for rank, events in part.items():
+            merged.setdefault(rank, []).extend(events)
+    return merged
 
 
 @dataclass
 class LmiWorkerMeta:
-    """What the workers' engines changed this step, keyed by rank index."""
+    """What the workers did this step, keyed by rank index (see the module docstring)."""
 
     layout_tags: dict[int, str] = field(default_factory=dict)
-    stored_digests: dict[int, list[bytes]] = field(default_factory=dict)
-    removed_digests: dict[int, list[bytes]] = field(default_factory=dict)
+    chunk_bytes: dict[int, dict[int, int]] = field(default_factory=dict)  # rank -> KV cache group -> payload bytes
+    stored: dict[int, list[TierEvent]] = field(default_factory=dict)
+    failed: dict[int, list[TierEvent]] = field(default_factory=dict)
+    dropped: dict[int, list[TierEvent]] = field(default_factory=dict)
     num_load_faults: int = 0
 
     def aggregate(self, other: object) -> LmiWorkerMeta:
         if not isinstance(other, LmiWorkerMeta):
             return self
-        merged = LmiWorkerMeta(
+        return LmiWorkerMeta(
             layout_tags={**self.layout_tags, **other.layout_tags},
-            stored_digests={r: list(v) for r, v in self.stored_digests.items()},
-            removed_digests={r: list(v) for r, v in self.removed_digests.items()},
+            chunk_bytes={**self.chunk_bytes, **other.chunk_bytes},
+            stored=_merged(self.stored, other.stored),
+            failed=_merged(self.failed, other.failed),
+            dropped=_merged(self.dropped, other.dropped),
             num_load_faults=self.num_load_faults + other.num_load_faults,
         )
-        for rank, digests in other.stored_digests.items():
-            merged.stored_digests.setdefault(rank, []).extend(digests)
-        for rank, digests in other.removed_digests.items():
-            merged.removed_digests.setdefault(rank, []).extend(digests)
-        return merged

@@ -1,9 +1,10 @@
 """Scheduler half of LmiCacheConnector: lookups and load/save planning (vLLM scheduler process).
 
-It never touches tensors. It keeps a :class:`KeyIndex` of the digests the
-workers' engines hold (seeded from the disk tier at start-up, then fed by the
-events each worker returns through ``build_connector_worker_meta`` ->
-``update_connector_output``) and, per request, a plan:
+It never touches tensors. What is cached where, and what to evict, is the
+placement directory's (``lmi_cache.placement``): this side asks it whether a
+chunk is held, plans each load from the tier it names and each save into the
+tiers it reserves room in, and hands the workers' reports back to it. Per
+request it keeps a plan:
 
 * ``get_num_new_matched_tokens``: chunk keys of the prompt for every rank,
   from the :class:`KeySpace` built once the layout tag is known (model, KV
@@ -16,7 +17,8 @@ events each worker returns through ``build_connector_worker_meta`` ->
   Until the first worker reports its layout tag the key namespace is unknown,
   so the answer is ``None`` (vLLM asks again after one empty step).
   With a remote store, the chunks beyond the local hit (every rank's keys) are
-  asked of it in one batched, asynchronous existence check: while it is in
+  asked of it (through the directory's client) in one batched, asynchronous
+  existence check: while it is in
   flight the answer is ``None`` (vLLM asks again next step, the scheduler never
   waits); the check gives up after ``lookup_timeout_ms`` (those chunks are
   misses). Its answer is kept for the request until its local hit changes.
@@ -59,7 +61,7 @@ from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.keys.kv_groups import NULL_BLOCK_ID, KvCacheGroup, is_single_full_group, longest_hit_tokens
 from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics
-from lmi_cache.vllm_connector.key_index import KeyIndex
+from lmi_cache.placement.directory import REMOTE, PlacementDirectory
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
 
 logger = logging.getLogger(__name__)
@@ -129,9 +131,8 @@ class SchedulerSide:
         self,
         geometry: SchedulerGeometry,
         key_space: KeySpaceFactory,
-        seed_digests: Iterable[bytes] = (),
+        directory: PlacementDirectory,
         metrics: SchedulerMetrics | None = None,
-        remote: Any = None,
         sessions: SessionTracker | None = None,
     ) -> None:
         self.geometry = geometry
@@ -142,8 +143,7 @@ class SchedulerSide:
         self._key_space_factory = key_space
         self._key_space: KeySpace | None = None  # set with layout_tag
         self._group_spaces: tuple[KeySpace, ...] = ()  # one per KV cache group
-        self._remote = remote  # a RemoteCache (contains_many_async), or None without a remote tier
-        self.index = KeyIndex(seed_digests)
+        self.directory = directory
         self.layout_tag: str | None = None
         self._disabled_reason: str | None = None
         self._asks_without_layout = 0
@@ -180,16 +180,16 @@ class SchedulerSide:
         plan.load_range, plan.load_confirmed = None, False
         self.stats.num_match_queries += 1
         geo = self.geometry
-        keys, index = plan.chunk_keys, self.index
+        keys, directory = plan.chunk_keys, self.directory
         num_chunks = len(keys[0])
 
         def held(group: int, chunk: int) -> bool:
-            return index.has_all(keys[group][chunk])
+            return directory.holds(keys[group][chunk])
 
         remote: set[tuple[int, int]] = set()
-        if self._remote is not None:
+        if directory.remote is not None:
             useful_chunks = min(num_chunks, max(request.num_tokens - 1, 0) // geo.chunk_size_tokens)
-            first = min(index.leading_hits(group_keys) for group_keys in keys)
+            first = min(_leading(directory, group_keys) for group_keys in keys)
             found = self._remote_hits(plan, first, useful_chunks)
             if found is None:
                 return None, False  # the remote lookup is in flight: vLLM asks again next step
@@ -214,7 +214,7 @@ class SchedulerSide:
         if plan.remote_from != first:
             flat = [key for c in range(first, end) for g in range(num_groups) for key in plan.chunk_keys[g][c]]
             plan.remote_from, plan.remote_found = first, None
-            plan.remote_pending = self._remote.contains_many_async(flat)
+            plan.remote_pending = self.directory.ask_remote(flat)
             self.stats.num_remote_lookups += 1
         if plan.remote_found is None:
             found = plan.remote_pending.poll()
@@ -297,11 +297,18 @@ class SchedulerSide:
             self._plan_step(req_id, plan, cached.num_computed_tokens[i], num_scheduled.get(req_id, 0), meta)
         if self._sessions is not None:
             retention = self._sessions.take_step()
-            meta.retain, meta.release = retention.retain, retention.release
+            for session in retention.release:
+                self.directory.end_session(session)
+            for session, chunks in retention.retain.items():
+                self.directory.retain_for_session(session, [digest for digests in chunks for digest in digests])
             if retention.release:
                 self.metrics.sessions_released(len(retention.release))
-        self.index.next_step()
         return meta
+
+    def finish_step(self, meta: LmiConnectorMetadata) -> None:
+        """The step is planned (blending's jobs too): its evictions go out with it, its pins go."""
+        meta.evictions = self.directory.take_evictions()
+        self.directory.end_step()
 
     def _per_group(self, block_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:
         """vLLM's block ids (one list per KV cache group) as one list per group of ours."""
@@ -343,16 +350,18 @@ class SchedulerSide:
                 logger.warning("lmi-cache: request %s has no blocks for its load of group %d; skipping it",
                                req_id, group.index)
                 return
-            meta.loads.append(ChunkTransfer(req_id, plan.chunk_keys[group.index][c], tuple(ids),
-                                            first_block - c * per_chunk, group.index))
+            keys = plan.chunk_keys[group.index][c]
+            source = self.directory.lookup(keys) or REMOTE
+            placed = self.directory.prepare_load(keys, group.index, source)
+            meta.loads.append(ChunkTransfer(req_id, keys, tuple(ids), first_block - c * per_chunk, group.index,
+                                            source=placed.tier,
+                                            promote_to=self.directory.first_tier_name if placed.promote else ""))
 
     def _plan_group_save(self, req_id: str, plan: _RequestPlan, group: KvCacheGroup, c: int, num_computed_tokens: int,
                          meta: LmiConnectorMetadata) -> None:
         """Save chunk ``c`` of one group, unless stored, or vLLM no longer keeps all of its blocks."""
         per_chunk = self.geometry.blocks_per_chunk
         keys = plan.chunk_keys[group.index][c]
-        if self.index.has_all(keys) or self.index.save_pending(keys):
-            return
         # vLLM freed a sliding-window group's blocks before its window when this step started: their ids
         # may already hold another request's KV.
         if group.first_needed_block(num_computed_tokens, self.geometry.block_size_tokens) > c * per_chunk:
@@ -360,8 +369,10 @@ class SchedulerSide:
         ids = plan.block_ids[group.index][c * per_chunk : (c + 1) * per_chunk]
         if len(ids) != per_chunk or (group.is_sliding and NULL_BLOCK_ID in ids):
             return
-        meta.saves.append(ChunkTransfer(req_id, keys, tuple(ids), 0, group.index))
-        self.index.mark_save_pending(keys)
+        tiers = self.directory.prepare_store(keys, group.index)
+        if not tiers:
+            return  # held or being stored already, or no room that this step does not use
+        meta.saves.append(ChunkTransfer(req_id, keys, tuple(ids), 0, group.index, tiers=tiers))
         self.stats.num_planned_saves += 1
 
     # -- feedback and lifecycle ----------------------------------------------------------
@@ -379,10 +390,12 @@ class SchedulerSide:
         elif tags and self.layout_tag not in tags and self._disabled_reason is None:
             self._disabled_reason = f"KV layout changed from {self.layout_tag} to {sorted(tags)}"
             logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
-        for digests in worker_meta.stored_digests.values():
-            self.index.add(digests)
-        for digests in worker_meta.removed_digests.values():
-            self.index.discard(digests)
+        for rank, sizes in worker_meta.chunk_bytes.items():
+            for group, payload_bytes in sizes.items():
+                self.directory.set_chunk_bytes(rank, group, payload_bytes)
+        for rank in set(worker_meta.stored) | set(worker_meta.failed) | set(worker_meta.dropped):
+            self.directory.complete(rank, worker_meta.stored.get(rank, ()), worker_meta.failed.get(rank, ()),
+                                    worker_meta.dropped.get(rank, ()))
         self.stats.num_load_faults += worker_meta.num_load_faults
 
     def _set_key_space(self, layout_tag: str) -> None:
@@ -406,3 +419,13 @@ class SchedulerSide:
     @property
     def num_tracked_requests(self) -> int:
         return len(self._plans)
+
+
+def _leading(directory: PlacementDirectory, chunk_keys: Sequence[tuple[ChunkKey, ...]]) -> int:
+    """How many leading chunks the local tiers hold on every rank."""
+    count = 0
+    for keys in chunk_keys:
+        if not directory.holds(keys):
+            break
+        count += 1
+    return count

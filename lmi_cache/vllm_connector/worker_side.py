@@ -3,22 +3,25 @@
 * ``register_kv_caches``: recognises the KV layout (refusing unknown ones at
   start-up, see ``lmi_cache.transfer.layouts``), builds the paged copier and
   this rank's engine (one :class:`CacheEngine` per worker process).
-* ``load`` (from ``start_load_kv``, before the forward pass): asks the engine
-  for all planned chunks of the step in one call (``CacheEngine.load``) and
+* ``load`` (from ``start_load_kv``, before the forward pass): first applies
+  the placement directory's evictions to this rank's tiers, then asks the
+  engine for all planned chunks of the step in one call, each from the tier
+  the directory named (``CacheEngine.load``), and
   scatters each batch of hits into vLLM's cache as it arrives, straight from
   the engine's buffers (a CPU-tier hit is copied once). On CUDA the copies are
   asynchronous; the chunk objects are released once their event completes. A
   chunk the engine no longer has (stale index, evicted, corrupt on disk) or
   that fails to copy is a fault: its block ids are reported through
-  ``take_failed_block_ids`` so vLLM recomputes them, its digest is reported
-  removed so the scheduler's index heals, and the request's saves for this
+  ``take_failed_block_ids`` so vLLM recomputes them, its entry is reported
+  dropped so the directory forgets it, and the request's saves for this
   step are skipped (its KV may have been computed on zeroed blocks).
 * ``save`` (from ``wait_for_save``, after the forward pass): gathers every full
   chunk of the step in one kernel call straight into engine memory
-  (``CacheEngine.save_many``; one copy), and the engine writes to disk and the
-  remote store asynchronously. The gather is the only cost on the step;
+  (``CacheEngine.save_many``; one copy) and puts it into the tiers the
+  directory named; the disk and remote writes run asynchronously. The gather is the only cost on the step;
   ``stats.save_seconds`` measures it.
-* ``build_worker_meta``: this rank's stored/removed digests and layout tag.
+* ``build_worker_meta``: this rank's layout tag and chunk sizes, the stores
+  that landed or failed, and entries its media lost on their own.
 
 With vLLM's hybrid KV cache manager on, each KV cache group (full attention,
 sliding window) has its own copier over its own layers; a transfer names its
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +42,7 @@ import torch
 
 from lmi_cache.keys.kv_groups import KvCacheGroup, is_single_full_group
 from lmi_cache.metrics.series import worker_stats_follower
+from lmi_cache.placement.messages import TierEvent
 from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
@@ -95,7 +99,8 @@ class WorkerSide:
         self._failed_req_ids: set[str] = set()
         self._async_done: set[str] = set()  # asynchronous loads of this step that landed
         self._async_failed: set[str] = set()  # ... and that did not (vLLM recomputes those requests)
-        self._removed_digests: list[bytes] = []
+        self._dropped: list[TierEvent] = []  # entries a load found missing or damaged
+        self._instructed: list[TierEvent] = []  # stores and promotions the directory planned this step
         self._num_new_faults = 0  # load faults since the last worker meta (the scheduler counts them)
         self._num_warnings = 0
         self._last_event: Any = None  # the latest asynchronous scatter of this step (CUDA), or None
@@ -142,6 +147,8 @@ class WorkerSide:
 
     def load(self, meta: LmiConnectorMetadata) -> None:
         engine = self.engine
+        if meta.evictions and engine is not None:
+            self._apply_evictions(engine, meta)
         planned = {t.req_id for t in meta.loads}
         # A waiting request with nothing to load (its plan found no blocks) must still be answered, or it waits forever.
         self._async_failed |= {r for r in meta.async_loads if r not in planned or self.copier is None or engine is None}
@@ -150,6 +157,12 @@ class WorkerSide:
         started = time.perf_counter()
         self._release_finished_loads()
         keys = [transfer.keys[self.rank_index] for transfer in meta.loads]
+        directed = all(t.source for t in meta.loads)
+        sources = [t.source for t in meta.loads] if directed else None
+        promote = [bool(t.promote_to) for t in meta.loads]
+        for transfer, key in zip(meta.loads, keys):
+            if transfer.promote_to:
+                self._instructed.append(TierEvent(transfer.promote_to, key.digest))
         loaded: set[int] = set()
         held: list[ChunkObject] = []  # chunk objects the copies read from: released once the copies are done
         arrived: list[tuple[int, ChunkObject]] = []  # hits not copied yet (CPU backend: copied once, after the reads)
@@ -160,7 +173,7 @@ class WorkerSide:
             # arrival (asynchronous copies overlap the reads still running); on the CPU backend all hits
             # are scattered in one call after the reads, so the copy's OpenMP threads never wait for cores
             # that reader threads hold.
-            for batch in engine.load(keys):
+            for batch in engine.load(keys, sources, promote if directed else None):
                 held.extend(obj for _, obj in batch)
                 if overlap:
                     loaded.update(self._scatter_groups(meta, batch))
@@ -175,6 +188,17 @@ class WorkerSide:
         self._last_event = None
         self._release_finished_loads()
         self.stats.load_seconds += time.perf_counter() - started
+
+    def _apply_evictions(self, engine: Engine, meta: LmiConnectorMetadata) -> None:
+        """The directory's evictions of this rank, before the loads (a load never reads what it evicts)."""
+        try:
+            for eviction in meta.evictions:
+                if eviction.rank == self.rank_index:
+                    engine.evict(eviction.tier, eviction.digest, eviction.demote_to)
+                    if eviction.demote_to:
+                        self._instructed.append(TierEvent(eviction.demote_to, eviction.digest))
+        except Exception as err:  # noqa: BLE001 - a tier that keeps an entry only wastes room
+            self._fault("could not apply evictions", err, op="evict")
 
     def _scatter_groups(self, meta: LmiConnectorMetadata, batch: list[tuple[int, ChunkObject]]) -> list[int]:
         """Copy a batch of hits into the paged cache, one kernel call per KV cache group; the positions that landed."""
@@ -237,7 +261,7 @@ class WorkerSide:
             self.stats.num_load_faults += 1
             self._num_new_faults += 1
             self._failed_req_ids.add(transfer.req_id)
-            self._removed_digests.append(keys[position].digest)
+            self._dropped.append(TierEvent(transfer.source, keys[position].digest))
             self._fault(f"could not load chunk {keys[position].digest.hex()[:12]} for request {transfer.req_id}", None)
 
     def _release_finished_loads(self, wait: bool = False) -> None:
@@ -255,7 +279,6 @@ class WorkerSide:
 
     def save(self, meta: LmiConnectorMetadata) -> None:
         try:
-            self._apply_retention(meta)  # first: chunks saved below are retained on insert
             self._save(meta)
         finally:
             # Load faults only poison this step's saves.
@@ -265,6 +288,8 @@ class WorkerSide:
         engine = self.engine
         if not meta.saves or self.copier is None or engine is None:
             return
+        # Every planned store is answered: it lands, or it is reported failed (a skipped one too).
+        self._instructed.extend(TierEvent(tier, t.keys[self.rank_index].digest) for t in meta.saves for tier in t.tiers)
         started = time.perf_counter()
         for group, copier in self._copiers.items():
             transfers = [t for t in meta.saves if t.group == group and t.req_id not in self._failed_req_ids]
@@ -275,27 +300,21 @@ class WorkerSide:
     def _save_group(self, engine: Engine, transfers: list[ChunkTransfer], copier: PagedChunkCopier) -> None:
         keys = [t.keys[self.rank_index] for t in transfers]
         block_ids = [t.block_ids for t in transfers]
+        directed = all(t.tiers for t in transfers)
         try:
             # Every full chunk of the step gathered in one kernel call, straight into engine memory.
             saved = engine.save_many(keys, copier.chunk_shape, copier.dtype,
-                                     lambda outs: copier.gather_many(block_ids, outs))
+                                     lambda outs: copier.gather_many(block_ids, outs),
+                                     [t.tiers for t in transfers] if directed else None)
             self.stats.num_chunks_saved += sum(saved)
             self.stats.num_saves_refused += len(saved) - sum(saved)
         except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
             self.stats.num_save_faults += len(transfers)
             self._fault(f"could not save {len(transfers)} chunk(s)", err, op="save")
 
-    def _apply_retention(self, meta: LmiConnectorMetadata) -> None:
-        engine = self.engine
-        if engine is None or not (meta.release or meta.retain):
-            return
-        try:
-            for session in meta.release:
-                engine.release(session)
-            for session, chunks in meta.retain.items():
-                engine.retain(session, [digests[self.rank_index] for digests in chunks])
-        except Exception as err:  # noqa: BLE001 - retention is a preference, never a failed step
-            self._fault("could not update session retention", err, op="retain")
+    def expect_stores(self, events: Iterable[TierEvent]) -> None:
+        """Stores planned by the directory that another component (blending) makes: reported like this side's."""
+        self._instructed.extend(event for event in events if event.tier != "remote")
 
     def load_failed(self, req_id: str) -> bool:
         """Whether a chunk of ``req_id`` failed to load this step (its blocks after it are recomputed)."""
@@ -308,21 +327,26 @@ class WorkerSide:
     def build_worker_meta(self) -> LmiWorkerMeta | None:
         if self.layout is None or self.engine is None:
             return None
-        stored: list[bytes] = []
-        removed: list[bytes] = list(self._removed_digests)
-        self._removed_digests.clear()
+        stored: list[TierEvent] = []
+        dropped, self._dropped = self._dropped, []
+        instructed, self._instructed = self._instructed, []
         try:
-            new_stored, new_removed = self.engine.drain_events()
+            new_stored, new_dropped = self.engine.drain_events()
             stored.extend(new_stored)
-            removed.extend(new_removed)
+            dropped.extend(new_dropped)
         except Exception as err:  # noqa: BLE001
             self._fault("could not drain engine events", err, op="events")
+        landed = {(e.tier, e.digest) for e in stored}
+        failed = [e for e in instructed if e.tier != "remote" and (e.tier, e.digest) not in landed]
         faults, self._num_new_faults = self._num_new_faults, 0
         self._metrics.follow(self.engine.metrics, self.stats)
+        rank = self.rank_index
         return LmiWorkerMeta(
-            layout_tags={self.rank_index: self.layout.tag},
-            stored_digests={self.rank_index: stored} if stored else {},
-            removed_digests={self.rank_index: removed} if removed else {},
+            layout_tags={rank: self.layout.tag},
+            chunk_bytes={rank: {g: c.chunk_bytes for g, c in self._copiers.items()}},
+            stored={rank: stored} if stored else {},
+            failed={rank: failed} if failed else {},
+            dropped={rank: dropped} if dropped else {},
             num_load_faults=faults,
         )
 

@@ -11,6 +11,7 @@ from lmi_cache.blend.scheduler_plan import BlendRequestError, BlendScheduler, ex
 from lmi_cache.blend.segments import Span
 from lmi_cache.blend.settings import BlendSettings
 from lmi_cache.keys.hashing import KeySpace
+from placement_helpers import confirm_stored, directory
 
 SEP = (9, 9)
 
@@ -49,7 +50,7 @@ def _space(layout: str, tp_size: int = 2) -> KeySpace:
 
 
 def _scheduler(**settings: Any) -> BlendScheduler:
-    return BlendScheduler(BlendSettings(enabled=True, min_tokens=4, **settings), SEP, _space)
+    return BlendScheduler(BlendSettings(enabled=True, min_tokens=4, **settings), SEP, _space, directory(4))
 
 
 def _doc(value: int, n: int = 10) -> list[int]:
@@ -62,7 +63,7 @@ PROMPT = _doc(1) + _doc(2) + _doc(3) + [5, 6, 7]
 def _hold_all(sched: BlendScheduler, req: FakeRequest) -> None:
     state = sched.state(req.request_id)
     assert state is not None
-    sched.update_from_workers([k.digest for keys in state.segment_keys for k in keys], [])
+    confirm_stored(sched.directory, state.segment_keys)
 
 
 def _held() -> tuple[BlendScheduler, FakeRequest]:
@@ -155,7 +156,7 @@ def test_opt_out_salt_and_min_tokens() -> None:
     assert not meta.segment_stores  # an opted-out request stores nothing either
     # Another tenant's salt keys other segments: nothing is held for it.
     assert sched.plan(FakeRequest("b", PROMPT, cache_salt="t2"), 0, 0, "L") is None
-    strict = BlendScheduler(BlendSettings(enabled=True, min_tokens=100), SEP, lambda layout: _space(layout, 1))
+    strict = BlendScheduler(BlendSettings(enabled=True, min_tokens=100), SEP, lambda layout: _space(layout, 1), directory(4))
     req = FakeRequest("c", PROMPT)
     strict.plan(req, 0, 0, "L")
     _hold_all(strict, req)

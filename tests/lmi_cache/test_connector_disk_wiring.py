@@ -78,9 +78,9 @@ def test_scheduler_of_a_replica_seeds_from_its_own_live_ranks(setup: tuple[Path,
     other_replica = fill(disk, rank_label(0, 0), SPACE.keys(TOKENS, 2))
     orphan = fill(disk, rank_label(2, 1), SPACE.keys(TOKENS, 3))  # from a TP=4 past
     connector = LmiCacheConnector(fake_vllm_config(model, dp_index=1), KVConnectorRole.SCHEDULER, None)
-    index = connector.scheduler_side.index  # type: ignore[union-attr]
-    assert all(d in index for d in own)
-    assert not any(d in index for d in other_replica | orphan)
+    book = connector.scheduler_side.directory.books[0]  # type: ignore[union-attr]  # LMCACHE_LOCAL_CPU=false
+    assert book.name == "disk" and all(book.holds(d) for d in own)
+    assert not any(book.knows(d) for d in other_replica | orphan)
     assert not (disk / "rank2-dp1").exists() and (disk / "rank0").exists()
     assert connector._model_identity.startswith("content:") and "|dtype=float32" in connector._model_identity
 

@@ -96,14 +96,18 @@ def test_disk_hit_is_promoted_and_events(tmp_path: Path) -> None:
             assert save(engine, key, data_for(key))
             engine.flush()  # written through: the CPU copy is unpinned and evictable again
         stored, removed = engine.drain_events()
-        assert stored == [k.digest for k in keys] and removed == []  # evicted from CPU, still on disk
+        assert [(e.tier, e.digest) for e in stored] == [(t, k.digest) for k in keys for t in ("cpu", "disk")]
+        # Over its budget the CPU tier evicts on its own and says so, per tier: still on disk.
+        assert [(e.tier, e.digest) for e in removed] == [("cpu", k.digest) for k in keys[:-4]]
         assert held_by(engine, keys[0]) == "disk"
         assert lookup(engine, keys) == keys[-1].end
         got = load(engine, keys[0])
         assert got is not None and torch.equal(got, data_for(keys[0]))
         assert held_by(engine, keys[0]) == "cpu"
+        assert ("cpu", keys[0].digest) in [(e.tier, e.digest) for e in engine.drain_events()[0]]  # promoted
         engine.clear()
-        assert lookup(engine, keys) == 0 and set(engine.drain_events()[1]) == {k.digest for k in keys}
+        cleared = engine.drain_events()[1]
+        assert lookup(engine, keys) == 0 and {e.digest for e in cleared if e.tier == "disk"} == {k.digest for k in keys}
         assert scan_persisted_digests(engine.config) == set()
 
 
@@ -113,7 +117,8 @@ def test_removed_events_when_gone_from_all_tiers() -> None:
         for key in keys:
             save(engine, key, data_for(key))
         stored, removed = engine.drain_events()
-        assert stored == [k.digest for k in keys] and removed == [keys[0].digest]
+        assert [e.digest for e in stored] == [k.digest for k in keys]
+        assert [(e.tier, e.digest) for e in removed] == [("cpu", keys[0].digest)]
         assert engine.drain_events() == ([], [])
 
 
@@ -128,7 +133,9 @@ def test_demote_feed_writes_on_eviction(tmp_path: Path) -> None:
         for key in keys:
             got = load(engine, key)
             assert got is not None and torch.equal(got, data_for(key))
-        assert engine.drain_events()[1] == []
+        stored, removed = engine.drain_events()
+        assert {e.tier for e in removed} == {"cpu"}  # only CPU evictions, each demoted to disk:
+        assert {e.digest for e in removed} <= {e.digest for e in stored if e.tier == "disk"}
 
 
 def test_disk_only_engine(tmp_path: Path) -> None:
@@ -162,7 +169,7 @@ def test_faults_never_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         path.write_bytes(bytes(raw))
         assert load(engine, keys[1]) is None  # a flipped byte is a miss, never wrong data
         assert engine.stats()["disk_corrupted_reads"] == 1
-        assert engine.drain_events()[1] == [keys[1].digest]
+        assert [(e.tier, e.digest) for e in engine.drain_events()[1]] == [("disk", keys[1].digest)]
 
         def boom(*args: object, **kwargs: object) -> None:
             raise RuntimeError("bug")
@@ -366,9 +373,44 @@ def test_restart_over_a_shrunken_disk_budget_evicts_at_start_and_reports_it(tmp_
     file_bytes = next(tmp_path.rglob("*.lmc")).stat().st_size
     with CacheEngine(config(tmp_path, max_local_disk_size=2.5 * file_bytes / 1024**3)) as restarted:
         assert restarted.stats()["disk_entries"] == 2
-        _, removed = restarted.drain_events()
+        removed = [e.digest for e in restarted.drain_events()[1]]
         assert len(removed) == 2 and set(removed) <= {k.digest for k in keys}
         kept = [k for k in keys if k.digest not in removed]
         assert len(kept) == 2 and all(held_by(restarted, k) == "disk" for k in kept)
         got = load(restarted, kept[0])
         assert got is not None and torch.equal(got, data_for(kept[0]))
+
+
+def test_directed_verbs_store_read_and_evict_where_the_directory_says(tmp_path: Path) -> None:
+    """The placement directory names tiers: a store goes only there, a load asks only its source tier,
+    a promotion happens only when asked, and an eviction (with demotion) drops what it names."""
+    fill_one = lambda key: (lambda outs: outs[0].copy_(data_for(key)))  # noqa: E731
+    with CacheEngine(config(tmp_path)) as engine:
+        a, b, c = keys_for(engine, TOKENS, NS)[:3]
+        assert engine.save_many([a], CHUNK_SHAPE, torch.float32, fill_one(a), [("disk",)]) == [True]
+        engine.flush()
+        assert held_by(engine, a) == "disk"
+        assert engine.save_many([b], CHUNK_SHAPE, torch.float32, fill_one(b), [()]) == [False]  # nowhere: not stored
+        stored, _ = engine.drain_events()
+        assert [(e.tier, e.digest, e.payload_bytes) for e in stored] == [("disk", a.digest, 1024)]
+        # Asked of the CPU tier only, a chunk on disk is a miss; asked of the disk, a hit, not promoted.
+        assert list(engine.load([a], ["cpu"], [False])) == []
+        hits = [obj for batch in engine.load([a], ["disk"], [False]) for _, obj in batch]
+        assert len(hits) == 1 and torch.equal(hits[0].payload_tensor().view(CHUNK_SHAPE), data_for(a))
+        hits[0].release()
+        assert held_by(engine, a) == "disk"
+        for _, obj in [item for batch in engine.load([a], ["disk"], [True]) for item in batch]:
+            obj.release()
+        assert tier(engine, "cpu").contains(a.digest)  # promoted because it was asked to be
+        # An eviction drops only the named tier; with a demotion the chunk moves to the next one first.
+        assert save(engine, c, data_for(c)) and engine.flush() is None
+        engine.evict("cpu", a.digest)
+        assert not tier(engine, "cpu").contains(a.digest) and tier(engine, "disk").contains(a.digest)
+        engine.evict("disk", c.digest)
+        assert held_by(engine, c) == "cpu"
+        engine.evict("cpu", c.digest, demote_to="disk")
+        engine.flush()
+        assert held_by(engine, c) == "disk"
+        got = load(engine, c)
+        assert got is not None and torch.equal(got, data_for(c))
+        assert all(e.tier != "cpu" for e in engine.drain_events()[1])  # instructed evictions are not news

@@ -60,7 +60,7 @@ def test_a_second_engine_loads_what_the_first_stored(redis_server: RedisServer) 
             obj.release()
         assert held_by(second, keys[0]) == "cpu"  # promoted (by reference)
         stored, _ = second.drain_events()
-        assert set(stored) == {k.digest for k in keys}  # the scheduler's index learns the promoted chunks
+        assert {(e.tier, e.digest) for e in stored} == {("cpu", k.digest) for k in keys}  # the directory learns them
         stats = second.stats()
         assert stats["redis_loaded_tokens"] == 4 * CHUNK and stats["redis_loads"] == 4  # tier label "redis"
         assert stats["remote_get_hits"] == 4

@@ -35,6 +35,7 @@ from lmi_cache.metrics.series import (
 )
 
 from lmi_cache.vllm_connector.blending import BlendContext, ConnectorBlending
+from placement_helpers import confirm_stored, directory
 
 REPO = Path(__file__).resolve().parents[2]
 SEP = (9, 9)
@@ -70,7 +71,7 @@ def _output(*new: tuple[str, list[int]]) -> Any:
 def test_scheduler_series_follow_plans_stores_and_bad_requests() -> None:
     base = SchedulerMetrics(engine_label="1")
     blend_metrics = BlendSchedulerMetrics(base.registry, base.engine_label)  # as the blending component builds them
-    sched = BlendScheduler(BlendSettings(enabled=True, min_tokens=4), SEP, _space, blend_metrics)
+    sched = BlendScheduler(BlendSettings(enabled=True, min_tokens=4), SEP, _space, directory(4), blend_metrics)
     prompt = [1] * 10 + list(SEP) + [2] * 10 + list(SEP) + [5, 6, 7]
     first = _request("a", prompt)
     assert sched.plan(first, 0, 0, "L") is None  # cold: prefilled, its two segments stored
@@ -79,7 +80,7 @@ def test_scheduler_series_follow_plans_stores_and_bad_requests() -> None:
     assert _sched_value(base, "lmi_cache_blend_planned_requests_total") == 0  # nothing blended yet
     state = sched.state("a")
     assert state is not None
-    sched.update_from_workers([k.digest for keys in state.segment_keys for k in keys], [])
+    confirm_stored(sched.directory, state.segment_keys)
     second = _request("b", prompt)
     assert sched.plan(second, 0, 0, "L") == 24
     sched.confirm("b", 24)
@@ -98,9 +99,14 @@ class FakeWorkerSide:
 
     def __init__(self, engine: DictEngine) -> None:
         self.engine = engine
+        self.rank_index = 0
+        self.expected: list[Any] = []
 
     def load_failed(self, req_id: str) -> bool:
         return False
+
+    def expect_stores(self, events: Any) -> None:
+        self.expected.extend(events)
 
 
 class Connector:

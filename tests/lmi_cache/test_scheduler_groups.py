@@ -4,6 +4,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from placement_helpers import directory, dropped
 from test_scheduler_side import BLOCK, CHUNK, TAG, key_space, output, request, store_all
 
 from lmi_cache.keys.kv_groups import KvCacheGroup
@@ -18,7 +19,7 @@ PROMPT = list(range(1, 141))  # 140 tokens: 4 full chunks, 9 blocks
 
 
 def make_side(*groups: KvCacheGroup) -> SchedulerSide:
-    side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, 1, groups=groups), key_space(1))
+    side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, 1, groups=groups), key_space(1), directory(CHUNK))
     side.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG}))
     return side
 
@@ -76,7 +77,7 @@ def test_mistral_shape_hits_after_its_early_chunks_are_evicted() -> None:
     side = make_side(KvCacheGroup(0, ("layers.0",), 40))
     meta = warm(side, groups=1)
     # Evict the first two chunks: a window of 40 before token 128 only needs chunks 2 and 3.
-    side.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG}, removed_digests={0: [t.keys[0].digest for t in meta.saves[:2]]}))
+    side.update_from_workers(dropped({0: [t.keys[0].digest for t in meta.saves[:2]]}, layout_tags={0: TAG}))
     assert side.get_num_new_matched_tokens(request("r", PROMPT), 0) == (128, True)
 
 
@@ -84,7 +85,7 @@ def test_a_full_group_without_its_early_chunks_misses() -> None:
     side = make_side(SLIDING, FULL)
     meta = warm(side, groups=2)
     full_chunk_0 = next(t for t in meta.saves if t.group == 1)
-    side.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG}, removed_digests={0: [full_chunk_0.keys[0].digest]}))
+    side.update_from_workers(dropped({0: [full_chunk_0.keys[0].digest]}, layout_tags={0: TAG}))
     assert side.get_num_new_matched_tokens(request("r", PROMPT), 0) == (0, False)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from remote_fixtures import redis_server, redis_settings  # noqa: E402,F401
+from placement_helpers import directory, stored  # noqa: E402
 from test_scheduler_side import BLOCK, CHUNK, TAG, key_space, new_req, output, rank_keys, request  # noqa: E402
 
 from lmi_cache.remote import open_remote  # noqa: E402
@@ -26,7 +27,7 @@ PROMPT = list(range(1, 107))  # 106 tokens: 3 full chunks of 32
 
 
 def side_with(remote: RemoteCache, world_size: int = 2) -> SchedulerSide:
-    side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, world_size), key_space(world_size), remote=remote)
+    side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, world_size), key_space(world_size), directory(CHUNK, remote=remote))
     side.update_from_workers(LmiWorkerMeta(layout_tags={r: TAG for r in range(world_size)}))
     return side
 
@@ -94,7 +95,7 @@ def test_the_remote_lookup_starts_after_the_local_hit(redis_server: RedisServer)
         put_chunks(cache, 3, range(2))
         side = side_with(cache)
         first_chunk = [k.digest for r in range(2) for k in rank_keys(PROMPT, r, world_size=2)[:1]]
-        side.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG, 1: TAG}, stored_digests={0: first_chunk}))
+        side.update_from_workers(stored({0: first_chunk[:1], 1: first_chunk[1:]}, layout_tags={0: TAG, 1: TAG}))
         # 3 chunks, but at least one token is computed: 96 of 106 tokens are loadable.
         assert ask_until_answered(side, request("r", PROMPT)) == (3 * CHUNK, False)
         assert side.stats.num_remote_hit_chunks == 2  # chunk 0 came from the local index

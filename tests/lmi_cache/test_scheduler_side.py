@@ -12,6 +12,7 @@ from lmi_cache.keys import hashing as chunk_hashing
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 from lmi_cache.vllm_connector.scheduler_side import MAX_ASKS_WITHOUT_LAYOUT, SchedulerGeometry, SchedulerSide
+from placement_helpers import directory, dropped, stored
 
 BLOCK, CHUNK = 16, 32
 TAG = "cpu.s0123.float32"
@@ -28,7 +29,7 @@ def rank_keys(tokens: list[int], rank: int, world_size: int) -> list[ChunkKey]:
 
 
 def make_side(world_size: int = 1, min_retrieve: int = 0, layout_known: bool = True) -> SchedulerSide:
-    side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, world_size, min_retrieve), key_space(world_size))
+    side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, world_size, min_retrieve), key_space(world_size), directory(CHUNK))
     if layout_known:
         side.update_from_workers(LmiWorkerMeta(layout_tags={r: TAG for r in range(world_size)}))
     return side
@@ -61,8 +62,11 @@ def output(new: Sequence[Any] = (), scheduled: dict[str, int] | None = None, cac
 
 
 def store_all(side: SchedulerSide, meta: LmiConnectorMetadata) -> None:
-    digests = [k.digest for t in meta.saves for k in t.keys]
-    side.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG}, stored_digests={0: digests}))
+    by_rank: dict[int, list[bytes]] = {}
+    for t in meta.saves:
+        for rank, k in enumerate(t.keys):
+            by_rank.setdefault(rank, []).append(k.digest)
+    side.update_from_workers(stored(by_rank, layout_tags={0: TAG}))
 
 
 def warm(side: SchedulerSide, tokens: list[int], req_id: str = "w") -> LmiConnectorMetadata:
@@ -171,7 +175,7 @@ def test_min_retrieve_tokens() -> None:
 def test_removed_digests_make_a_miss() -> None:
     side = make_side()
     meta = warm(side, PROMPT)
-    side.update_from_workers(LmiWorkerMeta(removed_digests={0: [meta.saves[1].keys[0].digest]}))
+    side.update_from_workers(dropped({0: [meta.saves[1].keys[0].digest]}))
     assert side.get_num_new_matched_tokens(request("r", PROMPT), 0) == (32, False)
 
 
@@ -182,9 +186,9 @@ def test_all_ranks_must_hold_a_chunk() -> None:
     side.update_state_after_alloc(req, 0)
     meta = side.build_connector_meta(output([new_req("w", [1, 2, 3, 4, 5], 0)], {"w": 75}))
     assert all(len(t.keys) == 2 and t.keys[0].digest != t.keys[1].digest for t in meta.saves)
-    side.update_from_workers(LmiWorkerMeta(stored_digests={0: [t.keys[0].digest for t in meta.saves]}))
+    side.update_from_workers(stored({0: [t.keys[0].digest for t in meta.saves]}))
     assert side.get_num_new_matched_tokens(request("r", PROMPT), 0) == (0, False)
-    side.update_from_workers(LmiWorkerMeta(stored_digests={1: [meta.saves[0].keys[1].digest]}))
+    side.update_from_workers(stored({1: [meta.saves[0].keys[1].digest]}))
     assert side.get_num_new_matched_tokens(request("r", PROMPT), 0) == (32, False)
 
 
@@ -205,7 +209,7 @@ def test_a_prompt_is_hashed_once_for_all_ranks(monkeypatch: Any) -> None:
 
 
 def test_a_key_space_that_does_not_fit_the_scheduler_disables_lookups() -> None:
-    wrong = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, 2), key_space(4))
+    wrong = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, 2), key_space(4), directory(CHUNK))
     wrong.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG, 1: TAG}))
     assert not warm(wrong, PROMPT).saves
     assert wrong.get_num_new_matched_tokens(request("r", PROMPT), 0) == (0, False)
@@ -261,7 +265,7 @@ def test_match_invariants(prompt_len: int, num_outputs: int, stored_chunks: int,
     side = make_side(min_retrieve=min_retrieve)
     tokens = [(i * 7919) % 1000 for i in range(prompt_len)]
     all_keys = rank_keys(tokens, 0, world_size=1)
-    side.index.add(k.digest for k in all_keys[:stored_chunks])
+    side.update_from_workers(stored({0: [k.digest for k in all_keys[:stored_chunks]]}))
     req = request("r", tokens, num_output=num_outputs)
     num_computed = min(local_blocks * BLOCK, ((req.num_tokens - 1) // BLOCK) * BLOCK)
     n, is_async = side.get_num_new_matched_tokens(req, num_computed)

@@ -43,7 +43,7 @@ def test_the_scan_sees_imports_in_functions_and_type_checking_blocks(tmp_path: P
 
 
 def test_metadata_and_the_blend_algorithm_import_without_vllm() -> None:
-    modules = ["lmi_cache.vllm_connector", "lmi_cache.vllm_connector.metadata", "lmi_cache.vllm_connector.key_index",
+    modules = ["lmi_cache.vllm_connector", "lmi_cache.vllm_connector.metadata",
                "lmi_cache.blend", "lmi_cache.blend.blender", "lmi_cache.blend.scheduler_plan",
                "lmi_cache.blend.worker_jobs", "lmi_cache.blend.settings", "lmi_cache.blend.connector",
                "lmi_cache.front.middleware", "lmi_cache.front.options"]

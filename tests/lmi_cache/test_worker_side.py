@@ -9,6 +9,7 @@ import torch
 
 from lmi_cache.keys.hashing import KeyNamespace, chunk_keys
 from lmi_cache.transfer.layouts import ExpectedGeometry, KvLayoutError
+from lmi_cache.placement.messages import Eviction, TierEvent
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata
 from lmi_cache.vllm_connector.worker_side import WorkerSide
 
@@ -33,7 +34,8 @@ class FakeObject:
 class FakeEngine:
     def __init__(self) -> None:
         self.data: dict[bytes, torch.Tensor] = {}
-        self.events: tuple[list[bytes], list[bytes]] = ([], [])
+        self.events: tuple[list[TierEvent], list[TierEvent]] = ([], [])
+        self.evicted: list[tuple[str, bytes, str | None]] = []
         self.fail_store = False
         self.flushed = self.closed = False
         self.outstanding = 0  # objects handed out by load and not released yet
@@ -44,24 +46,34 @@ class FakeEngine:
     def expect_chunks(self, payload_bytes: int) -> None:
         self.expected_chunk_bytes = payload_bytes
 
-    def save_many(self, keys: list[Any], shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> list[bool]:
+    def save_many(self, keys: list[Any], shape: tuple[int, ...], dtype: torch.dtype, fill: Any,
+                  tiers: Any = None) -> list[bool]:
         if self.fail_store:
             raise OSError("disk on fire")
         outs = [torch.empty(shape, dtype=dtype) for _ in keys]
         fill(outs)  # a real engine hands out its own memory; the worker must gather into it
-        for key, out in zip(keys, outs):
+        for position, (key, out) in enumerate(zip(keys, outs)):
             self.data[key.digest] = out
-            self.events[0].append(key.digest)
+            for tier in (tiers[position] if tiers is not None else ("cpu",)):
+                if tier != "full":  # a tier that refuses every put
+                    self.events[0].append(TierEvent(tier, key.digest, out.numel() * 4))
         return [True] * len(keys)
 
-    def load(self, keys: list[Any]) -> Iterator[list[tuple[int, FakeObject]]]:
+    def load(self, keys: list[Any], sources: Any = None, promote: Any = None) -> Iterator[list[tuple[int, FakeObject]]]:
         self.load_calls += 1
+        self.last_sources = sources
         for position, key in enumerate(keys):  # one batch per hit, like disk reads finishing one by one
             chunk = self.data.get(key.digest)
             if chunk is not None:
+                if promote is not None and promote[position]:
+                    self.events[0].append(TierEvent("cpu", key.digest))
                 yield [(position, FakeObject(self, key, chunk))]
 
-    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+    def evict(self, tier: str, digest: bytes, demote_to: str | None = None) -> None:
+        self.evicted.append((tier, digest, demote_to))
+        self.data.pop(digest, None)
+
+    def drain_events(self) -> tuple[list[TierEvent], list[TierEvent]]:
         events, self.events = self.events, ([], [])
         return events
 
@@ -92,7 +104,7 @@ def test_save_then_load_into_other_blocks() -> None:
     worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2)), ChunkTransfer("r", (k[1],), (3, 4))]))
     assert worker.stats.num_chunks_saved == 2 and len(engine.data) == 2
     meta = worker.build_worker_meta()
-    assert meta is not None and meta.stored_digests == {0: [k[0].digest, k[1].digest]}
+    assert meta is not None and [e.digest for e in meta.stored[0]] == [k[0].digest, k[1].digest]
     assert meta.layout_tags == {0: worker.layout.tag}  # type: ignore[union-attr]
     worker.load(LmiConnectorMetadata(loads=[ChunkTransfer("q", (k[0],), (7, 8)), ChunkTransfer("q", (k[1],), (9,))]))
     assert torch.equal(layers[1][7], layers[1][1]) and torch.equal(layers[1][8], layers[1][2])
@@ -172,7 +184,7 @@ def test_missing_chunk_reports_blocks_removes_digest_and_skips_saves() -> None:
     assert engine.metrics.errors == [("connector", "load")]
     assert [t for t in engine.data] == [k[2].digest]  # only the healthy request saved
     wmeta = worker.build_worker_meta()
-    assert wmeta is not None and k[0].digest in wmeta.removed_digests[0] and wmeta.num_load_faults == 1
+    assert wmeta is not None and k[0].digest in [e.digest for e in wmeta.dropped[0]] and wmeta.num_load_faults == 1
     # The poisoning lasts one step only.
     worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("q", (keys(4)[3],), (1, 2))]))
     assert worker.stats.num_chunks_saved == 2
@@ -236,3 +248,30 @@ def test_save_and_load_seconds_reach_the_ranks_worker_series() -> None:
     assert metrics.registry.get_sample_value("lmi_cache_worker_load_seconds_total", labels) == pytest.approx(
         worker.stats.load_seconds) and worker.stats.load_seconds > 0
     assert metrics.registry.get_sample_value("lmi_cache_worker_save_seconds_total", labels) == pytest.approx(first)
+
+
+def test_directed_work_follows_the_directory_and_every_planned_store_is_answered() -> None:
+    """Evictions are applied before the loads; loads name their tier; a store lands or is reported failed."""
+    worker, engine, layers = make_worker()
+    k = keys(4)
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2), tiers=("cpu", "disk")),
+                                            ChunkTransfer("r", (k[1],), (3, 4), tiers=("full",))]))
+    report = worker.build_worker_meta()
+    assert report is not None
+    assert [(e.tier, e.digest) for e in report.stored[0]] == [("cpu", k[0].digest), ("disk", k[0].digest)]
+    assert [(e.tier, e.digest) for e in report.failed[0]] == [("full", k[1].digest)]
+    assert report.chunk_bytes == {0: {0: worker.copier.chunk_bytes}}  # type: ignore[union-attr]
+    order: list[str] = []
+    evict, load = engine.evict, engine.load
+    engine.evict = lambda *a: (order.append("evict"), evict(*a))[1]  # type: ignore[method-assign]
+    engine.load = lambda *a: (order.append("load"), load(*a))[1]  # type: ignore[method-assign]
+    worker.load(LmiConnectorMetadata(
+        evictions=[Eviction(0, "cpu", k[1].digest), Eviction(1, "cpu", k[2].digest), Eviction(0, "cpu", k[3].digest, "disk")],
+        loads=[ChunkTransfer("q", (k[0],), (7, 8), source="disk", promote_to="cpu")]))
+    assert order == ["evict", "evict", "load"]  # rank 1's eviction is not this rank's
+    assert engine.evicted == [("cpu", k[1].digest, None), ("cpu", k[3].digest, "disk")]
+    assert engine.last_sources == ["disk"] and torch.equal(layers[0][7], layers[0][1])
+    report = worker.build_worker_meta()
+    assert report is not None and ("cpu", k[0].digest) in [(e.tier, e.digest) for e in report.stored[0]]
+    # The demotion was planned too: it did not land in this fake, so it is reported failed.
+    assert [(e.tier, e.digest) for e in report.failed[0]] == [("disk", k[3].digest)]

@@ -1,0 +1,217 @@
+"""One tier's page of the placement directory: which digests it holds, within which budgets (scheduler process).
+
+Torch-free bookkeeping, no I/O. A tier (the CPU tier, the disk tier) has one
+byte budget per rank, and the disk tier one per directory of each rank (a
+chunk's directory is chosen by its digest, as the disk tier chooses it:
+``tiers.disk.index.shard_index``). An entry is *pending* from the step its
+store is planned until a worker confirms it, then *ready*; only ready
+entries are hits, pending ones already take their bytes, so two stores
+planned in one step never overfill a budget.
+
+Eviction order is the tier's ``cache_policy`` (LRU or FIFO), with open
+sessions' chunks evicted last within ``session_retention_share`` of the CPU
+tier (``eviction.retaining``). Entries loaded or stored in the step being
+planned are pinned: a store never evicts what the same step reads or writes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from lmi_cache.eviction import EvictionPolicy, make_policy
+from lmi_cache.eviction.retaining import RetainingPolicy
+from lmi_cache.tiers.disk.index import shard_index
+
+# An entry evicted to make room: its digest and payload bytes.
+Victim = tuple[bytes, int]
+# Budget bytes of an entry from its payload bytes (the tier's own rounding: allocator size class, file blocks).
+EntryBytes = Callable[[int], int]
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A local tier as the directory budgets it (per rank; the workers' tiers have the same budgets)."""
+
+    name: str
+    capacity_bytes: int
+    entry_bytes: EntryBytes
+    num_shards: int = 1
+    policy: str = "LRU"
+    retention_share: float = 0.0  # the CPU tier: open sessions' chunks are evicted last within this share
+
+
+@dataclass
+class _Entry:
+    ready: bool  # False while its store is planned but not confirmed
+    size_bytes: int  # what it takes of the budget
+    payload_bytes: int  # what it holds (a demotion reserves this much in the next tier)
+
+
+class _Budget:
+    """One byte budget: entries (ready flag, bytes) in the policy's order; pinned digests are never victims."""
+
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, pinned: set[bytes]) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.policy = policy
+        self.entries: dict[bytes, _Entry] = {}
+        self._pinned = pinned
+
+    def size_of(self, digest: object) -> int | None:
+        entry = self.entries.get(cast(bytes, digest))
+        return None if entry is None else entry.size_bytes
+
+    def admit(self, digest: bytes, size_bytes: int, payload_bytes: int, ready: bool) -> list[Victim] | None:
+        """Add an entry, evicting what it needs; the victims, or None when it cannot fit (nothing changes)."""
+        if size_bytes > self.capacity_bytes:
+            return None
+        need = self.used_bytes + size_bytes - self.capacity_bytes
+        victims: list[Victim] = []
+        for candidate in self.policy.candidates():  # collect first: the policy must not change mid-iteration
+            if need <= 0:
+                break
+            if candidate in self._pinned:
+                continue
+            entry = self.entries[cast(bytes, candidate)]
+            victims.append((cast(bytes, candidate), entry.payload_bytes))
+            need -= entry.size_bytes
+        if need > 0:
+            return None  # what is left is pinned by this step's loads and stores
+        for victim, _ in victims:
+            self.forget(victim)
+        self.entries[digest] = _Entry(ready, size_bytes, payload_bytes)
+        self.used_bytes += size_bytes
+        self.policy.on_insert(digest)
+        return victims
+
+    def forget(self, digest: bytes) -> None:
+        entry = self.entries.pop(digest)
+        self.used_bytes -= entry.size_bytes
+        self.policy.on_remove(digest)
+
+
+class TierBook:
+    """What one local tier holds, on every rank; see the module docstring."""
+
+    def __init__(self, spec: TierSpec) -> None:
+        self.spec = spec
+        self._budgets: dict[tuple[int, int], _Budget] = {}
+        self._where: dict[bytes, tuple[int, int]] = {}  # digest -> (rank, shard)
+        self._pinned: set[bytes] = set()
+        self._retaining: dict[tuple[int, int], RetainingPolicy] = {}
+        self._sessions: dict[str, list[bytes]] = {}  # open sessions' digests, for budgets made later
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def _budget(self, rank: int, shard: int) -> _Budget:
+        budget = self._budgets.get((rank, shard))
+        if budget is None:
+            spec = self.spec
+            policy: EvictionPolicy = make_policy(spec.policy)
+            retaining: RetainingPolicy | None = None
+            if spec.retention_share > 0:
+                retaining = RetainingPolicy(policy, int(spec.capacity_bytes // spec.num_shards * spec.retention_share),
+                                            lambda digest: budget.size_of(digest) if budget is not None else None)
+                policy = retaining
+            budget = _Budget(spec.capacity_bytes // spec.num_shards, policy, self._pinned)
+            self._budgets[(rank, shard)] = budget
+            if retaining is not None:
+                self._retaining[(rank, shard)] = retaining
+                for session, digests in self._sessions.items():
+                    retaining.retain(session, digests)
+        return budget
+
+    def shard_of(self, digest: bytes) -> int:
+        return shard_index(digest, self.spec.num_shards) if self.spec.num_shards > 1 else 0
+
+    # -- questions ------------------------------------------------------------------------
+
+    def holds(self, digest: bytes) -> bool:
+        """Ready (stored and confirmed) on its rank."""
+        where = self._where.get(digest)
+        return where is not None and self._budgets[where].entries[digest].ready
+
+    def knows(self, digest: bytes) -> bool:
+        """Ready or pending."""
+        return digest in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def used_bytes(self, rank: int | None = None) -> int:
+        return sum(b.used_bytes for (r, _), b in self._budgets.items() if rank is None or r == rank)
+
+    # -- changes --------------------------------------------------------------------------
+
+    def reserve(self, rank: int, digest: bytes, payload_bytes: int) -> list[Victim] | None:
+        """Room for a pending entry: the entries evicted for it, or None when it does not fit now."""
+        if digest in self._where:
+            self.touch(digest)
+            return []
+        return self._admit(rank, digest, self.spec.entry_bytes(payload_bytes), payload_bytes, ready=False)
+
+    def _admit(self, rank: int, digest: bytes, size_bytes: int, payload_bytes: int, ready: bool,
+               shard: int | None = None) -> list[Victim] | None:
+        shard = self.shard_of(digest) if shard is None else shard
+        victims = self._budget(rank, shard).admit(digest, size_bytes, payload_bytes, ready)
+        if victims is None:
+            return None
+        for victim, _ in victims:
+            del self._where[victim]
+        self._where[digest] = (rank, shard)
+        return victims
+
+    def adopt(self, rank: int, shard: int, digest: bytes, size_bytes: int) -> None:
+        """A ready entry found at start-up (disk files, oldest first); skipped when it does not fit."""
+        budget = self._budget(rank, shard)
+        if digest in self._where or budget.used_bytes + size_bytes > budget.capacity_bytes:
+            return  # over the budget: the worker's own start-up trims it
+        self._admit(rank, digest, size_bytes, size_bytes, ready=True, shard=shard)
+
+    def confirm(self, rank: int, digest: bytes, payload_bytes: int) -> list[Victim]:
+        """A worker stored ``digest`` here: ready now. A store the directory did not plan (a worker's own
+        demotion) is taken in too; the digests evicted for it are returned."""
+        where = self._where.get(digest)
+        if where is not None:
+            self._budgets[where].entries[digest].ready = True
+            return []
+        victims = self._admit(rank, digest, self.spec.entry_bytes(payload_bytes), payload_bytes, ready=True)
+        return victims or []
+
+    def drop(self, digest: bytes) -> bool:
+        """The entry is gone (evicted by instruction, a failed store, a fault); True if it was here."""
+        where = self._where.pop(digest, None)
+        if where is None:
+            return False
+        self._budgets[where].forget(digest)
+        return True
+
+    def touch(self, digest: bytes) -> None:
+        where = self._where.get(digest)
+        if where is not None:
+            self._budgets[where].policy.on_access(digest)
+
+    def pin(self, digests: Iterable[bytes]) -> None:
+        self._pinned.update(digests)
+
+    def unpin_all(self) -> None:
+        self._pinned.clear()
+
+    def retain_for_session(self, session: str, digests: Sequence[bytes]) -> None:
+        """Evict ``digests`` last while ``session`` is open (held now or stored later; a tier with a share)."""
+        if self.spec.retention_share <= 0:
+            return
+        self._sessions.setdefault(session, []).extend(digests)
+        for policy in self._retaining.values():  # every rank's budget: a digest is only ever present on its own
+            policy.retain(session, digests)
+
+    def end_session(self, session: str) -> None:
+        self._sessions.pop(session, None)
+        for policy in self._retaining.values():
+            policy.release(session)
+
+    def protected_bytes(self) -> int:
+        return sum(policy.protected_bytes for policy in self._retaining.values())

@@ -1,0 +1,247 @@
+"""The placement directory: the one owner of what is cached where (vLLM scheduler process).
+
+Shaped like vLLM's ``kv_offload`` manager. The scheduler side asks it, and
+workers only carry out what it decided:
+
+- ``lookup(keys)``: the local tier that holds a chunk on every rank (ready
+  entries only), or None. The remote store is shared by a fleet and evicts on
+  its own, so it is asked, not mirrored: ``ask_remote`` sends one batched,
+  asynchronous existence check through the directory's client.
+- ``prepare_load(keys, source)``: the load's source tier and whether to
+  promote the chunk into the first tier (room is made there now); the
+  entries are pinned for the step.
+- ``prepare_store(keys, group, num_tokens)``: the tiers a new chunk goes to
+  (the first local tier, every write-through tier behind it, the remote
+  store), with room reserved in each local one; () when every tier already
+  holds or expects it, or nothing can fit.
+- ``complete(rank, stored, failed, dropped)``: what the workers report back.
+- ``take_evictions()``: the evictions decided since the last call, for this
+  step's metadata (a victim of the first tier is demoted to the disk tier when
+  ``disk_feed: demote``).
+- ``end_step()``: the step is planned; its pins go.
+
+Budgets are per rank (every rank's tiers have the configured sizes) and use
+each tier's own rounding, so a worker's tier never has to evict on its own;
+if its medium disagrees (a damaged file, a full filesystem) the worker
+reports the entry dropped and the directory forgets it. A worker that cannot
+serve a planned load makes vLLM recompute, so a stale entry costs time, never
+correctness.
+
+Sizes: an entry's payload is ``num_tokens`` x the per-token bytes of its KV
+cache group on its rank, which each worker reports once with its layout
+(``set_chunk_bytes``).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.placement.book import TierBook, TierSpec, Victim
+from lmi_cache.placement.messages import Eviction, TierEvent
+
+logger = logging.getLogger(__name__)
+
+REMOTE = "remote"
+# The remote store is asked, not mirrored; these many digests written to it lately are not written again
+# (a shared prefix of concurrent requests). Beyond that a rewrite only costs a redundant put.
+REMOTE_RECENT_DIGESTS = 65536
+
+
+class RecentDigests:
+    """A bounded set of recently seen digests, oldest forgotten first."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+
+    def admit(self, digests: Sequence[bytes]) -> bool:
+        """True (and remember them) unless every digest was seen lately."""
+        if digests and all(d in self._seen for d in digests):
+            return False
+        for digest in digests:
+            self._seen[digest] = None
+            self._seen.move_to_end(digest)
+        while len(self._seen) > self._limit:
+            self._seen.popitem(last=False)
+        return True
+
+
+@dataclass(frozen=True)
+class LoadSource:
+    tier: str  # where the workers read the chunk
+    promote: bool = False  # and put it into the first tier (the directory made room)
+
+
+class PlacementDirectory:
+    """See the module docstring. ``tiers``: local tiers, fastest first (the CPU tier, then the disk tier)."""
+
+    def __init__(self, tiers: Sequence[TierSpec], *, chunk_tokens: int, write_through: Iterable[str] = (),
+                 demote_to: str | None = None, remote: Any = None, remote_writes: bool = False,
+                 metrics: SchedulerMetrics | None = None) -> None:
+        self.books = [TierBook(spec) for spec in tiers if spec.capacity_bytes > 0]
+        self._by_name = {book.name: book for book in self.books}
+        self._write_through = {name for name in write_through if name in self._by_name}
+        self._demote_to = demote_to if demote_to in self._by_name else None
+        self.chunk_tokens = chunk_tokens
+        self.remote = remote  # the remote store's client (``contains_many_async``), or None
+        self._remote_writes = remote_writes and remote is not None
+        self._bytes_per_token: dict[tuple[int, int], float] = {}  # (rank, group) -> payload bytes per token
+        self._evictions: list[Eviction] = []
+        self._remote_recent = RecentDigests(REMOTE_RECENT_DIGESTS)
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
+
+    # -- sizes ---------------------------------------------------------------------------
+
+    def set_chunk_bytes(self, rank: int, group: int, payload_bytes: int) -> None:
+        self._bytes_per_token[(rank, group)] = payload_bytes / self.chunk_tokens
+
+    def payload_bytes(self, rank: int, group: int, num_tokens: int) -> int:
+        per_token = self._bytes_per_token.get((rank, group))
+        if per_token is None:  # an unreported group: the largest per-token size known (over-reserving is safe)
+            per_token = max(self._bytes_per_token.values(), default=0.0)
+        return int(per_token * num_tokens)
+
+    @property
+    def first_tier(self) -> TierBook | None:
+        return self.books[0] if self.books else None
+
+    @property
+    def first_tier_name(self) -> str:
+        return self.books[0].name if self.books else ""
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> str | None:
+        """The first local tier holding every rank's entry of the chunk (ready), or None."""
+        for book in self.books:
+            if all(book.holds(key.digest) for key in keys):
+                return book.name
+        return None
+
+    def holds(self, keys: Sequence[ChunkKey]) -> bool:
+        return self.lookup(keys) is not None
+
+    def expects(self, keys: Sequence[ChunkKey]) -> bool:
+        """Held or being stored in the first tier on every rank (a store planned, not confirmed yet)."""
+        first = self.first_tier
+        return first is not None and all(first.knows(key.digest) for key in keys)
+
+    def ask_remote(self, keys: Sequence[ChunkKey]) -> Any:
+        """One batched, asynchronous existence check in the remote store (``poll()`` answers); needs ``remote``."""
+        return self.remote.contains_many_async(list(keys))
+
+    # -- loads and stores ----------------------------------------------------------------
+
+    def prepare_load(self, keys: Sequence[ChunkKey], group: int, source: str) -> LoadSource:
+        """Plan a load from ``source``; promote it into the first tier when it comes from behind it."""
+        digests = [key.digest for key in keys]
+        book = self._by_name.get(source)
+        if book is not None:
+            for digest in digests:
+                book.touch(digest)
+            book.pin(digests)
+        first = self.first_tier
+        if first is None or source == first.name:
+            return LoadSource(source)
+        first.pin(digests)
+        if all(first.knows(d) for d in digests):
+            return LoadSource(source)  # already on its way into the first tier
+        return LoadSource(source, self._reserve_all(first, keys, group, None))
+
+    def prepare_store(self, keys: Sequence[ChunkKey], group: int, num_tokens: int | None = None) -> tuple[str, ...]:
+        """The tiers to store a chunk into (room reserved), or () when there is nothing to store."""
+        tiers: list[str] = []
+        digests = [key.digest for key in keys]
+        for position, book in enumerate(self.books):
+            if position > 0 and book.name not in self._write_through:
+                continue
+            book.pin(digests)
+            if all(book.knows(d) for d in digests):
+                continue
+            if self._reserve_all(book, keys, group, num_tokens):
+                tiers.append(book.name)
+            # else: no room that this step does not use (or larger than a budget): not stored there
+        if self._remote_writes and self._remote_recent.admit(digests):
+            tiers.append(REMOTE)
+        return tuple(tiers)
+
+    def _reserve_all(self, book: TierBook, keys: Sequence[ChunkKey], group: int, num_tokens: int | None) -> bool:
+        """Reserve every rank's entry, or none of them (a half-reserved chunk would never be confirmed)."""
+        done: list[bytes] = []
+        for rank, key in enumerate(keys):
+            payload = self.payload_bytes(rank, group, key.num_tokens if num_tokens is None else num_tokens)
+            knew = book.knows(key.digest)
+            victims = book.reserve(rank, key.digest, payload)
+            if victims is None:
+                for digest in done:
+                    book.drop(digest)
+                return False
+            if not knew:
+                done.append(key.digest)
+            self._evicted(book, rank, victims)
+        return True
+
+    def _evicted(self, book: TierBook, rank: int, victims: list[Victim]) -> None:
+        demote = self._by_name.get(self._demote_to) if self._demote_to and book is self.first_tier else None
+        if victims:
+            self.metrics.evicted(book.name, len(victims))
+        for digest, payload_bytes in victims:
+            if demote is not None and not demote.knows(digest):
+                more = demote.reserve(rank, digest, payload_bytes)
+                if more is not None:
+                    self._evicted(demote, rank, more)
+                    self._evictions.append(Eviction(rank, book.name, digest, demote.name))
+                    continue
+            self._evictions.append(Eviction(rank, book.name, digest))
+
+    # -- feedback ------------------------------------------------------------------------
+
+    def complete(self, rank: int, stored: Iterable[TierEvent] = (), failed: Iterable[TierEvent] = (),
+                 dropped: Iterable[TierEvent] = ()) -> None:
+        """One rank's report: stores that landed, planned ones that did not, entries its media lost."""
+        for event in stored:
+            book = self._by_name.get(event.tier)
+            if book is not None:
+                self._evicted(book, rank, book.confirm(rank, event.digest, event.payload_bytes))
+        for event in failed:  # the worker counted why (lmi_cache_dropped_stores_total)
+            book = self._by_name.get(event.tier)
+            if book is not None:
+                book.drop(event.digest)
+        for event in dropped:
+            book = self._by_name.get(event.tier)
+            if book is not None and book.drop(event.digest):
+                self.metrics.dropped(book.name, 1)
+
+    def take_evictions(self) -> list[Eviction]:
+        evictions, self._evictions = self._evictions, []
+        return evictions
+
+    def end_step(self) -> None:
+        for book in self.books:
+            book.unpin_all()
+            self.metrics.placement(book.name, len(book), book.protected_bytes())
+
+    # -- start-up and sessions -----------------------------------------------------------
+
+    def adopt(self, tier: str, rank: int, shard: int, digest: bytes, size_bytes: int) -> None:
+        """An entry a tier already holds at start-up (disk files, oldest first)."""
+        book = self._by_name.get(tier)
+        if book is not None:
+            book.adopt(rank, shard, digest, size_bytes)
+
+    def retain_for_session(self, session: str, digests: Sequence[bytes]) -> None:
+        for book in self.books:
+            book.retain_for_session(session, digests)
+
+    def end_session(self, session: str) -> None:
+        for book in self.books:
+            book.end_session(session)
+
+    def num_entries(self, tier: str) -> int:
+        book = self._by_name.get(tier)
+        return len(book) if book is not None else 0

@@ -1,0 +1,78 @@
+"""The placement directory of a deployment, built at scheduler start (vLLM scheduler process).
+
+Budgets are the cache config's, per rank, with each tier's own rounding (the
+CPU tier's allocator size classes, the disk tier's file blocks), so the
+workers' tiers, which have the same budgets, never need to evict on their own.
+The disk tier's files of every rank of this replica are adopted oldest first
+(names and stat only: a file a worker later finds damaged is reported dropped).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from lmi_cache.config.cache_config import CacheConfig
+from lmi_cache.keys.chunk_format import HEADER_BYTES
+from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.placement.book import TierSpec
+from lmi_cache.placement.directory import PlacementDirectory
+from lmi_cache.tiers.buffers import size_class_bytes
+from lmi_cache.tiers.disk import object_files
+from lmi_cache.tiers.disk.ranks import prune_orphan_rank_dirs, rank_label
+from lmi_cache.tiers.disk.trust import tier_dir_problem
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_entry_bytes(payload_bytes: int) -> int:
+    """What a chunk takes of the CPU tier: its allocator size class (``tiers.host_memory``)."""
+    return size_class_bytes(HEADER_BYTES + payload_bytes)
+
+
+def disk_entry_bytes(payload_bytes: int) -> int:
+    """What a chunk takes of the disk tier: its file, rounded up to the write alignment."""
+    return object_files.round_up(HEADER_BYTES + payload_bytes)
+
+
+def build_directory(config: CacheConfig, *, replica: int, world_size: int, remote: Any = None,
+                    retention: bool = False, metrics: SchedulerMetrics | None = None) -> PlacementDirectory:
+    demote = config.disk_feed == "demote"
+    specs = [
+        TierSpec("cpu", config.cpu_capacity_bytes, cpu_entry_bytes, policy=config.cache_policy,
+                 retention_share=config.session_retention_share if retention else 0.0),
+        TierSpec("disk", config.disk_capacity_bytes, disk_entry_bytes, num_shards=max(1, len(config.local_disk)),
+                 policy=config.cache_policy),
+    ]
+    directory = PlacementDirectory(specs, chunk_tokens=config.chunk_size, write_through=() if demote else ("disk",),
+                                   demote_to="disk" if demote else None, remote=remote, remote_writes=remote is not None,
+                                   metrics=metrics)
+    if config.disk_capacity_bytes > 0 and config.local_disk:
+        adopt_disk_files(directory, config, replica, world_size)
+    return directory
+
+
+def adopt_disk_files(directory: PlacementDirectory, config: CacheConfig, replica: int, world_size: int) -> int:
+    """Adopt the files the disk tier holds for ranks below ``world_size``; how many were found."""
+    started = time.perf_counter()
+    found = 0
+    try:
+        prune_orphan_rank_dirs(config.local_disk, replica, world_size)
+        for rank in range(world_size):
+            for shard, root in enumerate(config.local_disk):
+                path = os.path.join(root, f"rank{rank_label(rank, replica)}")
+                if not os.path.isdir(path):
+                    continue
+                problem = tier_dir_problem(path)
+                if problem is not None:
+                    logger.warning("lmi-cache: not reading %s (%s)", path, problem)
+                    continue
+                for file in object_files.scan_root(path, remove_garbage=False):  # oldest first
+                    directory.adopt("disk", rank, shard, file.digest, file.size_bytes)
+                    found += 1
+    except Exception as err:  # noqa: BLE001 - a cold directory is only slower
+        logger.warning("lmi-cache: could not scan the disk tier (%s); starting without its files", err)
+    logger.info("lmi-cache: placement directory adopted %d persisted chunks in %.3f s", found,
+                time.perf_counter() - started)
+    return found

@@ -1,0 +1,161 @@
+"""The placement directory: budgets, eviction order, demotion, pins, completions, retention (no vLLM)."""
+from __future__ import annotations
+
+from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.placement.book import TierSpec
+from lmi_cache.placement.directory import REMOTE, LoadSource, PlacementDirectory
+from lmi_cache.placement.messages import Eviction, TierEvent
+
+CHUNK = 16
+PAYLOAD = 1000  # bytes per chunk per rank
+
+
+def exact(n: int) -> int:
+    return n
+
+
+def key(n: int, rank: int = 0) -> ChunkKey:
+    return ChunkKey(bytes([n, rank]) * 8, 0, CHUNK, n)
+
+
+def keys(n: int, ranks: int = 1) -> tuple[ChunkKey, ...]:
+    return tuple(key(n, r) for r in range(ranks))
+
+
+def directory(cpu_chunks: int = 3, disk_chunks: int = 0, ranks: int = 1, demote: bool = False,
+              remote: object = None, retention: float = 0.0) -> PlacementDirectory:
+    specs = [TierSpec("cpu", cpu_chunks * PAYLOAD, exact, retention_share=retention),
+             TierSpec("disk", disk_chunks * PAYLOAD, exact)]
+    d = PlacementDirectory(specs, chunk_tokens=CHUNK, write_through=() if demote else ("disk",),
+                           demote_to="disk" if demote else None, remote=remote, remote_writes=remote is not None)
+    for rank in range(ranks):
+        d.set_chunk_bytes(rank, 0, PAYLOAD)
+    return d
+
+
+def sample(d: PlacementDirectory, name: str, tier: str) -> float | None:
+    return d.metrics.registry.get_sample_value(name, {"engine": "0", "tier": tier})
+
+
+def store(d: PlacementDirectory, n: int, ranks: int = 1) -> tuple[str, ...]:
+    tiers = d.prepare_store(keys(n, ranks), 0)
+    for rank in range(ranks):
+        d.complete(rank, stored=[TierEvent(t, key(n, rank).digest, PAYLOAD) for t in tiers if t != REMOTE])
+    d.end_step()
+    return tiers
+
+
+def test_a_store_is_pending_until_a_worker_confirms_it() -> None:
+    d = directory()
+    assert d.prepare_store(keys(1), 0) == ("cpu",)
+    assert d.lookup(keys(1)) is None and d.expects(keys(1))
+    assert d.prepare_store(keys(1), 0) == ()  # planned once, even for two requests in one step
+    d.complete(0, stored=[TierEvent("cpu", key(1).digest, PAYLOAD)])
+    assert d.lookup(keys(1)) == "cpu"
+
+
+def test_a_failed_store_frees_its_room_and_is_a_miss() -> None:
+    d = directory(cpu_chunks=1)
+    d.prepare_store(keys(1), 0)
+    d.complete(0, failed=[TierEvent("cpu", key(1).digest)])
+    d.end_step()
+    assert not d.expects(keys(1))
+    assert store(d, 2) == ("cpu",) and d.take_evictions() == []  # the room came back
+
+
+def test_the_least_recently_used_chunk_is_evicted_and_the_workers_told() -> None:
+    d = directory(cpu_chunks=2)
+    store(d, 1), store(d, 2)
+    d.prepare_load(keys(1), 0, "cpu")  # 1 is used again: 2 is now the oldest
+    d.end_step()
+    store(d, 3)
+    assert d.take_evictions() == [Eviction(0, "cpu", key(2).digest)]
+    assert sample(d, "lmi_cache_placement_evictions_total", "cpu") == 1
+    assert sample(d, "lmi_cache_placement_entries", "cpu") == 2
+    assert d.lookup(keys(2)) is None and d.lookup(keys(1)) == "cpu"
+
+
+def test_what_this_step_loads_is_never_evicted_by_its_stores() -> None:
+    d = directory(cpu_chunks=1)
+    store(d, 1)
+    d.prepare_load(keys(1), 0, "cpu")
+    assert d.prepare_store(keys(2), 0) == ()  # the only room is pinned by the load
+    assert d.take_evictions() == []
+    d.end_step()
+    assert d.prepare_store(keys(2), 0) == ("cpu",)
+
+
+def test_write_through_stores_go_to_disk_too_and_demotion_feeds_disk_from_evictions() -> None:
+    d = directory(cpu_chunks=1, disk_chunks=4)
+    assert store(d, 1) == ("cpu", "disk")
+    e = directory(cpu_chunks=1, disk_chunks=4, demote=True)
+    assert store(e, 1) == ("cpu",)
+    store(e, 2)
+    assert e.take_evictions() == [Eviction(0, "cpu", key(1).digest, "disk")]
+    e.complete(0, stored=[TierEvent("disk", key(1).digest, PAYLOAD)])
+    assert e.lookup(keys(1)) == "disk"
+
+
+def test_a_disk_hit_is_promoted_when_the_first_tier_has_room() -> None:
+    d = directory(cpu_chunks=1, disk_chunks=4)
+    store(d, 1), store(d, 2)  # 1 left the CPU tier, stays on disk
+    assert d.lookup(keys(1)) == "disk"
+    assert d.prepare_load(keys(1), 0, "disk") == LoadSource("disk", promote=True)
+    assert d.take_evictions() == [Eviction(0, "cpu", key(1).digest), Eviction(0, "cpu", key(2).digest)]
+    d.complete(0, stored=[TierEvent("cpu", key(1).digest, PAYLOAD)])
+    assert d.lookup(keys(1)) == "cpu"
+
+
+def test_every_rank_must_hold_a_chunk_and_a_half_reservation_is_rolled_back() -> None:
+    d = directory(cpu_chunks=2, ranks=2)
+    d.set_chunk_bytes(1, 0, 3 * PAYLOAD)  # rank 1's chunks do not fit its budget
+    assert d.prepare_store(keys(1, 2), 0) == ()
+    assert not d.books[0].knows(key(1, 0).digest)  # rank 0's room was given back
+    d.set_chunk_bytes(1, 0, PAYLOAD)
+    d.end_step()
+    tiers = d.prepare_store(keys(1, 2), 0)
+    d.complete(0, stored=[TierEvent("cpu", key(1, 0).digest, PAYLOAD)])
+    assert tiers == ("cpu",) and d.lookup(keys(1, 2)) is None  # rank 1 has not confirmed
+    d.complete(1, stored=[TierEvent("cpu", key(1, 1).digest, PAYLOAD)])
+    assert d.lookup(keys(1, 2)) == "cpu"
+
+
+def test_an_entry_a_worker_lost_is_forgotten() -> None:
+    d = directory(cpu_chunks=2, disk_chunks=2)
+    store(d, 1)
+    d.complete(0, dropped=[TierEvent("disk", key(1).digest)])
+    assert d.lookup(keys(1)) == "cpu" and not d.books[1].knows(key(1).digest)
+    assert sample(d, "lmi_cache_placement_dropped_total", "disk") == 1
+
+
+def test_disk_files_found_at_start_are_hits_oldest_evicted_first() -> None:
+    d = directory(cpu_chunks=1, disk_chunks=2)
+    d.adopt("disk", 0, 0, key(7).digest, PAYLOAD)
+    d.adopt("disk", 0, 0, key(8).digest, PAYLOAD)
+    d.adopt("disk", 0, 0, key(9).digest, PAYLOAD)  # over the budget: the worker trims it at start
+    assert d.lookup(keys(7)) == "disk" and d.lookup(keys(9)) is None
+    store(d, 1)
+    assert Eviction(0, "disk", key(7).digest) in d.take_evictions()
+
+
+def test_open_sessions_chunks_are_evicted_last() -> None:
+    d = directory(cpu_chunks=3, retention=0.5)
+    d.retain_for_session("s", [key(1).digest])  # before it is even stored
+    for n in (1, 2, 3, 4):
+        store(d, n)
+    assert [e.digest for e in d.take_evictions()] == [key(2).digest]
+    d.end_session("s")
+    store(d, 5)
+    assert [e.digest for e in d.take_evictions()] == [key(3).digest]
+
+
+class _Remote:
+    def contains_many_async(self, keys: list[ChunkKey]) -> list[ChunkKey]:
+        return keys
+
+
+def test_remote_writes_once_per_chunk_and_lookups_go_through_the_directory() -> None:
+    d = directory(remote=_Remote())
+    assert store(d, 1) == ("cpu", REMOTE)
+    assert d.prepare_store(keys(1), 0) == ()
+    assert d.ask_remote(keys(2)) == list(keys(2))
