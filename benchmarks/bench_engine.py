@@ -135,13 +135,13 @@ def bench_hashing(repeats: int) -> None:
     small = torch.zeros(16, dtype=torch.uint8)
     with CacheEngine(CacheConfig(chunk_size=CHUNK_TOKENS, max_local_cpu_size=0.01)) as engine:
         save_steps(engine, keys, [small] * len(keys), 64)
-        held = set(engine.drain_events()[0])  # what the scheduler's index learns from the workers' events
+        held = {event.digest for event in engine.drain_events()[0]}  # what the placement directory is told
         local = [tier for tier in engine.tiers if tier.local]
 
         def held_check() -> int:  # the worker's "already held?" check of save_many, per key
             return sum(any(tier.contains(key.digest) for tier in local) for key in keys)
 
-        def scheduler_lookup() -> int:  # hash the prompt once, then the leading chunks in the index
+        def scheduler_lookup() -> int:  # hash the prompt once, then the leading chunks the directory holds
             hits = 0
             for per_rank in space.for_request(tokens).per_chunk:
                 if not all(key.digest in held for key in per_rank):

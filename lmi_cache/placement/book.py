@@ -141,6 +141,9 @@ class TierBook:
     def __len__(self) -> int:
         return len(self._where)
 
+    def digests(self) -> set[bytes]:
+        return set(self._where)
+
     def used_bytes(self, rank: int | None = None) -> int:
         return sum(b.used_bytes for (r, _), b in self._budgets.items() if rank is None or r == rank)
 

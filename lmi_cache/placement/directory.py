@@ -242,6 +242,10 @@ class PlacementDirectory:
         for book in self.books:
             book.end_session(session)
 
+    def digests(self) -> set[bytes]:
+        """Every digest some local tier holds or expects, on any rank."""
+        return set().union(*(book.digests() for book in self.books))
+
     def num_entries(self, tier: str) -> int:
         book = self._by_name.get(tier)
         return len(book) if book is not None else 0

@@ -52,7 +52,8 @@ from lmi_cache.keys.kv_groups import KvCacheGroup, UnsupportedKvGroups, kv_group
 from lmi_cache.transfer.layouts import ExpectedGeometry
 from lmi_cache.vllm_connector.blending import BlendContext, ConnectorBlending, check_model
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
-from lmi_cache.vllm_connector.scheduler_side import SchedulerGeometry, SchedulerSide
+from lmi_cache.vllm_connector.request_plan import SchedulerGeometry
+from lmi_cache.vllm_connector.scheduler_side import SchedulerSide
 from lmi_cache.vllm_connector.startup import (
     check_chunk_size,
     dp_index,

@@ -53,16 +53,17 @@ with no hit, so the hit ratio never flatters a disabled cache.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
-from lmi_cache.keys.kv_groups import NULL_BLOCK_ID, KvCacheGroup, is_single_full_group, longest_hit_tokens
+from lmi_cache.keys.kv_groups import is_single_full_group, longest_hit_tokens
 from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics
-from lmi_cache.placement.directory import REMOTE, PlacementDirectory
-from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
+from lmi_cache.placement.directory import PlacementDirectory
+from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
+from lmi_cache.vllm_connector.request_plan import RequestPlan, SchedulerGeometry, plan_step
 
 logger = logging.getLogger(__name__)
 
@@ -71,45 +72,6 @@ KeySpaceFactory = Callable[[str], KeySpace]
 
 # How many times a request may be deferred while no worker has reported its layout.
 MAX_ASKS_WITHOUT_LAYOUT = 200
-
-
-@dataclass(frozen=True)
-class SchedulerGeometry:
-    block_size_tokens: int
-    chunk_size_tokens: int
-    world_size: int  # tp_size * pp_size: one namespace per rank
-    min_retrieve_tokens: int = 0
-    # vLLM's KV cache groups; the default is one full-attention group (the hybrid manager off).
-    groups: tuple[KvCacheGroup, ...] = (KvCacheGroup(0, ()),)
-
-    @property
-    def loads_async(self) -> bool:
-        """Load between steps unless the model is one full-attention group.
-
-        vLLM 0.32 stops on failed block ids from a model with several groups, and recomputes a sliding-window
-        group from the first failed block although the blocks before it are null: only a request waiting
-        for its KV (``failed_recving``) is recomputed safely, from its first token.
-        """
-        return not is_single_full_group(self.groups)
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.chunk_size_tokens // self.block_size_tokens
-
-
-@dataclass
-class _RequestPlan:
-    chunk_keys: Sequence[Sequence[tuple[ChunkKey, ...]]]  # per KV cache group, per full prompt chunk, per rank
-    num_prompt_tokens: int
-    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
-    num_done_chunks: int = 0  # chunks below this were loaded, saved or found cached
-    load_range: tuple[int, int] | None = None  # tokens [start, end) to load
-    load_confirmed: bool = False
-    remote_from: int = -1  # first chunk the remote lookup below covers (-1: none yet)
-    remote_pending: Any = None  # lmi_cache.remote.cache.PendingLookup while in flight
-    remote_found: set[tuple[int, int]] | None = None  # (group, chunk) from remote_from present on every rank
-    session_id: str | None = None  # vLLM's request.session_id (the front forwards LMI's session)
-    saves_allowed: bool = True  # False once the request was blended: none of its chunks is exact KV to store
 
 
 @dataclass
@@ -147,7 +109,7 @@ class SchedulerSide:
         self.layout_tag: str | None = None
         self._disabled_reason: str | None = None
         self._asks_without_layout = 0
-        self._plans: dict[str, _RequestPlan] = {}
+        self._plans: dict[str, RequestPlan] = {}
         self._async_loads: set[str] = set()  # requests whose load goes out with the next metadata (loads_async)
         self.stats = SchedulerStats()
 
@@ -174,7 +136,7 @@ class SchedulerSide:
         plan = self._plans.get(req_id)
         if plan is None:
             prompt = request.prompt_token_ids or []
-            plan = _RequestPlan(chunk_keys=self._chunk_keys(request), num_prompt_tokens=len(prompt),
+            plan = RequestPlan(chunk_keys=self._chunk_keys(request), num_prompt_tokens=len(prompt),
                                 session_id=getattr(request, "session_id", None))
             self._plans[req_id] = plan
         plan.load_range, plan.load_confirmed = None, False
@@ -206,7 +168,7 @@ class SchedulerSide:
         plan.load_range = (num_computed_tokens, hit_tokens)
         return num_new, geo.loads_async
 
-    def _remote_hits(self, plan: _RequestPlan, first: int, end: int) -> set[tuple[int, int]] | None:
+    def _remote_hits(self, plan: RequestPlan, first: int, end: int) -> set[tuple[int, int]] | None:
         """(group, chunk) pairs of chunks ``first..end`` the remote store holds for every rank; None while asked."""
         if first >= end:
             return set()
@@ -315,65 +277,10 @@ class SchedulerSide:
         ids = list(block_ids or ())
         return [list(ids[g.index]) if g.index < len(ids) else [] for g in self.geometry.groups]
 
-    def _plan_step(
-        self, req_id: str, plan: _RequestPlan, num_computed_tokens: int, num_scheduled_tokens: int, meta: LmiConnectorMetadata
-    ) -> None:
-        chunk = self.geometry.chunk_size_tokens
-        if plan.load_confirmed and plan.load_range is not None:
-            start, end = plan.load_range
-            for group in self.geometry.groups:
-                self._plan_group_load(req_id, plan, group, start, end, meta)
-            # Loaded chunks (even a partially loaded last one) are already in the store.
-            plan.num_done_chunks = max(plan.num_done_chunks, -(-end // chunk))
-        plan.load_range, plan.load_confirmed = None, False
-        if not plan.saves_allowed:
-            return
-        computed_after = min(num_computed_tokens + num_scheduled_tokens, plan.num_prompt_tokens)
-        ready_chunks = min(computed_after // chunk, len(plan.chunk_keys[0]))
-        for c in range(plan.num_done_chunks, ready_chunks):
-            for group in self.geometry.groups:
-                self._plan_group_save(req_id, plan, group, c, num_computed_tokens, meta)
-        plan.num_done_chunks = max(plan.num_done_chunks, ready_chunks)
-
-    def _plan_group_load(self, req_id: str, plan: _RequestPlan, group: KvCacheGroup, start: int, end: int,
-                         meta: LmiConnectorMetadata) -> None:
-        """Loads of tokens [start, end) for one group; a sliding-window group only from its window's first block."""
-        geo = self.geometry
-        chunk, block, per_chunk = geo.chunk_size_tokens, geo.block_size_tokens, geo.blocks_per_chunk
-        start = max(start, group.first_needed_block(end, block) * block)
-        block_ids = plan.block_ids[group.index]
-        for c in range(start // chunk, -(-end // chunk)):
-            first_block = max(start, c * chunk) // block
-            end_block = min(end, (c + 1) * chunk) // block
-            ids = block_ids[first_block:end_block]
-            if len(ids) != end_block - first_block or (group.is_sliding and NULL_BLOCK_ID in ids):
-                logger.warning("lmi-cache: request %s has no blocks for its load of group %d; skipping it",
-                               req_id, group.index)
-                return
-            keys = plan.chunk_keys[group.index][c]
-            source = self.directory.lookup(keys) or REMOTE
-            placed = self.directory.prepare_load(keys, group.index, source)
-            meta.loads.append(ChunkTransfer(req_id, keys, tuple(ids), first_block - c * per_chunk, group.index,
-                                            source=placed.tier,
-                                            promote_to=self.directory.first_tier_name if placed.promote else ""))
-
-    def _plan_group_save(self, req_id: str, plan: _RequestPlan, group: KvCacheGroup, c: int, num_computed_tokens: int,
-                         meta: LmiConnectorMetadata) -> None:
-        """Save chunk ``c`` of one group, unless stored, or vLLM no longer keeps all of its blocks."""
-        per_chunk = self.geometry.blocks_per_chunk
-        keys = plan.chunk_keys[group.index][c]
-        # vLLM freed a sliding-window group's blocks before its window when this step started: their ids
-        # may already hold another request's KV.
-        if group.first_needed_block(num_computed_tokens, self.geometry.block_size_tokens) > c * per_chunk:
-            return
-        ids = plan.block_ids[group.index][c * per_chunk : (c + 1) * per_chunk]
-        if len(ids) != per_chunk or (group.is_sliding and NULL_BLOCK_ID in ids):
-            return
-        tiers = self.directory.prepare_store(keys, group.index)
-        if not tiers:
-            return  # held or being stored already, or no room that this step does not use
-        meta.saves.append(ChunkTransfer(req_id, keys, tuple(ids), 0, group.index, tiers=tiers))
-        self.stats.num_planned_saves += 1
+    def _plan_step(self, req_id: str, plan: RequestPlan, num_computed_tokens: int, num_scheduled_tokens: int,
+                   meta: LmiConnectorMetadata) -> None:
+        self.stats.num_planned_saves += plan_step(self.geometry, self.directory, req_id, plan, num_computed_tokens,
+                                                  num_scheduled_tokens, meta)
 
     # -- feedback and lifecycle ----------------------------------------------------------
 

@@ -56,7 +56,7 @@ def _counters(llm: Any) -> dict[str, Any]:
     sched = getattr(_scheduler_connector(llm), "scheduler_side", None)
     if sched is not None:
         counters.update({f"scheduler.{k}": v for k, v in vars(sched.stats).items()})
-        counters["scheduler.index_size"] = len(sched.index)
+        counters["scheduler.placed_digests"] = len(sched.directory.digests())
         counters["scheduler.asks_without_layout"] = sched._asks_without_layout
     return counters
 

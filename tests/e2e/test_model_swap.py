@@ -65,7 +65,7 @@ def test_replaced_weights_miss_and_match_the_new_model(swap_runs: dict[str, Any]
     assert [o["num_cached_tokens"] for o in swapped["outputs"]] == [0] * len(DOCS)
     assert swapped["delta"].get("worker.num_chunks_loaded", 0) == 0
     assert swapped["delta"].get("worker.num_load_faults", 0) == 0
-    assert swapped["counters"]["scheduler.index_size"] >= 2 * FULL_CHUNKS  # A's seeded + the new ones
+    assert swapped["counters"]["scheduler.placed_digests"] >= 2 * FULL_CHUNKS  # A's seeded + the new ones
     assert_same_outputs(swapped, reference)
     # The swap mattered: A answers differently (else this test could not tell stale KV apart).
     assert [o["tokens"] for o in filled["outputs"]] != [o["tokens"] for o in reference["outputs"]]

@@ -32,7 +32,7 @@ def test_tp2_warm_run_hits_on_both_ranks_and_matches(baseline: dict[str, Any], t
     cold, warm = phase(tp_run, "cold"), phase(tp_run, "warm")
     num_chunks = sum(len(p) // 256 for p in TP_PROMPTS)
     # Workers run in their own processes here: the scheduler's index shows both ranks' chunks.
-    assert cold["delta"]["scheduler.index_size"] == 2 * num_chunks
+    assert cold["delta"]["scheduler.placed_digests"] == 2 * num_chunks
     assert [o["num_cached_tokens"] for o in warm["outputs"]] == [expected_hit_tokens(len(p)) for p in TP_PROMPTS]
     # TP=2 all-reduces in a different order than TP=1: same tokens, logprobs within 1e-4.
     tp1 = {"outputs": phase(baseline, "docs")["outputs"][: len(TP_PROMPTS)]}

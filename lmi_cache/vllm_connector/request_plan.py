@@ -1,0 +1,130 @@
+"""One request's plan and the chunk transfers of one scheduler step (vLLM scheduler process, no tensors).
+
+``SchedulerGeometry`` is what the scheduler knows of the deployment (block
+and chunk size, ranks, vLLM's KV cache groups). ``RequestPlan`` is what it
+keeps per request: chunk keys per group and rank, block ids per group, how
+far the request's chunks are loaded or saved, its confirmed load and its
+remote lookup. ``plan_step`` turns a scheduled request into this step's
+loads (each from the tier the placement directory names) and saves (into the
+tiers it reserves room in).
+
+A sliding-window group loads only the blocks vLLM allocates for it (from the
+window's start before the hit) and never saves a chunk vLLM has freed blocks
+of; a load for which vLLM gave no blocks is skipped.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.keys.kv_groups import NULL_BLOCK_ID, KvCacheGroup, is_single_full_group
+from lmi_cache.placement.directory import REMOTE, PlacementDirectory
+from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerGeometry:
+    block_size_tokens: int
+    chunk_size_tokens: int
+    world_size: int  # tp_size * pp_size: one namespace per rank
+    min_retrieve_tokens: int = 0
+    # vLLM's KV cache groups; the default is one full-attention group (the hybrid manager off).
+    groups: tuple[KvCacheGroup, ...] = (KvCacheGroup(0, ()),)
+
+    @property
+    def loads_async(self) -> bool:
+        """Load between steps unless the model is one full-attention group.
+
+        vLLM 0.32 stops on failed block ids from a model with several groups, and recomputes a sliding-window
+        group from the first failed block although the blocks before it are null: only a request waiting
+        for its KV (``failed_recving``) is recomputed safely, from its first token.
+        """
+        return not is_single_full_group(self.groups)
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size_tokens // self.block_size_tokens
+
+
+@dataclass
+class RequestPlan:
+    chunk_keys: Sequence[Sequence[tuple[ChunkKey, ...]]]  # per KV cache group, per full prompt chunk, per rank
+    num_prompt_tokens: int
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
+    num_done_chunks: int = 0  # chunks below this were loaded, saved or found cached
+    load_range: tuple[int, int] | None = None  # tokens [start, end) to load
+    load_confirmed: bool = False
+    remote_from: int = -1  # first chunk the remote lookup below covers (-1: none yet)
+    remote_pending: Any = None  # lmi_cache.remote.cache.PendingLookup while in flight
+    remote_found: set[tuple[int, int]] | None = None  # (group, chunk) from remote_from present on every rank
+    session_id: str | None = None  # vLLM's request.session_id (the front forwards LMI's session)
+    saves_allowed: bool = True  # False once the request was blended: none of its chunks is exact KV to store
+
+
+def plan_step(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,
+              num_computed_tokens: int, num_scheduled_tokens: int, meta: LmiConnectorMetadata) -> int:
+    """Add one scheduled request's loads and saves of this step to ``meta``; how many saves were planned."""
+    chunk = geo.chunk_size_tokens
+    if plan.load_confirmed and plan.load_range is not None:
+        start, end = plan.load_range
+        for group in geo.groups:
+            _plan_group_load(geo, directory, req_id, plan, group, start, end, meta)
+        # Loaded chunks (even a partially loaded last one) are already in the store.
+        plan.num_done_chunks = max(plan.num_done_chunks, -(-end // chunk))
+    plan.load_range, plan.load_confirmed = None, False
+    if not plan.saves_allowed:
+        return 0
+    computed_after = min(num_computed_tokens + num_scheduled_tokens, plan.num_prompt_tokens)
+    ready_chunks = min(computed_after // chunk, len(plan.chunk_keys[0]))
+    planned = 0
+    for c in range(plan.num_done_chunks, ready_chunks):
+        for group in geo.groups:
+            planned += _plan_group_save(geo, directory, req_id, plan, group, c, num_computed_tokens, meta)
+    plan.num_done_chunks = max(plan.num_done_chunks, ready_chunks)
+    return planned
+
+
+def _plan_group_load(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,
+                     group: KvCacheGroup, start: int, end: int, meta: LmiConnectorMetadata) -> None:
+    """Loads of tokens [start, end) for one group; a sliding-window group only from its window's first block."""
+    chunk, block, per_chunk = geo.chunk_size_tokens, geo.block_size_tokens, geo.blocks_per_chunk
+    start = max(start, group.first_needed_block(end, block) * block)
+    block_ids = plan.block_ids[group.index]
+    for c in range(start // chunk, -(-end // chunk)):
+        first_block = max(start, c * chunk) // block
+        end_block = min(end, (c + 1) * chunk) // block
+        ids = block_ids[first_block:end_block]
+        if len(ids) != end_block - first_block or (group.is_sliding and NULL_BLOCK_ID in ids):
+            logger.warning("lmi-cache: request %s has no blocks for its load of group %d; skipping it",
+                           req_id, group.index)
+            return
+        keys = plan.chunk_keys[group.index][c]
+        source = directory.lookup(keys) or REMOTE
+        placed = directory.prepare_load(keys, group.index, source)
+        meta.loads.append(ChunkTransfer(req_id, keys, tuple(ids), first_block - c * per_chunk, group.index,
+                                        source=placed.tier,
+                                        promote_to=directory.first_tier_name if placed.promote else ""))
+
+
+def _plan_group_save(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,
+                     group: KvCacheGroup, c: int, num_computed_tokens: int, meta: LmiConnectorMetadata) -> int:
+    """Save chunk ``c`` of one group, unless stored, or vLLM no longer keeps all of its blocks."""
+    per_chunk = geo.blocks_per_chunk
+    keys = plan.chunk_keys[group.index][c]
+    # vLLM freed a sliding-window group's blocks before its window when this step started: their ids
+    # may already hold another request's KV.
+    if group.first_needed_block(num_computed_tokens, geo.block_size_tokens) > c * per_chunk:
+        return 0
+    ids = plan.block_ids[group.index][c * per_chunk : (c + 1) * per_chunk]
+    if len(ids) != per_chunk or (group.is_sliding and NULL_BLOCK_ID in ids):
+        return 0
+    tiers = directory.prepare_store(keys, group.index)
+    if not tiers:
+        return 0  # held or being stored already, or no room that this step does not use
+    meta.saves.append(ChunkTransfer(req_id, keys, tuple(ids), 0, group.index, tiers=tiers))
+    return 1
