@@ -104,11 +104,14 @@ def test_store_side_lru_eviction_is_a_miss_not_an_error() -> None:
             present = cache.has_many(keys)
             assert 0 < sum(present) < len(keys)
             results = cache.read_many(keys)
+            # The store may still evict while it serves the read (its evicted_keys can grow during the MGETs),
+            # so a value present at the lookup may be gone by the read: that too must be a plain miss.
             for result, obj, here in zip(results, objs, present):
-                if here:
-                    assert isinstance(result, DecodedChunk) and bytes(result.payload) == payload_of(obj)
+                if here and isinstance(result, DecodedChunk):
+                    assert bytes(result.payload) == payload_of(obj)
                 else:
                     assert result == MissReason.NOT_FOUND
+            assert any(isinstance(result, DecodedChunk) for result in results)
             stats = cache.stats()
             assert stats["puts_stored"] == 60 and "put_errors" not in stats
         finally:
