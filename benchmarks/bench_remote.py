@@ -4,7 +4,7 @@ Run: ``.venv/bin/python benchmarks/bench_remote.py`` (about 1-2 min; needs
 ``redis-server`` on PATH; ``--help``). It starts its own redis-server on a free
 loopback port and stops it at the end.
 
-1. Retrieve throughput: ``RemoteCache.get_many_into`` as the remote tier calls it
+1. Retrieve throughput: ``RemoteCache.read_many_into`` as the remote tier calls it
    (one MGET per batch, each reply received straight into pooled host buffers, every
    value verified: value header, chunk header, fingerprint, XXH3 payload
    checksum; with ``--mac`` rows also the BLAKE3 MAC) against a plain GET loop
@@ -105,11 +105,11 @@ def bench_retrieve(args: argparse.Namespace) -> None:
     parser = "hiredis" if HIREDIS_AVAILABLE else "pure Python (pip install hiredis)"
     print("## Remote retrieve vs a plain GET loop (same values, same redis-py client, loopback redis-server)\n")
     print(f"redis-py reply parser: {parser}\n")
-    print("GiB/s: best round. Ratios: median over rounds of (baseline time / get_many time), each round's")
+    print("GiB/s: best round. Ratios: median over rounds of (baseline time / read_many time), each round's")
     print("pair run back to back. CPU: user+system seconds of this process per GiB (median); faults: minor")
     print("page faults of this process per GiB (median).\n")
-    print("| value | batch | mode | GET loop GiB/s | MGET GiB/s | get_many GiB/s | get_many vs GET loop | "
-          "vs MGET | CPU s/GiB GET loop | CPU s/GiB get_many | CPU ratio | faults/GiB GET loop | get_many |")
+    print("| value | batch | mode | GET loop GiB/s | MGET GiB/s | read_many GiB/s | read_many vs GET loop | "
+          "vs MGET | CPU s/GiB GET loop | CPU s/GiB read_many | CPU ratio | faults/GiB GET loop | read_many |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with RedisServer() as server:
         for size_mib in args.sizes_mib:
@@ -123,12 +123,12 @@ def bench_retrieve(args: argparse.Namespace) -> None:
                                           put_queue_bytes=1 << 34)
                 cache = open_remote(settings, secret=secret)
                 for key, obj in zip(keys, objs):
-                    cache.put(key, obj)
+                    cache.write(key, obj)
                 assert cache.flush(120)
                 store = cache.store
                 assert isinstance(store, RedisStore)
                 client = store._client(lookup=False)
-                names = [store.key_for(k.digest) for k in keys]
+                names = [store.name_for(k.digest) for k in keys]
                 batches = [keys[i : i + args.batch] for i in range(0, num, args.batch)]
                 name_batches = [names[i : i + args.batch] for i in range(0, num, args.batch)]
 
@@ -148,7 +148,7 @@ def bench_retrieve(args: argparse.Namespace) -> None:
 
                 def ours() -> None:  # as the remote tier reads: into pooled host buffers, freed after use
                     for batch in batches:
-                        for result, owner in cache.get_many_into(batch, host_memory):
+                        for result, owner in cache.read_many_into(batch, host_memory):
                             assert isinstance(result, DecodedChunk)
                             allocator.recycle(owner)
 
@@ -264,7 +264,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[0.25, 1.0, 4.0], help="value sizes")
     parser.add_argument("--total-mib", type=float, default=128, help="bytes read per measured round")
-    parser.add_argument("--batch", type=int, default=8, help="chunks per get_many / MGET")
+    parser.add_argument("--batch", type=int, default=8, help="chunks per read_many / MGET")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mac", action=argparse.BooleanOptionalAction, default=True, help="also rows with a MAC")
     parser.add_argument("--models", nargs="+", default=["7m", "32m"], help="tiny model sizes for compression")

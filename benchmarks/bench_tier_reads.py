@@ -13,7 +13,7 @@ connector benchmark's tier rows can be read against the floor the host sets.
    consecutive MGETs of ``MGET_REPLY_BYTES`` each (the floor: redis-server
    sends one reply of tens of MiB far slower), by redis-py's ``mget`` (its
    parser, hiredis when installed; one MGET), and by the remote tier's store
-   (``RedisStore.get_many_into``: consecutive MGETs, each reply received
+   (``RedisStore.fetch_many_into``: consecutive MGETs, each reply received
    straight into ready buffers). Rounds alternate; medians, and ratios
    against the floor.
 3. MGET sizes (``--skip sizes`` to leave out): the same 124 MiB as 4 MiB,
@@ -131,7 +131,7 @@ def bench_redis(args: argparse.Namespace, payloads: list[bytes]) -> None:
             "bare socket recv_into, MGETs of 8 MiB (floor)": bare_socket_split,
             "bare socket recv_into, one MGET": bare_socket,
             "redis-py mget": lambda: client.mget(keys),
-            "remote tier's store: get_many_into": lambda: store.get_many_into(keys, 0, ready_memory),
+            "remote tier's store: fetch_many_into": lambda: store.fetch_many_into(keys, 0, ready_memory),
         }
         result = medians(args.rounds, fns)
         store.close()

@@ -1,14 +1,18 @@
-"""RemoteCache: the tier-shaped, never-blocking client of a remote store (vLLM worker process).
+"""RemoteCache: the never-blocking client of a remote store, in verified chunks (vLLM worker process).
 
-Data-path verbs over ``ChunkKey``s: ``contains_many`` (one batched EXISTS or
-HEAD round trip, bounded by ``lookup_timeout_ms``; ``contains_many_async``
-returns a ``PendingLookup`` to poll instead, for vLLM's scheduler, which may
-answer "not yet" and ask again on a later step), ``get_many`` (one batched
-GET, bounded by ``io_timeout_ms``, received into memory the caller gives
-(``get_many_into``: the tier's host allocator, so a value needs no copy after
-it arrives); values verified by ``ValueCodec``) and
-``put`` (queued for a background writer; a full queue drops the put and counts
-it, so the caller never waits on the network). Calls run on a small I/O pool
+The middle of the remote path, between ``RemoteTier`` (the engine's tier
+protocol: ``get_many`` / ``put`` / ``contains``) and ``RemoteStore`` (bytes by
+name: ``exists_many`` / ``fetch_many`` / ``upload_many``). It speaks chunks
+by ``ChunkKey``, encoded and verified by ``ValueCodec``, and turns every store
+fault into a miss: ``has_many`` (one batched EXISTS or HEAD round trip,
+bounded by ``lookup_timeout_ms``; ``has_many_async`` returns a
+``PendingLookup`` to poll instead, for vLLM's scheduler, which may answer
+"not yet" and ask again on a later step), ``read_many`` (one batched GET,
+bounded by ``io_timeout_ms``, received into memory the caller gives
+(``read_many_into``: the tier's host allocator, so a value needs no copy after
+it arrives); values verified by ``ValueCodec``) and ``write`` (queued for a
+background writer; a full queue drops the chunk and counts it, so the caller
+never waits on the network). Calls run on a small I/O pool
 and the caller waits at most the timeout: a slow or hung store turns into
 misses, one rate-limited warning per outage and counters, while ``Backoff``
 keeps calls off the store until a growing delay has passed. Nothing here
@@ -68,37 +72,40 @@ class RemoteCache:
         self._closed = False
         self._decode_pool: ThreadPoolExecutor | None = None
         self._decode_pool_lock = threading.Lock()
-        self._puts = PutQueue(self._write, settings.put_queue_bytes)
+        self._puts = PutQueue(self._upload_batch, settings.put_queue_bytes)
         self._io.submit(self._warm_up)  # not waited for: a store that is down costs nothing here
 
-    # ------------------------------------------------------------ lookups and loads
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+    # ------------------------------------------------------------ lookups and reads
+    def has_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Which keys the store holds now; all False when it is down, slow or backing off."""
         if not keys:
             return []
         self._count("lookups")
-        names = [self.store.key_for(k.digest) for k in keys]
+        names = [self.store.name_for(k.digest) for k in keys]
         found = self._call("lookup", self.store.exists_many, names, self.settings.lookup_timeout_ms)
         if isinstance(found, MissReason) or len(found) != len(keys):
             return [False] * len(keys)
         self._count("lookup_hits", sum(found))
         return found
 
-    def contains_many_async(self, keys: Sequence[ChunkKey]) -> PendingLookup:
-        """``contains_many`` without waiting: poll the result (vLLM's scheduler may ask again next step)."""
+    def has_many_async(self, keys: Sequence[ChunkKey]) -> PendingLookup:
+        """``has_many`` without waiting: poll the result (vLLM's scheduler may ask again next step)."""
         self._count("lookups")
-        names = [self.store.key_for(k.digest) for k in keys]
+        names = [self.store.name_for(k.digest) for k in keys]
         future = self._submit("lookup", self.store.exists_many, names) if keys else MissReason.UNAVAILABLE
         return PendingLookup(self, future, len(keys), time.monotonic() + self.settings.lookup_timeout_ms / 1000)
 
-    def get_many(self, keys: Sequence[ChunkKey]) -> list[DecodedChunk | MissReason]:
-        """Verified chunks in key order, or the reason each one is a miss (values in fresh memory)."""
-        return [result for result, _ in self.get_many_into(keys, _fresh_memory)]
+    # TRANSITIONAL: the scheduler side still calls the old name; delete this line once its call says has_many_async.
+    contains_many_async = has_many_async
 
-    def get_many_into(
+    def read_many(self, keys: Sequence[ChunkKey]) -> list[DecodedChunk | MissReason]:
+        """Verified chunks in key order, or the reason each one is a miss (values in fresh memory)."""
+        return [result for result, _ in self.read_many_into(keys, _fresh_memory)]
+
+    def read_many_into(
         self, keys: Sequence[ChunkKey], allocate: BodyAllocator
     ) -> list[tuple[DecodedChunk | MissReason, Any]]:
-        """``get_many`` with each value received into memory from ``allocate``: (result, owner) in key order.
+        """``read_many`` with each value received into memory from ``allocate``: (result, owner) in key order.
 
         ``owner`` is what ``allocate`` gave for that value's body (None when nothing was
         given); with an ``in_place`` result it holds the chunk object (chunk header and
@@ -108,10 +115,10 @@ class RemoteCache:
         """
         if not keys:
             return []
-        names = [self.store.key_for(k.digest) for k in keys]
+        names = [self.store.name_for(k.digest) for k in keys]
 
         def fetch(batch: Sequence[str]) -> list[ReceivedValue | None]:
-            return self.store.get_many_into(batch, VALUE_HEADER_BYTES, allocate)
+            return self.store.fetch_many_into(batch, VALUE_HEADER_BYTES, allocate)
 
         received = self._call("get", fetch, names, self.settings.io_timeout_ms)
         if isinstance(received, MissReason) or len(received) != len(keys):
@@ -223,8 +230,8 @@ class RemoteCache:
                 "misses and stores are dropped until it answers again",
             )
 
-    # ------------------------------------------------------------ stores
-    def put(self, key: ChunkKey, obj: BytesLike) -> bool:
+    # ------------------------------------------------------------ writes
+    def write(self, key: ChunkKey, obj: BytesLike) -> bool:
         """Queue a chunk object for the store; False (counted) when dropped. Never waits on the network."""
         reason = "closed" if self._closed else None if self._backoff.allow() else "unavailable"
         reason = reason or self._puts.offer(key, obj)
@@ -240,13 +247,13 @@ class RemoteCache:
             for _ in range(num):
                 self._metrics.dropped(self.name, reason)
 
-    def _write(self, batch: Batch) -> None:
+    def _upload_batch(self, batch: Batch) -> None:
         """The writer thread's callback: encode, store in one batch, count; never raises."""
         items: list[tuple[str, bytes]] = []
         tokens: list[int] = []
         for key, obj in batch:
             try:
-                items.append((self.store.key_for(key.digest), self.codec.encode(obj, key)))
+                items.append((self.store.name_for(key.digest), self.codec.encode(obj, key)))
                 tokens.append(key.num_tokens)
             except Exception as err:  # a malformed object: refuse it, keep the rest
                 self._drop("error")
@@ -258,7 +265,7 @@ class RemoteCache:
             return
         started = time.perf_counter()
         try:
-            self.store.put_many(items)
+            self.store.upload_many(items)
         except Exception as err:
             self._drop("error", len(items))
             self._fault("put", err)
@@ -273,7 +280,7 @@ class RemoteCache:
                 self._metrics.stored(self.name, num_tokens, len(value), seconds / len(items))
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until queued puts are written (or dropped); False on timeout."""
+        """Wait until queued writes reach the store (or are dropped); False on timeout."""
         return self._puts.flush(timeout_s)
 
     # ------------------------------------------------------------ housekeeping

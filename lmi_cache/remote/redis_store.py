@@ -1,9 +1,9 @@
 """Redis / Valkey remote store over redis-py, single node or cluster (vLLM worker process).
 
-A lookup batch is one round trip of pipelined EXISTS per key (a multi-key
-EXISTS only counts); values come in consecutive MGETs of about 8 MiB of reply
-each (``MGET_REPLY_BYTES``; cluster mode: redis-py's MGET, split by node), and
-puts in a pipelined SET [EX ttl]. Two clients with their own socket timeouts
+``exists_many`` is one round trip of pipelined EXISTS per name (a multi-key
+EXISTS only counts); ``fetch_many_into`` reads values in consecutive MGETs of
+about 8 MiB of reply each (``MGET_REPLY_BYTES``; cluster mode: redis-py's
+MGET, split by node), and ``upload_many`` is a pipelined SET [EX ttl]. Two clients with their own socket timeouts
 keep a slow bulk transfer from delaying lookups. redis-py's own retries are
 off: ``RemoteCache`` decides when to try again (``Backoff``), so no call
 blocks longer than its socket timeout. Clients are built on first use, so a
@@ -99,32 +99,34 @@ class RedisStore(RemoteStore):
         return StoreError(f"redis {op} failed ({message})", timeout=timeout)
 
     # ------------------------------------------------------------ verbs
-    def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        if not keys:
+    def exists_many(self, names: Sequence[str]) -> list[bool]:
+        if not names:
             return []
         client = self._client(lookup=True)
         try:
             pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(key)
+            for name in names:
+                pipe.exists(name)
             return [bool(n) for n in pipe.execute()]
         except Exception as err:
             raise self._error("exists", err) from None
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        if not keys:
+    def fetch_many(self, names: Sequence[str]) -> list[bytes | None]:
+        if not names:
             return []
         client = self._client(lookup=False)
         try:
-            values = client.mget_nonatomic(list(keys)) if self._cluster else client.mget(list(keys))
+            values = client.mget_nonatomic(list(names)) if self._cluster else client.mget(list(names))
             return list(values)
         except Exception as err:
             raise self._error("get", err) from None
 
-    def get_many_into(self, keys: Sequence[str], split_at: int, allocate: BodyAllocator) -> list[ReceivedValue | None]:
+    def fetch_many_into(
+        self, names: Sequence[str], split_at: int, allocate: BodyAllocator
+    ) -> list[ReceivedValue | None]:
         """MGETs whose replies are received straight into ``allocate``'s memory (single node).
 
-        The keys go in consecutive MGETs of about ``MGET_REPLY_BYTES`` of reply each
+        The names go in consecutive MGETs of about ``MGET_REPLY_BYTES`` of reply each
         (sized by the values the previous one returned), one round trip after another on
         one connection.
 
@@ -134,10 +136,10 @@ class RedisStore(RemoteStore):
         A fault drops the connection (its stream position is unknown); redis-py
         reconnects on the next use. A cluster client keeps redis-py's own path.
         """
-        if not keys:
+        if not names:
             return []
         if self._cluster:
-            return super().get_many_into(keys, split_at, allocate)
+            return super().fetch_many_into(names, split_at, allocate)
         client = self._client(lookup=False)
         try:
             pool = client.connection_pool
@@ -146,8 +148,8 @@ class RedisStore(RemoteStore):
             raise self._error("get", err) from None
         try:
             values: list[ReceivedValue | None] = []
-            while len(values) < len(keys):
-                group = keys[len(values) : len(values) + self._mget_size()]
+            while len(values) < len(names):
+                group = names[len(values) : len(values) + self._mget_size()]
                 conn.send_command("MGET", *group)  # connects first when needed, so the socket exists below
                 received = BulkArrayReader(conn._sock).read_values(split_at, allocate)
                 if len(received) != len(group):
@@ -172,14 +174,14 @@ class RedisStore(RemoteStore):
         if sizes:
             self._value_bytes = max(sizes)  # a rank's chunks share one size; the latest batch tells it
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+    def upload_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         if not items:
             return
         client = self._client(lookup=False)
         try:
             pipe = client.pipeline(transaction=False)
-            for key, value in items:
-                pipe.set(key, value, ex=self._ttl_s)
+            for name, value in items:
+                pipe.set(name, value, ex=self._ttl_s)
             pipe.execute()
         except Exception as err:
             raise self._error("put", err) from None

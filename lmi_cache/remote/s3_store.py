@@ -64,19 +64,19 @@ class S3Store(RemoteStore):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmi-cache-s3",
                                         initializer=unpin_current_thread)
 
-    def key_for(self, digest: bytes) -> str:
+    def name_for(self, digest: bytes) -> str:
         parts = [p for p in (self._prefix, self.key_prefix, KEY_VERSION, digest.hex()) if p]
         return "/".join(parts)
 
-    def _parallel(self, op: str, fn: Callable[[str], T], keys: Sequence[str]) -> list[T]:
+    def _parallel(self, op: str, fn: Callable[[str], T], names: Sequence[str]) -> list[T]:
         try:
-            return list(self._pool.map(fn, keys))
+            return list(self._pool.map(fn, names))
         except StoreError:
             raise
         except Exception as err:
             raise _error(op, err) from None
 
-    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+    def exists_many(self, names: Sequence[str]) -> list[bool]:
         def head(key: str) -> bool:
             try:
                 self._lookup_client.head_object(Bucket=self.bucket, Key=key)
@@ -86,9 +86,9 @@ class S3Store(RemoteStore):
                     return False
                 raise _error("head", err) from None
 
-        return self._parallel("head", head, keys)
+        return self._parallel("head", head, names)
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def fetch_many(self, names: Sequence[str]) -> list[bytes | None]:
         def get(key: str) -> bytes | None:
             try:
                 body: bytes = self._io_client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
@@ -98,9 +98,9 @@ class S3Store(RemoteStore):
                     return None
                 raise _error("get", err) from None
 
-        return self._parallel("get", get, keys)
+        return self._parallel("get", get, names)
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+    def upload_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         def put(item: tuple[str, bytes]) -> None:
             try:
                 self._io_client.put_object(Bucket=self.bucket, Key=item[0], Body=item[1])

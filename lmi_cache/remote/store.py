@@ -1,11 +1,15 @@
 """The byte-level remote store interface and the backoff gate in front of it (vLLM worker process).
 
-A ``RemoteStore`` maps string keys to value bytes with batched verbs shaped
-like the data path: one call per batch, one network round trip where the
-store allows it. Stores raise ``StoreError`` for every fault (connection,
-timeout, server error) with a message that never holds credentials; the
-``RemoteCache`` above turns those into misses. ``Backoff`` keeps a store that
-just failed from being asked again until a growing, jittered delay passes.
+A ``RemoteStore`` is the bottom of the remote path: it speaks value bytes by
+name (a string such as ``<prefix>:v1:<digest hex>``, from ``name_for``), with
+batched verbs shaped like the data path, one call per batch and one network
+round trip where the store allows it: ``exists_many``, ``fetch_many`` /
+``fetch_many_into`` and ``upload_many``. It knows nothing of chunks, codecs or
+timeouts beyond its sockets'. Stores raise ``StoreError`` for every fault
+(connection, timeout, server error) with a message that never holds
+credentials; the ``RemoteCache`` above turns those into misses. ``Backoff``
+keeps a store that just failed from being asked again until a growing,
+jittered delay passes.
 """
 from __future__ import annotations
 
@@ -41,36 +45,38 @@ class ReceivedValue:
 
 
 class RemoteStore(ABC):
-    """Batched key -> bytes store. Implementations are thread-safe."""
+    """Batched name -> bytes store. Implementations are thread-safe."""
 
     name: str = "remote"
 
     def __init__(self, key_prefix: str) -> None:
         self.key_prefix = key_prefix
 
-    def key_for(self, digest: bytes) -> str:
-        """Store key of a chunk digest: fixed prefix and value-format version, then the digest's hex."""
+    def name_for(self, digest: bytes) -> str:
+        """Name of a chunk digest's value: fixed prefix and value-format version, then the digest's hex."""
         return f"{self.key_prefix}:{KEY_VERSION}:{digest.hex()}"
 
     @abstractmethod
-    def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        """Which keys are present (one round trip for the batch)."""
+    def exists_many(self, names: Sequence[str]) -> list[bool]:
+        """Which names hold a value (one round trip for the batch)."""
 
     @abstractmethod
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Values of the keys, None where absent (one round trip for the batch)."""
+    def fetch_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """The values under the names, None where absent (one round trip for the batch)."""
 
-    def get_many_into(self, keys: Sequence[str], split_at: int, allocate: BodyAllocator) -> list[ReceivedValue | None]:
-        """``get_many``, each value's bytes after ``split_at`` in memory from ``allocate``.
+    def fetch_many_into(
+        self, names: Sequence[str], split_at: int, allocate: BodyAllocator
+    ) -> list[ReceivedValue | None]:
+        """``fetch_many``, each value's bytes after ``split_at`` in memory from ``allocate``.
 
         This default copies each value once; a store that can receive straight into the
         allocator's memory (Redis) overrides it.
         """
-        return [None if value is None else split_value(value, split_at, allocate) for value in self.get_many(keys)]
+        return [None if value is None else split_value(value, split_at, allocate) for value in self.fetch_many(names)]
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Store every (key, value) (one round trip for the batch)."""
+    def upload_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store every (name, value) (one round trip for the batch)."""
 
     @abstractmethod
     def ping(self) -> None:

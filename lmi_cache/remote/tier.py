@@ -1,14 +1,18 @@
 """RemoteTier: the remote store as the last tier of the engine (vLLM worker process).
 
-``put`` queues a copy of the chunk object for the store's writer (never
-waited for); ``get_many`` fetches all keys asked of it in one batched round
-trip (the engine asks it only for what the local tiers missed), verifies each
-value (header, checksum, MAC); values are received straight into host memory
-from the allocator (an uncompressed one is then the chunk object itself, no
-copy), so the engine's promotion into the CPU tier is a reference, not a
-copy. A miss or fault of any kind is a miss, counted by ``RemoteCache``;
-nothing here raises after construction. A shared store is never cleared or
-enumerated by one of its clients: ``clear`` and ``digests`` are no-ops.
+The top of the remote path: it implements the engine's ``Tier`` protocol
+(``get_many`` / ``put`` / ``contains``) on ``RemoteCache`` (verified chunks by
+key: ``read_many_into`` / ``write``), which sits on a ``RemoteStore`` (bytes
+by name). ``put`` queues a copy of the chunk object for the store's writer
+(never waited for); ``get_many`` reads all keys asked of it in one batched
+round trip (the engine asks it only for what the local tiers missed),
+verifies each value (header, checksum, MAC); values are received straight
+into host memory from the allocator (an uncompressed one is then the chunk
+object itself, no copy), so the engine's promotion into the CPU tier is a
+reference, not a copy. A miss or fault of any kind is a miss, counted by
+``RemoteCache``; nothing here raises after construction. A shared store is
+never cleared or enumerated by one of its clients: ``clear`` and ``digests``
+are no-ops.
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ class RemoteTier(Tier):
         if not keys:
             return
         batch: HitBatch = []
-        received = self.cache.get_many_into(keys, self._body_memory)
+        received = self.cache.read_many_into(keys, self._body_memory)
         for position, (key, (result, owner)) in enumerate(zip(keys, received)):
             if not isinstance(result, DecodedChunk):
                 if owner is not None:
@@ -91,7 +95,7 @@ class RemoteTier(Tier):
 
     def put(self, obj: ChunkObject) -> bool:
         """Queue a copy of the object for the store; False when dropped (counted)."""
-        return self.cache.put(obj.key, obj.object_array())
+        return self.cache.write(obj.key, obj.object_array())
 
     def remove(self, digest: bytes) -> bool:
         return False

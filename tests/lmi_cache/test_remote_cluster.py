@@ -46,17 +46,17 @@ def test_cluster_round_trip_spreads_keys_and_survives_a_lost_node(cluster: list[
         keys = make_keys(24)
         objs = [make_object(k, 2048, seed=i) for i, k in enumerate(keys)]
         for key, obj in zip(keys, objs):
-            assert cache.put(key, obj)
+            assert cache.write(key, obj)
         assert cache.flush(10)
-        assert cache.contains_many(keys) == [True] * 24
-        results = cache.get_many(keys)
+        assert cache.has_many(keys) == [True] * 24
+        results = cache.read_many(keys)
         assert [bytes(r.payload) for r in results if isinstance(r, DecodedChunk)] == [payload_of(o) for o in objs]
         per_node = [redis.Redis(port=s.port).dbsize() for s in cluster]
         assert sum(per_node) == 24 and all(n > 0 for n in per_node)  # slots spread the digests
         cluster[2].kill()
         started = time.monotonic()
-        assert cache.contains_many(keys) == [False] * 24
-        assert all(isinstance(r, MissReason) for r in cache.get_many(keys))
+        assert cache.has_many(keys) == [False] * 24
+        assert all(isinstance(r, MissReason) for r in cache.read_many(keys))
         assert time.monotonic() - started < 9.0  # bounded by the timeouts (a refused connection is faster)
         assert cache.stats()["down"] == 1
     finally:

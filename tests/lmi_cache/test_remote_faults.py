@@ -48,12 +48,12 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
 
 def fill(cache: RemoteCache) -> None:
     for key, obj in zip(KEYS, OBJS):
-        assert cache.put(key, obj)
+        assert cache.write(key, obj)
     assert cache.flush(10)
 
 
 def assert_all_hits(cache: RemoteCache) -> None:
-    results = cache.get_many(KEYS)
+    results = cache.read_many(KEYS)
     assert [bytes(r.payload) for r in results if isinstance(r, DecodedChunk)] == [payload_of(o) for o in OBJS]
 
 
@@ -62,14 +62,14 @@ def test_down_at_start_then_comes_up(own_redis: RedisServer, caplog: pytest.LogC
     cache = open_cache(own_redis)
     try:
         with caplog.at_level(logging.WARNING):
-            found, seconds = timed(lambda: cache.contains_many(KEYS))
+            found, seconds = timed(lambda: cache.has_many(KEYS))
             assert found == [False] * 6 and seconds < LOOKUP_MS / 1000 + SLACK_S
-            assert cache.get_many(KEYS) == [MissReason.UNAVAILABLE] * 6  # backing off: not even tried
-            assert not cache.put(KEYS[0], OBJS[0])
+            assert cache.read_many(KEYS) == [MissReason.UNAVAILABLE] * 6  # backing off: not even tried
+            assert not cache.write(KEYS[0], OBJS[0])
         assert sum("is not answering" in r.message for r in caplog.records) == 1
         assert cache.stats()["puts_dropped_unavailable"] == 1
         own_redis.start()
-        assert wait_until(lambda: cache.contains_many(KEYS[:1]) == [False] and cache.stats()["down"] == 0)
+        assert wait_until(lambda: cache.has_many(KEYS[:1]) == [False] and cache.stats()["down"] == 0)
         fill(cache)
         assert_all_hits(cache)
         assert cache.stats()["reconnects"] >= 1
@@ -85,14 +85,14 @@ def test_killed_mid_run_then_restarted(own_redis: RedisServer, caplog: pytest.Lo
         own_redis.kill()
         with caplog.at_level(logging.WARNING):
             for _ in range(20):
-                results, seconds = timed(lambda: cache.get_many(KEYS))
+                results, seconds = timed(lambda: cache.read_many(KEYS))
                 assert all(isinstance(r, MissReason) for r in results) and seconds < IO_MS / 1000 + SLACK_S
-                found, seconds = timed(lambda: cache.contains_many(KEYS))
+                found, seconds = timed(lambda: cache.has_many(KEYS))
                 assert found == [False] * 6 and seconds < LOOKUP_MS / 1000 + SLACK_S
-                cache.put(KEYS[0], OBJS[0])
+                cache.write(KEYS[0], OBJS[0])
         assert sum("is not answering" in r.message for r in caplog.records) == 1
         own_redis.start()  # same port, empty (no persistence)
-        assert wait_until(lambda: cache.get_many(KEYS[:1]) == [MissReason.NOT_FOUND])
+        assert wait_until(lambda: cache.read_many(KEYS[:1]) == [MissReason.NOT_FOUND])
         fill(cache)
         assert_all_hits(cache)
     finally:
@@ -105,16 +105,16 @@ def test_hung_server_sigstop(own_redis: RedisServer, caplog: pytest.LogCaptureFi
         fill(cache)
         own_redis.pause()
         with caplog.at_level(logging.WARNING):
-            found, seconds = timed(lambda: cache.contains_many(KEYS))
+            found, seconds = timed(lambda: cache.has_many(KEYS))
             assert found == [False] * 6 and seconds < LOOKUP_MS / 1000 + SLACK_S
             for _ in range(10):
-                results, seconds = timed(lambda: cache.get_many(KEYS))
+                results, seconds = timed(lambda: cache.read_many(KEYS))
                 assert all(isinstance(r, MissReason) for r in results) and seconds < IO_MS / 1000 + SLACK_S
-                _, seconds = timed(lambda: cache.put(KEYS[0], OBJS[0]))
+                _, seconds = timed(lambda: cache.write(KEYS[0], OBJS[0]))
                 assert seconds < 0.5  # never waits on the network
         assert sum("is not answering" in r.message for r in caplog.records) == 1
         own_redis.resume()
-        assert wait_until(lambda: cache.contains_many(KEYS) == [True] * 6)
+        assert wait_until(lambda: cache.has_many(KEYS) == [True] * 6)
         assert_all_hits(cache)
         stats = cache.stats()
         assert stats["lookup_timeouts"] >= 1 and stats["reconnects"] >= 1
@@ -128,7 +128,7 @@ def test_full_put_queue_drops_and_counts(own_redis: RedisServer) -> None:
     try:
         own_redis.pause()  # the writer's first batch (at most 16 values) hangs until the I/O timeout
         keys = make_keys(40, seed=7)
-        accepted = [cache.put(k, make_object(k, 8192)) for k in keys]
+        accepted = [cache.write(k, make_object(k, 8192)) for k in keys]
         assert accepted.count(False) >= 40 - 16 - 3  # beyond one in-flight batch and a 3-value queue
         assert cache.stats()["puts_dropped_queue_full"] == accepted.count(False)
         assert cache.flush(IO_MS / 1000 * 4 + SLACK_S)  # the queue empties (written or dropped) despite the hang
@@ -143,12 +143,12 @@ def test_close_never_hangs_on_a_hung_store(own_redis: RedisServer) -> None:
     own_redis.pause()
     try:
         for key, obj in zip(KEYS, OBJS):
-            cache.put(key, obj)
+            cache.write(key, obj)
         threads_before = {t.name for t in threading.enumerate()}
         assert "lmi-cache-remote-writer" in threads_before
         _, seconds = timed(lambda: cache.close(flush_timeout_s=0.2))
         assert seconds < IO_MS / 1000 + 1.0 + SLACK_S
-        assert cache.contains_many(KEYS) == [False] * 6 and not cache.put(KEYS[0], OBJS[0])
+        assert cache.has_many(KEYS) == [False] * 6 and not cache.write(KEYS[0], OBJS[0])
         assert wait_until(lambda: "lmi-cache-remote-writer" not in {t.name for t in threading.enumerate()},
                           IO_MS / 1000 + SLACK_S)
     finally:
@@ -172,12 +172,12 @@ def test_async_lookup_polls_without_blocking(own_redis: RedisServer, caplog: pyt
     cache = open_cache(own_redis)
     try:
         fill(cache)
-        pending = cache.contains_many_async(KEYS)
+        pending = cache.has_many_async(KEYS)
         assert wait_until(lambda: pending.poll() is not None)
         assert pending.poll() == [True] * 6
         own_redis.pause()
         with caplog.at_level(logging.WARNING):
-            pending = cache.contains_many_async(KEYS)
+            pending = cache.has_many_async(KEYS)
             started = time.monotonic()
             polls = 0
             while (found := pending.poll()) is None:
@@ -185,7 +185,7 @@ def test_async_lookup_polls_without_blocking(own_redis: RedisServer, caplog: pyt
                 time.sleep(0.01)
             assert found == [False] * 6 and polls > 0  # "not yet" until the lookup timeout, then misses
             assert time.monotonic() - started < LOOKUP_MS / 1000 + SLACK_S
-            _, seconds = timed(lambda: cache.contains_many_async(KEYS).poll())
+            _, seconds = timed(lambda: cache.has_many_async(KEYS).poll())
             assert seconds < 0.1  # backing off: answered at once
         assert sum("is not answering" in r.message for r in caplog.records) == 1
         assert cache.stats()["lookup_timeouts"] == 1

@@ -31,7 +31,7 @@ def fill(cache: RemoteCache, num: int, size: int = 4096, seed: int = 0) -> tuple
     keys = make_keys(num, seed=seed)
     objs = [make_object(k, size, seed=i) for i, k in enumerate(keys)]
     for key, obj in zip(keys, objs):
-        assert cache.put(key, obj)
+        assert cache.write(key, obj)
     assert cache.flush(10)
     return keys, objs
 
@@ -49,10 +49,10 @@ def test_round_trip_and_batching(redis_server: RedisServer, compression: str) ->
         keys, objs = fill(cache, 12)
         client = redis.Redis.from_url(redis_server.url)
         client.config_resetstat()
-        assert cache.contains_many(keys) == [True] * 12
+        assert cache.has_many(keys) == [True] * 12
         other = make_keys(3, seed=99)
-        assert cache.contains_many(other) == [False] * 3
-        results = cache.get_many(keys + other)
+        assert cache.has_many(other) == [False] * 3
+        results = cache.read_many(keys + other)
         assert payloads(results) == [payload_of(o) for o in objs] + [None] * 3
         assert results[-1] == MissReason.NOT_FOUND
         stats = client.info("commandstats")
@@ -73,7 +73,7 @@ def test_deployments_with_other_prefixes_do_not_meet(redis_server: RedisServer) 
     b = open_remote(redis_settings(redis_server.url, "deploy-b"))
     try:
         keys, _ = fill(a, 2)
-        assert b.contains_many(keys) == [False, False]
+        assert b.has_many(keys) == [False, False]
     finally:
         a.close()
         b.close()
@@ -84,13 +84,13 @@ def test_ttl_expires_values(redis_server: RedisServer) -> None:
     try:
         keys, _ = fill(cache, 2)
         client = redis.Redis.from_url(redis_server.url)
-        pttl = client.pttl(cache.store.key_for(keys[0].digest))
+        pttl = client.pttl(cache.store.name_for(keys[0].digest))
         assert pttl == -2 or 0 < pttl <= 1000  # -1 would be a key without expiry; -2: already expired (slow host)
         deadline = time.monotonic() + 5
-        while cache.contains_many(keys) != [False, False]:
+        while cache.has_many(keys) != [False, False]:
             assert time.monotonic() < deadline, "values did not expire"
             time.sleep(0.1)
-        assert cache.get_many(keys) == [MissReason.NOT_FOUND] * 2
+        assert cache.read_many(keys) == [MissReason.NOT_FOUND] * 2
     finally:
         cache.close()
 
@@ -101,14 +101,17 @@ def test_store_side_lru_eviction_is_a_miss_not_an_error() -> None:
         cache = open_remote(redis_settings(server.url, "lru", lookup_timeout_ms=10_000, io_timeout_ms=20_000))
         try:
             keys, objs = fill(cache, 60, size=64 << 10)  # ~4 MB into a 3 MB store
-            present = cache.contains_many(keys)
+            present = cache.has_many(keys)
             assert 0 < sum(present) < len(keys)
-            results = cache.get_many(keys)
+            results = cache.read_many(keys)
+            # The store may still evict while it serves the read (its evicted_keys can grow during the MGETs),
+            # so a value present at the lookup may be gone by the read: that too must be a plain miss.
             for result, obj, here in zip(results, objs, present):
-                if here:
-                    assert isinstance(result, DecodedChunk) and bytes(result.payload) == payload_of(obj)
+                if here and isinstance(result, DecodedChunk):
+                    assert bytes(result.payload) == payload_of(obj)
                 else:
                     assert result == MissReason.NOT_FOUND
+            assert any(isinstance(result, DecodedChunk) for result in results)
             stats = cache.stats()
             assert stats["puts_stored"] == 60 and "put_errors" not in stats
         finally:
@@ -121,7 +124,7 @@ def test_damaged_and_foreign_values_are_misses(redis_server: RedisServer, caplog
     try:
         keys, objs = fill(cache, 4)
         client = redis.Redis.from_url(redis_server.url)
-        names = [cache.store.key_for(k.digest) for k in keys]
+        names = [cache.store.name_for(k.digest) for k in keys]
         value = client.get(names[0])
         assert isinstance(value, bytes)
         client.set(names[0], value[:-7])  # truncated
@@ -130,7 +133,7 @@ def test_damaged_and_foreign_values_are_misses(redis_server: RedisServer, caplog
         client.set(names[1], bytes(flipped))  # corrupted payload
         client.set(names[2], b"a value some other program wrote")  # foreign
         with caplog.at_level(logging.WARNING):
-            results = cache.get_many(keys)
+            results = cache.read_many(keys)
         assert results[:3] == [MissReason.TRUNCATED, MissReason.CORRUPTED, MissReason.FOREIGN]
         assert payloads(results)[3] == payload_of(objs[3])
         assert metrics.snapshot()["redis_corrupted_reads"] == 2
@@ -146,11 +149,11 @@ def test_mac_between_fleet_members(redis_server: RedisServer) -> None:
     unsigned = open_remote(redis_settings(redis_server.url, "mac"), secret=None)
     try:
         keys, objs = fill(signer, 1)
-        assert payloads(signer.get_many(keys)) == [payload_of(objs[0])]
-        assert intruder.get_many(keys) == [MissReason.MAC_INVALID]
-        assert payloads(unsigned.get_many(keys)) == [payload_of(objs[0])]  # no secret: checksum-verified only
+        assert payloads(signer.read_many(keys)) == [payload_of(objs[0])]
+        assert intruder.read_many(keys) == [MissReason.MAC_INVALID]
+        assert payloads(unsigned.read_many(keys)) == [payload_of(objs[0])]  # no secret: checksum-verified only
         forged_keys, _ = fill(unsigned, 1, seed=5)  # a writer without the secret
-        assert signer.get_many(forged_keys) == [MissReason.MAC_MISSING]
+        assert signer.read_many(forged_keys) == [MissReason.MAC_MISSING]
     finally:
         for cache in (signer, intruder, unsigned):
             cache.close()
@@ -162,16 +165,16 @@ def test_credentials_from_url_and_env_never_logged(monkeypatch: pytest.MonkeyPat
     with RedisServer(password=password) as server:
         cache = open_remote(redis_settings(server.url, "auth"))
         keys, _ = fill(cache, 1)
-        assert cache.contains_many(keys) == [True]
+        assert cache.has_many(keys) == [True]
         cache.close()
         monkeypatch.setenv("LMI_CACHE_REMOTE_PASSWORD", password)
         from_env = open_remote(redis_settings(f"redis://127.0.0.1:{server.port}", "auth"))
-        assert from_env.contains_many(keys) == [True]
+        assert from_env.has_many(keys) == [True]
         from_env.close()
         monkeypatch.delenv("LMI_CACHE_REMOTE_PASSWORD")
         wrong = open_remote(redis_settings(f"redis://admin:{password}x@127.0.0.1:{server.port}", "auth"))
         with caplog.at_level(logging.DEBUG):
-            assert wrong.contains_many(keys) == [False]
+            assert wrong.has_many(keys) == [False]
             assert wrong.ping() is not None
             assert password not in (wrong.ping() or "")
         wrong.close()
@@ -184,7 +187,7 @@ def test_unix_socket_and_valkey_scheme() -> None:
             cache = open_remote(redis_settings(url, "schemes"))
             try:
                 keys, objs = fill(cache, 2, seed=seed)
-                assert payloads(cache.get_many(keys)) == [payload_of(o) for o in objs]
+                assert payloads(cache.read_many(keys)) == [payload_of(o) for o in objs]
                 assert cache.ping() is None
             finally:
                 cache.close()
@@ -196,11 +199,11 @@ def test_large_batch_is_decoded_in_parallel_and_still_verified(redis_server: Red
     try:
         keys, objs = fill(cache, 4, size=3 << 20)  # 12 MiB: above the parallel-decode threshold
         client = redis.Redis.from_url(redis_server.url)
-        name = cache.store.key_for(keys[1].digest)
+        name = cache.store.name_for(keys[1].digest)
         value = client.get(name)
         assert isinstance(value, bytes)
         client.set(name, value[:-1] + bytes([value[-1] ^ 1]))
-        results = cache.get_many(keys)
+        results = cache.read_many(keys)
         assert results[1] == MissReason.MAC_INVALID
         assert payloads(results)[:1] + payloads(results)[2:] == [payload_of(o) for o in objs[:1] + objs[2:]]
         assert any(t.name.startswith("lmi-cache-remote-decode") for t in threading.enumerate())
@@ -219,14 +222,14 @@ def test_large_values_come_in_mgets_of_about_8_mib(redis_server: RedisServer) ->
         client = redis.Redis.from_url(redis_server.url)
         client.config_resetstat()
         batch = keys[:4] + missing[:1] + keys[4:] + missing[1:]
-        results = cache.get_many(batch)
+        results = cache.read_many(batch)
         expected = [payload_of(o) for o in objs]
         assert payloads(results) == expected[:4] + [None] + expected[4:] + [None]
         per_mget = MGET_REPLY_BYTES // (3 << 20)
         assert per_mget == 2
         # 1 key, then 10 more in MGETs of 2; a second batch knows the size from the start.
         assert client.info("commandstats")["cmdstat_mget"]["calls"] == 1 + 5
-        assert payloads(cache.get_many(keys[:4])) == expected[:4]
+        assert payloads(cache.read_many(keys[:4])) == expected[:4]
         assert client.info("commandstats")["cmdstat_mget"]["calls"] == 6 + 2
     finally:
         cache.close()
@@ -239,20 +242,20 @@ def test_tls_verifies_the_server_certificate(tmp_path: Path) -> None:
         untrusted = open_remote(redis_settings(f"valkeys://127.0.0.1:{server.tls_port}", "tls"))
         try:
             keys, objs = fill(trusted, 2)
-            assert payloads(trusted.get_many(keys)) == [payload_of(o) for o in objs]
+            assert payloads(trusted.read_many(keys)) == [payload_of(o) for o in objs]
             assert "CERTIFICATE_VERIFY_FAILED" in (untrusted.ping() or "")  # an unknown CA is refused
-            assert untrusted.contains_many(keys) == [False, False]
+            assert untrusted.has_many(keys) == [False, False]
         finally:
             trusted.close()
             untrusted.close()
 
 
-def test_put_of_a_mismatched_object_is_dropped_not_stored(redis_server: RedisServer) -> None:
+def test_write_of_a_mismatched_object_is_dropped_not_stored(redis_server: RedisServer) -> None:
     cache = open_remote(redis_settings(redis_server.url, "mismatch"))
     try:
         keys = make_keys(2)
-        assert cache.put(keys[1], make_object(keys[0]))  # queued: the writer checks it off the serving path
+        assert cache.write(keys[1], make_object(keys[0]))  # queued: the writer checks it off the serving path
         assert cache.flush(5)
-        assert cache.stats()["puts_dropped_error"] == 1 and cache.contains_many(keys[1:]) == [False]
+        assert cache.stats()["puts_dropped_error"] == 1 and cache.has_many(keys[1:]) == [False]
     finally:
         cache.close()

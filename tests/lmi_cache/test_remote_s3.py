@@ -24,7 +24,7 @@ def fill(cache: RemoteCache, num: int, seed: int = 0) -> tuple[list, list[bytes]
     keys = make_keys(num, seed=seed)
     objs = [make_object(k, 4096, seed=i) for i, k in enumerate(keys)]
     for key, obj in zip(keys, objs):
-        assert cache.put(key, obj)
+        assert cache.write(key, obj)
     assert cache.flush(20)
     return keys, objs
 
@@ -34,8 +34,8 @@ def test_round_trip_batch_and_layout(moto_s3: str) -> None:
     try:
         keys, objs = fill(cache, 10)
         missing = make_keys(2, seed=42)
-        assert cache.contains_many(keys + missing) == [True] * 10 + [False] * 2
-        results = cache.get_many(keys + missing)
+        assert cache.has_many(keys + missing) == [True] * 10 + [False] * 2
+        results = cache.read_many(keys + missing)
         assert [bytes(r.payload) for r in results[:10] if isinstance(r, DecodedChunk)] == [payload_of(o) for o in objs]
         assert results[10:] == [MissReason.NOT_FOUND] * 2
         s3 = boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1")
@@ -52,14 +52,14 @@ def test_damaged_values_and_mac(moto_s3: str) -> None:
     try:
         keys, objs = fill(cache, 3)
         s3 = boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1")
-        name = cache.store.key_for(keys[0].digest)
+        name = cache.store.name_for(keys[0].digest)
         value = s3.get_object(Bucket=BUCKET, Key=name)["Body"].read()
         s3.put_object(Bucket=BUCKET, Key=name, Body=value[:-1] + bytes([value[-1] ^ 1]))
-        s3.put_object(Bucket=BUCKET, Key=cache.store.key_for(keys[1].digest), Body=b"not ours")
-        results = cache.get_many(keys)
+        s3.put_object(Bucket=BUCKET, Key=cache.store.name_for(keys[1].digest), Body=b"not ours")
+        results = cache.read_many(keys)
         assert results[:2] == [MissReason.MAC_INVALID, MissReason.FOREIGN]
         assert isinstance(results[2], DecodedChunk) and bytes(results[2].payload) == payload_of(objs[2])
-        assert intruder.get_many(keys[2:]) == [MissReason.MAC_INVALID]
+        assert intruder.read_many(keys[2:]) == [MissReason.MAC_INVALID]
     finally:
         cache.close()
         intruder.close()
@@ -78,8 +78,8 @@ def test_endpoint_down_is_a_bounded_miss(moto_s3: str, caplog: pytest.LogCapture
     try:
         with caplog.at_level(logging.WARNING):
             started = time.monotonic()
-            assert cache.contains_many(keys) == [False] * 4
-            assert all(isinstance(r, MissReason) for r in cache.get_many(keys))
+            assert cache.has_many(keys) == [False] * 4
+            assert all(isinstance(r, MissReason) for r in cache.read_many(keys))
             assert time.monotonic() - started < 2.5
         assert sum("is not answering" in r.message for r in caplog.records) == 1
         assert "Could not connect" in caplog.text or "Connect" in caplog.text  # the network path, not credentials

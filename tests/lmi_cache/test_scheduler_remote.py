@@ -37,7 +37,7 @@ def put_chunks(cache: RemoteCache, chunks: int, ranks: range) -> None:
 
     for rank in ranks:
         for key in rank_keys(PROMPT, rank, world_size=2)[:chunks]:
-            assert cache.put(key, make_object(key))
+            assert cache.write(key, make_object(key))
     assert cache.flush(10.0)
 
 
