@@ -37,12 +37,15 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.book import TierBook, TierSpec, Victim
 from lmi_cache.placement.messages import Eviction, TierEvent
+
+if TYPE_CHECKING:
+    from lmi_cache.remote.cache import PendingLookup
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,12 @@ class RecentDigests:
         return True
 
 
+class RemoteLookups(Protocol):
+    """The remote store's existence checks (``lmi_cache.remote.cache.RemoteCache``)."""
+
+    def has_many_async(self, keys: Sequence[ChunkKey]) -> PendingLookup: ...
+
+
 @dataclass(frozen=True)
 class LoadSource:
     tier: str  # where the workers read the chunk
@@ -81,14 +90,14 @@ class PlacementDirectory:
     """See the module docstring. ``tiers``: local tiers, fastest first (the CPU tier, then the disk tier)."""
 
     def __init__(self, tiers: Sequence[TierSpec], *, chunk_tokens: int, write_through: Iterable[str] = (),
-                 demote_to: str | None = None, remote: Any = None, remote_writes: bool = False,
+                 demote_to: str | None = None, remote: RemoteLookups | None = None, remote_writes: bool = False,
                  metrics: SchedulerMetrics | None = None) -> None:
         self.books = [TierBook(spec) for spec in tiers if spec.capacity_bytes > 0]
         self._by_name = {book.name: book for book in self.books}
         self._write_through = {name for name in write_through if name in self._by_name}
         self._demote_to = demote_to if demote_to in self._by_name else None
         self.chunk_tokens = chunk_tokens
-        self.remote = remote  # the remote store's client (``contains_many_async``), or None
+        self.remote = remote
         self._remote_writes = remote_writes and remote is not None
         self._bytes_per_token: dict[tuple[int, int], float] = {}  # (rank, group) -> payload bytes per token
         self._evictions: list[Eviction] = []
@@ -131,9 +140,10 @@ class PlacementDirectory:
         first = self.first_tier
         return first is not None and all(first.knows(key.digest) for key in keys)
 
-    def ask_remote(self, keys: Sequence[ChunkKey]) -> Any:
+    def ask_remote(self, keys: Sequence[ChunkKey]) -> PendingLookup:
         """One batched, asynchronous existence check in the remote store (``poll()`` answers); needs ``remote``."""
-        return self.remote.contains_many_async(list(keys))
+        assert self.remote is not None, "no remote store"
+        return self.remote.has_many_async(list(keys))
 
     # -- loads and stores ----------------------------------------------------------------
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
 
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.keys.chunk_format import HEADER_BYTES
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.book import TierSpec
-from lmi_cache.placement.directory import PlacementDirectory
+from lmi_cache.placement.directory import PlacementDirectory, RemoteLookups
 from lmi_cache.tiers.buffers import size_class_bytes
 from lmi_cache.tiers.disk import object_files
 from lmi_cache.tiers.disk.ranks import prune_orphan_rank_dirs, rank_label
@@ -36,7 +35,7 @@ def disk_entry_bytes(payload_bytes: int) -> int:
     return object_files.round_up(HEADER_BYTES + payload_bytes)
 
 
-def build_directory(config: CacheConfig, *, replica: int, world_size: int, remote: Any = None,
+def build_directory(config: CacheConfig, *, replica: int, world_size: int, remote: RemoteLookups | None = None,
                     retention: bool = False, metrics: SchedulerMetrics | None = None) -> PlacementDirectory:
     demote = config.disk_feed == "demote"
     specs = [

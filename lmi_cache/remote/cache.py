@@ -95,9 +95,6 @@ class RemoteCache:
         future = self._submit("lookup", self.store.exists_many, names) if keys else MissReason.UNAVAILABLE
         return PendingLookup(self, future, len(keys), time.monotonic() + self.settings.lookup_timeout_ms / 1000)
 
-    # TRANSITIONAL: the scheduler side still calls the old name; delete this line once its call says has_many_async.
-    contains_many_async = has_many_async
-
     def read_many(self, keys: Sequence[ChunkKey]) -> list[DecodedChunk | MissReason]:
         """Verified chunks in key order, or the reason each one is a miss (values in fresh memory)."""
         return [result for result, _ in self.read_many_into(keys, _fresh_memory)]

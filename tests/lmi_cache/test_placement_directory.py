@@ -150,7 +150,7 @@ def test_open_sessions_chunks_are_evicted_last() -> None:
 
 
 class _Remote:
-    def contains_many_async(self, keys: list[ChunkKey]) -> list[ChunkKey]:
+    def has_many_async(self, keys: list[ChunkKey]) -> list[ChunkKey]:
         return keys
 
 
