@@ -58,7 +58,7 @@ from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
-from lmi_cache.placement.messages import TierEvent
+from lmi_cache.placement.messages import REMOTE, TierEvent
 from lmi_cache.tiers.base import HitBatch, Tier
 from lmi_cache.tiers.buffers import dtype_name
 from lmi_cache.tiers.disk.ranks import replica_rank_dirs
@@ -164,7 +164,7 @@ class CacheEngine:
         """Into the named tiers, or (None) the first tier and every write-through tier behind it."""
         stored = False
         for position, tier in enumerate(self.tiers):
-            if names is not None and tier.name not in names:
+            if names is not None and _placement_name(tier) not in names:
                 continue
             if names is None and position > 0 and not tier.write_through:
                 continue  # fed by evictions from the tier in front (demote)
@@ -193,7 +193,7 @@ class CacheEngine:
         is asked in order for what the ones before it missed, and hits from behind are promoted."""
         remaining = list(range(len(keys)))
         for number, tier in enumerate(self.tiers):
-            asked = remaining if sources is None else [i for i in remaining if sources[i] == tier.name]
+            asked = remaining if sources is None else [i for i in remaining if sources[i] == _placement_name(tier)]
             if not asked:
                 continue
             found: set[int] = set()
@@ -306,6 +306,12 @@ class CacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _placement_name(tier: Tier) -> str:
+    """The tier's name in the placement directory's instructions: the shared store is "remote" whatever it runs on
+    (its metrics say "redis" or "s3")."""
+    return tier.name if tier.local else REMOTE
 
 
 def scan_persisted_digests(config: CacheConfig, replica: int = 0, world_size: int | None = None) -> set[bytes]:

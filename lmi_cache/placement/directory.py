@@ -42,14 +42,13 @@ from typing import TYPE_CHECKING, Protocol
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.book import TierBook, TierSpec, Victim
-from lmi_cache.placement.messages import Eviction, TierEvent
+from lmi_cache.placement.messages import REMOTE, Eviction, TierEvent
 
 if TYPE_CHECKING:
     from lmi_cache.remote.cache import PendingLookup
 
 logger = logging.getLogger(__name__)
 
-REMOTE = "remote"
 # The remote store is asked, not mirrored; these many digests written to it lately are not written again
 # (a shared prefix of concurrent requests). Beyond that a rewrite only costs a redundant put.
 REMOTE_RECENT_DIGESTS = 65536

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The shared store's name in instructions, whatever backs it (Redis, Valkey, S3).
+REMOTE = "remote"
+
 
 @dataclass(frozen=True)
 class Eviction:

@@ -42,7 +42,7 @@ import torch
 
 from lmi_cache.keys.kv_groups import KvCacheGroup, is_single_full_group
 from lmi_cache.metrics.series import worker_stats_follower
-from lmi_cache.placement.messages import TierEvent
+from lmi_cache.placement.messages import REMOTE, TierEvent
 from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
@@ -314,7 +314,7 @@ class WorkerSide:
 
     def expect_stores(self, events: Iterable[TierEvent]) -> None:
         """Stores planned by the directory that another component (blending) makes: reported like this side's."""
-        self._instructed.extend(event for event in events if event.tier != "remote")
+        self._instructed.extend(event for event in events if event.tier != REMOTE)
 
     def load_failed(self, req_id: str) -> bool:
         """Whether a chunk of ``req_id`` failed to load this step (its blocks after it are recomputed)."""
@@ -337,7 +337,7 @@ class WorkerSide:
         except Exception as err:  # noqa: BLE001
             self._fault("could not drain engine events", err, op="events")
         landed = {(e.tier, e.digest) for e in stored}
-        failed = [e for e in instructed if e.tier != "remote" and (e.tier, e.digest) not in landed]
+        failed = [e for e in instructed if e.tier != REMOTE and (e.tier, e.digest) not in landed]
         faults, self._num_new_faults = self._num_new_faults, 0
         self._metrics.follow(self.engine.metrics, self.stats)
         rank = self.rank_index

@@ -182,3 +182,19 @@ def test_a_remote_hit_is_received_into_the_object_it_becomes(redis_server: Redis
             assert allocator.pooled_bytes > pooled_before  # receive buffers went back to the pool
         for _, obj in batch:
             obj.release()
+
+
+def test_the_directory_names_the_shared_store_remote_whatever_backs_it(redis_server: RedisServer) -> None:
+    """Instructions say "remote" for the shared store; the tier itself is labelled "redis" in metrics."""
+    keys, data = keys_and_data(2, seed=3)
+    fill = lambda key_data: (lambda outs: outs[0].copy_(key_data))  # noqa: E731
+    with CacheEngine(fleet_config(redis_server.url, "directed")) as first:
+        assert first.save_many([keys[0]], SHAPE, torch.bfloat16, fill(data[0]), [("remote",)]) == [True]
+        assert first.save_many([keys[1]], SHAPE, torch.bfloat16, fill(data[1]), [("cpu",)]) == [True]
+        first.flush(10.0)
+        assert first.stats()["remote_puts_stored"] == 1 and held_by(first, keys[0]) is None  # only where told
+    with CacheEngine(fleet_config(redis_server.url, "directed")) as second:
+        got = [item for batch in second.load(keys, ["remote", "remote"], [False, False]) for item in batch]
+        assert [position for position, _ in got] == [0]  # keys[1] never reached the store
+        assert torch.equal(got[0][1].payload_tensor(), data[0]) and held_by(second, keys[0]) is None  # not promoted
+        got[0][1].release()
