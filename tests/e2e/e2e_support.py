@@ -14,12 +14,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lmi_cache.keys.kv_groups import KvCacheGroup
+
 RUN_LLM = Path(__file__).with_name("run_llm.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHUNK_TOKENS = 256  # two vLLM CPU blocks of 128
 BLOCK_TOKENS = 128  # vLLM CPU's block size
 VOCAB_LOW, VOCAB_HIGH = 10, 4000
 MAX_TOKENS, LOGPROBS = 8, 2
+# vLLM logs this when it switches its hybrid KV cache manager off for a connector without SupportsHMA.
+HMA_OFF_LINE = "Turning off hybrid kv cache manager"
 
 
 def random_tokens(seed: int, length: int) -> list[int]:
@@ -46,8 +50,9 @@ PREEMPT = [random_tokens(300 + i, 360) for i in range(6)]
 PREEMPT_MAX_TOKENS = 48
 
 
-def prompts(items: list[list[int]], salt: str | None = None) -> list[dict[str, Any]]:
-    return [{"tokens": tokens, "salt": salt} for tokens in items]
+def prompts(items: list[list[int]], salt: str | None = None, lora: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Token prompts of a phase; ``lora`` is ``{"name", "id", "path"}`` of an adapter (run_llm.py's LoRARequest)."""
+    return [{"tokens": tokens, "salt": salt, "lora": lora} for tokens in items]
 
 
 def expected_hit_tokens(num_tokens: int, shared_tokens: int | None = None) -> int:
@@ -56,6 +61,17 @@ def expected_hit_tokens(num_tokens: int, shared_tokens: int | None = None) -> in
     held = (shared // CHUNK_TOKENS) * CHUNK_TOKENS
     cap = ((num_tokens - 1) // BLOCK_TOKENS) * BLOCK_TOKENS
     return min(held, cap)
+
+
+def window_groups(shape: str) -> list[KvCacheGroup]:
+    """The KV cache groups vLLM builds for a tiny sliding-window shape (lmi_cache.devtools.tiny_model)."""
+    return {"mistral-7m": [KvCacheGroup(0, (), 320)], "gemma2-7m": [KvCacheGroup(0, (), 256), KvCacheGroup(1, ())]}[shape]
+
+
+def chunks_loaded_per_hit(groups: list[KvCacheGroup], hit_tokens: int) -> int:
+    """Chunks a hit at ``hit_tokens`` reads: every chunk for full groups, the window's chunks for sliding ones."""
+    end = -(-hit_tokens // CHUNK_TOKENS)
+    return sum(end - g.first_needed_block(hit_tokens, BLOCK_TOKENS) * BLOCK_TOKENS // CHUNK_TOKENS for g in groups)
 
 
 def gen_phase(

