@@ -1,37 +1,45 @@
 """CacheEngine: saves and loads of KV chunks over an ordered list of tiers (vLLM worker process).
 
-Orchestration only: tiers own entries and budgets (``tiers.base.Tier``: batched
-contains / get / put), ``tiers.host_memory`` owns the bytes, ``keys.chunk_format``
-defines them, ``keys.hashing.KeySpace`` makes keys. The engine never
+Orchestration only: what goes where is the scheduler's placement directory's
+decision (``lmi_cache.placement``), carried out here; tiers hold entries
+(``tiers.base.Tier``: batched contains / get / put), ``tiers.host_memory`` owns
+the bytes, ``keys.chunk_format`` defines them, ``keys.hashing.KeySpace`` makes
+keys. The engine never
 raises to its caller for a cache fault: a fault is a miss (or a refused save),
 a rate-limited warning and a metric, and wrong bytes are never returned.
 
 The serving verbs (the vLLM connector uses exactly these):
 
-- ``save_many(keys, shape, dtype, fill) -> list[bool]``: store one chunk per
-  key, all of the same ``shape``/``dtype``. Chunks some local tier already
-  holds are skipped (True). For the others the engine takes host buffers and
-  calls ``fill(tensors)`` once with all of them (the connector gathers every
-  chunk of the step in one kernel call straight into them); then each chunk
-  object is put, by reference, into the first tier and every write-through
-  tier behind it. Never waits for disk or network I/O. A ``fill`` that raises
-  refuses the whole batch.
-- ``load(keys) -> Iterator[list[(position, ChunkObject)]]``: the chunks found
-  among ``keys``, as batches yielded as they become ready: the CPU tier's hits
-  at once (references to its own buffers: no copy), then each disk read as it
-  finishes (reads run in parallel), then the remote store's hits from one
-  batched round trip. Each tier is asked only for what the tiers before it
-  missed. The caller must ``release()`` every object it receives once its
-  copies out of it are complete (on CUDA: once the asynchronous copy is done).
-  Hits from behind the CPU tier are promoted into it by reference.
-  Keys never yielded are misses.
+- ``save_many(keys, shape, dtype, fill, tiers) -> list[bool]``: store one
+  chunk per key, all of the same ``shape``/``dtype``, into the tiers named per
+  key (``tiers``; "remote" is the shared store whatever backs it). The engine
+  takes host buffers and calls ``fill(tensors)`` once with all of them (the
+  connector gathers every chunk of the step in one kernel call straight into
+  them); then each chunk object is put, by reference, into its tiers. Never
+  waits for disk or network I/O. A ``fill`` that raises refuses the whole
+  batch. Without ``tiers`` (tools, blending's segments): the first tier and
+  every write-through tier behind it, skipping chunks a local tier holds.
+- ``load(keys, sources, promote) -> Iterator[list[(position, ChunkObject)]]``:
+  the chunks found among ``keys``, each asked of its source tier, as batches
+  yielded as they become ready: the CPU tier's hits at once (references to its
+  own buffers: no copy), then each disk read as it finishes (reads run in
+  parallel), then the remote store's hits from one batched round trip. A hit
+  is put into the CPU tier by reference where ``promote`` says so. Without
+  ``sources`` every tier is asked, in order, for what the ones before it
+  missed, and hits from behind the CPU tier are promoted. The caller must
+  ``release()`` every object it receives once its copies out of it are
+  complete (on CUDA: once the asynchronous copy is done). Keys never yielded
+  are misses.
+- ``evict(tier, digest, demote_to)``: drop an entry the directory evicted,
+  handing it to ``demote_to`` first (``disk_feed: demote``).
 - ``expect_chunks(payload_bytes)``: the size of this rank's chunks (the
   worker knows it once vLLM's KV cache is registered), so the allocator keeps
   touched buffers of that size ready instead of faulting fresh memory in on
   vLLM's critical path.
-- ``drain_events() -> (stored, removed)``: digests newly held by some local
-  tier and digests no longer held by any since the last call (for the
-  scheduler's index; a hint, since loads stay verified).
+- ``drain_events() -> (stored, removed)``: ``TierEvent``s of entries put
+  into a local tier, and of entries a local tier lost on its own (damaged,
+  unreadable, a full filesystem, over its budget) since the last call: what
+  the worker reports to the placement directory.
 - ``flush(timeout_s)``, ``clear()``, ``stats()``, ``close()``, ``metrics``,
   ``tiers``.
 
@@ -40,7 +48,7 @@ blending component call, which ``CacheEngine`` implements (test doubles too).
 
 CPU-to-disk feeding (``extra_config.disk_feed``): ``write_through`` (default)
 puts every saved chunk to disk at once, so a restart or crash loses at most
-the write queue and the scheduler's index of disk contents stays accurate;
+the write queue and the directory's record of disk contents stays accurate;
 ``demote`` gives the disk tier a chunk only when the CPU tier evicts it. The
 remote tier is always write-through (its put only queues a copy).
 """

@@ -31,7 +31,7 @@ class TierContext:
     warner: RateLimitedWarner
     allocator: HostAllocator
     on_evict: EvictCallback  # the CPU tier's eviction callback (demote-to-disk)
-    on_remove: RemoveCallback  # a persistent tier's removal callback (the scheduler's index)
+    on_remove: RemoveCallback  # a persistent tier's removal callback (reported to the placement directory)
 
 
 Builder = Callable[["CacheConfig", TierContext], "Tier | None"]

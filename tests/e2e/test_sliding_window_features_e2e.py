@@ -172,7 +172,7 @@ def test_tp2_both_ranks_store_both_groups_and_hit(runs: dict[str, Any], tp_run: 
     hits = [expected_hit_tokens(len(d)) for d in TP_DOCS]
     assert [o["num_cached_tokens"] for o in warm["outputs"]] == hits
     assert warm["delta"]["scheduler.num_load_tokens"] == sum(hits)
-    # Workers run in their own processes: the scheduler's index holds both ranks' chunks of both groups.
+    # Workers run in their own processes: the placement directory holds both ranks' chunks of both groups.
     assert cold["delta"]["scheduler.placed_digests"] == 2 * len(GROUPS) * sum(len(d) // CHUNK_TOKENS for d in TP_DOCS)
     # TP=2 all-reduces in another order than TP=1 (and runs without LoRA): same tokens, logprobs within 1e-4.
     tp1 = {"outputs": phase(runs["reference"], "docs")["outputs"][: len(TP_DOCS)]}

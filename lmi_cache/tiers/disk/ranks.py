@@ -12,7 +12,7 @@ When the tensor/pipeline world of a replica shrinks, directories of ranks at
 or beyond the new world size can never be read again: ``prune_orphan_rank_dirs``
 (the scheduler, at start-up) deletes the chunk files we own there, unless an
 engine holds the directory's lock, so they neither hold disk space outside any
-budget nor seed the scheduler's index with chunks no worker can serve.
+budget nor enter the placement directory as chunks no worker can serve.
 """
 from __future__ import annotations
 
