@@ -22,7 +22,7 @@ which the caller turns into a miss.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,14 +65,8 @@ def gather_state(group: Sequence[LayerStates], block_id: int, out: torch.Tensor 
     payload = out if out is not None else torch.empty(geometry.payload_bytes, dtype=torch.uint8,
                                                       device=_device(group))
     _check_payload(payload, geometry)
-    offset = 0
-    for layer in group:
-        for state in layer:
-            block = state[block_id]
-            nbytes = block.numel() * block.element_size()
-            # A view of the payload in the state's own dtype and shape: one strided copy, no temporary.
-            payload[offset:offset + nbytes].view(state.dtype).view(block.shape).copy_(block)
-            offset += nbytes
+    for block, part in _pairs(group, block_id, payload):
+        part.copy_(block)
     return payload
 
 
@@ -81,12 +75,20 @@ def scatter_state(group: Sequence[LayerStates], block_id: int, payload: torch.Te
     geometry = StateGeometry.of(group)
     _check_block(group, block_id)
     _check_payload(payload, geometry)
+    for block, part in _pairs(group, block_id, payload):
+        block.copy_(part)
+
+
+def _pairs(group: Sequence[LayerStates], block_id: int,
+           payload: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(one state's block, the payload's bytes for it viewed in the state's dtype and shape), in payload order."""
     offset = 0
     for layer in group:
         for state in layer:
             block = state[block_id]
             nbytes = block.numel() * block.element_size()
-            block.copy_(payload[offset:offset + nbytes].view(state.dtype).view(block.shape))
+            # A typed view of the payload: each copy is one strided copy, no temporary.
+            yield block, payload[offset:offset + nbytes].view(state.dtype).view(block.shape)
             offset += nbytes
 
 
