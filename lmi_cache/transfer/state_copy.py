@@ -13,9 +13,9 @@ chunk boundary needs.
 ``gather_state`` copies one block of every state tensor of every layer of a
 group into one contiguous uint8 payload (layer by layer, state by state, in
 the group's layer order); ``scatter_state`` writes a payload back into one
-block. Page padding and other blocks are never touched. Both work on CPU
-tensors and on device tensors alike (plain torch copies); the payload is a
-host or device tensor as the caller provides. A payload from a different
+block. Page padding and other blocks are never touched. Both are plain
+torch copies, so device tensors take the same path (tested on CPU tensors
+only); the payload lives where the caller allocates it. A payload from a different
 geometry (layers, shapes or dtypes) is refused with ``StateShapeError``,
 which the caller turns into a miss.
 """
