@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StateGeometry", "StateShapeError", "gather_state", "scatter_state", "state_views"]
+__all__ = ["StateCopier", "StateGeometry", "StateShapeError", "gather_state", "scatter_state", "state_views"]
 
 LayerStates = Sequence[torch.Tensor]  # one layer's ``layer.kv_cache``: (num_blocks, *state_shape) per state
 
@@ -76,6 +76,27 @@ def state_views(pages: torch.Tensor, shapes: Sequence[Sequence[int]],
         views.append(flat[:, offset:offset + nbytes].view(dtype).view(-1, *shape))
         offset += nbytes
     return tuple(views)
+
+
+class StateCopier:
+    """One state group's layers on one rank, from the page views ``register_kv_caches`` receives for them."""
+
+    def __init__(self, pages: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], dtype_names: Sequence[str]):
+        dtypes = [getattr(torch, name) for name in dtype_names]
+        self.layers = [state_views(layer_pages, shapes, dtypes) for layer_pages in pages]
+        self.geometry = StateGeometry.of(self.layers)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.geometry.payload_bytes
+
+    def gather_many(self, block_ids: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
+        """Block ``block_ids[i]``'s state into ``outs[i]`` (uint8 payloads of ``payload_bytes``)."""
+        for block_id, out in zip(block_ids, outs, strict=True):
+            gather_state(self.layers, block_id, out)
+
+    def scatter(self, block_id: int, payload: torch.Tensor) -> None:
+        scatter_state(self.layers, block_id, payload)
 
 
 def gather_state(group: Sequence[LayerStates], block_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
