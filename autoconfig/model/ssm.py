@@ -153,14 +153,15 @@ def state_layout_from_config(text: Mapping[str, Any], prefix: str, model_type: s
 
 
 def refuse_state_caching(state: StateLayout, model: str) -> None:
-    """Auto-configuration's one-line refusal while the connector cannot store state-layer state.
+    """Auto-configuration's one-line refusal of a hybrid model for upstream LMCache (option.lmcache_engine=lmcache).
 
-    The planner sizes these models (``autoconfig.plan.hybrid``); serving one with the cache would load attention
-    KV for a prefix whose recurrent state is missing, so ``configure`` and ``plan`` stop here.
+    The planner sizes these models (``autoconfig.plan.hybrid``) for lmi-cache's own connector, which stores
+    the state at chunk boundaries; the upstream connector is not wired or checked for them here.
     """
     layers = state.num_attention_layers + state.num_state_layers
     raise HybridModelError(
         f"{model}: {state.num_state_layers} of {layers} layers keep a per-request {state.kind} state "
-        f"({state.request_state_bytes():,} B per request); the connector caches attention KV only; Mamba state "
-        "caching: not yet: serve this model without KV offloading (option.lmcache_auto_config=false)"
+        f"({state.request_state_bytes():,} B per request), which lmi-cache configures for its own connector only: "
+        "set option.lmcache_engine=lmi_cache, or serve this model without KV offloading "
+        "(option.lmcache_auto_config=false)"
     )

@@ -7,7 +7,7 @@ attention page (block x KV of one layer) holds one layer's state, pads the
 state page to that size, and groups layers in equal-sized KV cache groups.
 Each rule names the vLLM 0.32 code it mirrors. With prefix caching (vLLM's
 default) the state is kept at block boundaries ("align" mode), so the cache
-tiers would store one state per chunk boundary next to the attention KV.
+tiers store one state per chunk boundary next to the attention KV.
 """
 from __future__ import annotations
 
@@ -105,6 +105,24 @@ def tier_bytes_per_token(m: PlanModel, tp: int, pp: int, bpt_rank: int, chunk: i
     why.append(
         f"tier bytes per token = {per_token:,} per rank: attention KV {bpt_rank:,} B + the state at each chunk "
         f"boundary ({layers} state layers x {m.state.layer_state_bytes(tp):,} B = {state_bytes:,} B) / chunk "
-        f"{chunk}; a hit would restore the attention KV of every chunk and the state at its last boundary"
+        f"{chunk}; a hit restores the attention KV of every chunk and the state at its last boundary"
     )
     return per_token
+
+
+def hybrid_vllm_args(m: PlanModel, backend: str, block: int, chunk: int, why: list[str]) -> list[str]:
+    """vLLM flags a hybrid model needs for the connector to cache its state at every chunk boundary."""
+    if m.state is None:
+        return []
+    # vLLM retains (and offers connectors) a boundary's state only at multiples of this interval, or at a
+    # prompt's end; the connector stores states at chunk ends only.
+    args = ["--prefix-cache-retention-interval", str(chunk)]
+    why.append(f"vllm --prefix-cache-retention-interval {chunk}: vLLM keeps the state at every chunk boundary "
+               "and hands it to the connector, which stores it next to that chunk's attention KV")
+    if backend == "cpu" and m.state.kind == "mamba2":
+        # vLLM 0.32's CPU Mamba2 kernel cannot export a state inside a prefill step (IndexError in
+        # mamba_mixer2); steps of one block end every prefill step on a boundary.
+        args += ["--max-num-batched-tokens", str(block)]
+        why.append(f"vllm --max-num-batched-tokens {block}: vLLM's CPU Mamba2 kernel keeps block-boundary "
+                   "states only when every prefill step ends on a block")
+    return args

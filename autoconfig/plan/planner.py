@@ -14,8 +14,8 @@ from autoconfig.probe.snapshot import HostSnapshot
 from autoconfig.plan.checks import check_disk_path_on_host, check_parallel_fits_model, check_settings
 from autoconfig.plan.disk import mount_of
 from autoconfig.plan.hybrid import (
-    hybrid_block_tokens, hybrid_chunk_tokens, hybrid_pool_tokens, hybrid_request_bytes, state_bytes_rank,
-    tier_bytes_per_token,
+    hybrid_block_tokens, hybrid_chunk_tokens, hybrid_pool_tokens, hybrid_request_bytes, hybrid_vllm_args,
+    state_bytes_rank, tier_bytes_per_token,
 )
 from autoconfig.plan.types import (
     GIB, KIB, CpuTierPlan, GpuPlan, LmiReference, ModelInfoLike, PlanError, PlanModel, TierPlan,
@@ -102,7 +102,8 @@ def plan_tiers(
         env=_server_env(gpu, settings, why),
         warnings=warn, explanation=why, blend=blend,
     )
-    return replace(plan, lmcache_config=lmcache_dict(plan), vllm_args=vllm_args(plan, settings))
+    args = vllm_args(plan, settings) + hybrid_vllm_args(m, gpu.backend, gpu.block_size, chunk, why)
+    return replace(plan, lmcache_config=lmcache_dict(plan), vllm_args=args)
 
 
 def _with_session_retention(cpu: CpuTierPlan, s: ServingSettings, bpt_rank: int, chunk: int, why: list[str],

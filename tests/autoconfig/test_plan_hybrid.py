@@ -1,8 +1,9 @@
-"""Hybrid attention / state-space models (Qwen3-Next, Jamba): state geometry, the planner's sizing, the refusal.
+"""Hybrid attention / state-space models (Qwen3-Next, Jamba): state geometry, the planner's sizing, vLLM's flags.
 
 The planner sizes these models as vLLM 0.32's hybrid KV cache manager pools
-them; ``plan`` and ``configure`` still refuse them in one line, because the
-connector does not store the state layers' state yet. Goldens come from the
+them and asks vLLM to retain the state at every chunk boundary, where the
+connector stores it; with upstream LMCache (``--engine lmcache``) ``plan``
+and ``configure`` refuse them in one line. Goldens come from the
 planner itself. Regenerate after an intended change with
 ``LMI_CACHE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/autoconfig/test_plan_hybrid.py``.
 """
@@ -123,8 +124,35 @@ def test_tiers_count_one_state_per_chunk_and_chunks_outweigh_their_state() -> No
 
 
 @pytest.mark.parametrize("model", ["qwen3-next-80b-a3b-instruct", "jamba-v0.1"])
-def test_plan_refuses_in_one_line_naming_what_is_missing(model: str) -> None:
-    result = _run(["plan", "--model", f"{MODELS}/{model}", "--host", f"{HOSTS}/a100x8_nvme_cgroup.json"])
+def test_plan_asks_vllm_for_a_state_at_every_chunk_boundary(model: str) -> None:
+    result = _run(["plan", "--model", f"{MODELS}/{model}", "--host", f"{HOSTS}/a100x8_nvme_cgroup.json", "--tp", "4",
+                   "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    args = plan["vllm_args"]
+    chunk = plan["tiers"]["chunk_size"] if "chunk_size" in plan["tiers"] else plan["chunk_size"]
+    assert args[args.index("--prefix-cache-retention-interval") + 1] == str(chunk)
+    assert "--max-num-batched-tokens" not in args  # CUDA's Mamba kernels export states inside a prefill step
+
+
+def test_cpu_backend_mamba2_prefills_one_block_per_step() -> None:
+    from types import SimpleNamespace
+
+    from autoconfig.plan.hybrid import hybrid_vllm_args
+
+    why: list[str] = []
+    mamba2 = SimpleNamespace(state=SimpleNamespace(kind="mamba2"))  # Granite 4 hybrid's state kind
+    assert hybrid_vllm_args(mamba2, "cpu", 128, 256, why) == [  # type: ignore[arg-type]
+        "--prefix-cache-retention-interval", "256", "--max-num-batched-tokens", "128"]
+    assert hybrid_vllm_args(mamba2, "cuda", 400, 800, why) == [  # type: ignore[arg-type]
+        "--prefix-cache-retention-interval", "800"]
+    assert len(why) == 3 and hybrid_vllm_args(SimpleNamespace(state=None), "cpu", 128, 256, why) == []  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("model", ["qwen3-next-80b-a3b-instruct", "jamba-v0.1"])
+def test_plan_for_upstream_lmcache_refuses_in_one_line(model: str) -> None:
+    result = _run(["plan", "--model", f"{MODELS}/{model}", "--host", f"{HOSTS}/a100x8_nvme_cgroup.json",
+                   "--engine", "lmcache"])
     assert result.exit_code == 2
     assert len(result.output.strip().splitlines()) == 1
-    assert "the connector caches attention KV only; Mamba state caching: not yet" in result.output
+    assert "lmi-cache configures for its own connector only: set option.lmcache_engine=lmi_cache" in result.output
