@@ -79,7 +79,13 @@ def state_views(pages: torch.Tensor, shapes: Sequence[Sequence[int]],
 
 
 class StateCopier:
-    """One state group's layers on one rank, from the page views ``register_kv_caches`` receives for them."""
+    """One state group's layers on one rank, from the page views ``register_kv_caches`` receives for them.
+
+    Shaped like the paged copier where the worker saves (``chunk_shape``, ``dtype``, ``chunk_bytes``,
+    ``gather_many``): a chunk of a state group is one block's state, a uint8 payload.
+    """
+
+    dtype = torch.uint8
 
     def __init__(self, pages: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], dtype_names: Sequence[str]):
         dtypes = [getattr(torch, name) for name in dtype_names]
@@ -87,13 +93,17 @@ class StateCopier:
         self.geometry = StateGeometry.of(self.layers)
 
     @property
-    def payload_bytes(self) -> int:
+    def chunk_bytes(self) -> int:
         return self.geometry.payload_bytes
 
-    def gather_many(self, block_ids: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
-        """Block ``block_ids[i]``'s state into ``outs[i]`` (uint8 payloads of ``payload_bytes``)."""
-        for block_id, out in zip(block_ids, outs, strict=True):
-            gather_state(self.layers, block_id, out)
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        return (self.geometry.payload_bytes,)
+
+    def gather_many(self, block_ids: Sequence[Sequence[int]], outs: Sequence[torch.Tensor]) -> None:
+        """The state of block ``block_ids[i][0]`` (one block per state chunk) into ``outs[i]``."""
+        for ids, out in zip(block_ids, outs, strict=True):
+            gather_state(self.layers, ids[0], out)
 
     def scatter(self, block_id: int, payload: torch.Tensor) -> None:
         scatter_state(self.layers, block_id, payload)

@@ -137,9 +137,12 @@ class WorkerSide:
 
     def _chunk_bytes(self) -> dict[int, int]:
         """Payload bytes of one chunk per group (a state group's: one boundary state), in group order."""
-        sizes = {g: c.chunk_bytes for g, c in self._copiers.items()}
-        sizes.update({g: c.payload_bytes for g, c in self._states.items()})
-        return dict(sorted(sizes.items()))
+        copiers = self._all_copiers()
+        return {g: copiers[g].chunk_bytes for g in sorted(copiers)}
+
+    def _all_copiers(self) -> dict[int, PagedChunkCopier | StateCopier]:
+        """Every group's copier: paged for attention groups, a state copier for state groups."""
+        return {**self._copiers, **self._states}
 
     def _fault(self, what: str, err: BaseException | None, op: str = "load") -> None:
         """A fault of ``op`` ("load", "save", "events"): a tier-error metric and a rate-limited warning.
@@ -230,7 +233,7 @@ class WorkerSide:
             state = self._states.get(meta.loads[position].group)
             if state is not None and self._scatter_state(state, meta.loads[position], obj):
                 landed.append(position)
-                self.stats.load_bytes += state.payload_bytes
+                self.stats.load_bytes += state.chunk_bytes
         return landed
 
     def _scatter_state(self, state: StateCopier, transfer: ChunkTransfer, obj: ChunkObject) -> bool:
@@ -322,7 +325,7 @@ class WorkerSide:
         # Every planned store is answered: it lands, or it is reported failed (a skipped one too).
         self._instructed.extend(TierEvent(tier, t.keys[self.rank_index].digest) for t in meta.saves for tier in t.tiers)
         started = time.perf_counter()
-        for group, copier in [*self._copiers.items(), *self._states.items()]:
+        for group, copier in self._all_copiers().items():
             transfers = [t for t in meta.saves if t.group == group and t.req_id not in self._failed_req_ids]
             if transfers:
                 self._save_group(engine, transfers, copier)
@@ -331,19 +334,13 @@ class WorkerSide:
     def _save_group(self, engine: Engine, transfers: list[ChunkTransfer], copier: PagedChunkCopier | StateCopier) -> None:
         keys = [t.keys[self.rank_index] for t in transfers]
         directed = all(t.tiers for t in transfers)
-        fill: Callable[[list[torch.Tensor]], None]
-        if isinstance(copier, StateCopier):
-            # One state block per transfer, gathered now: vLLM keeps an offered block only until this step ends.
-            shape, dtype = (copier.payload_bytes,), torch.uint8
-            state_ids = [t.block_ids[0] for t in transfers]
-            fill = lambda outs: copier.gather_many(state_ids, outs)  # noqa: E731
-        else:
-            shape, dtype = copier.chunk_shape, copier.dtype
-            block_ids = [t.block_ids for t in transfers]
-            fill = lambda outs: copier.gather_many(block_ids, outs)  # noqa: E731
+        block_ids = [t.block_ids for t in transfers]
         try:
             # Every full chunk of the step gathered in one kernel call, straight into engine memory.
-            saved = engine.save_many(keys, shape, dtype, fill, [t.tiers for t in transfers] if directed else None)
+            # (A state group's chunk is one block's state, gathered now: vLLM keeps an offered block this step only.)
+            saved = engine.save_many(keys, copier.chunk_shape, copier.dtype,
+                                     lambda outs: copier.gather_many(block_ids, outs),
+                                     [t.tiers for t in transfers] if directed else None)
             self.stats.num_chunks_saved += sum(saved)
             self.stats.num_saves_refused += len(saved) - sum(saved)
         except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
