@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from autoconfig.model.ssm import HybridModelError, StateLayout, state_layout_from_config
 from lmi_cache.config.values import show
 from lmi_cache.errors import UserError
 from lmi_cache.kv_layout import KV_DTYPE_BYTES, KvLayout
@@ -23,10 +24,6 @@ class ModelConfigError(UserError):
     """A model config.json that cannot be read as a decoder LLM, or a bad --dtype/--kv-cache-dtype."""
 
 
-class HybridModelError(UserError):
-    """The model mixes attention with Mamba / linear-attention layers (not supported)."""
-
-
 @dataclass(frozen=True)
 class KvLayoutInfo:
     layout: KvLayout
@@ -36,6 +33,7 @@ class KvLayoutInfo:
     notes: list[str] = field(default_factory=list)  # one-line explanations, for `plan --explain`
     num_attention_heads: int | None = None  # query heads (vLLM needs tensor_parallel_size to divide them)
     num_sliding_layers: int = 0  # layers that attend to the last sliding_window tokens only
+    state: StateLayout | None = None  # hybrid models: the Mamba / linear-attention layers' per-request state
 
 
 # Nested text sections of multimodal configs. transformers' get_text_config()
@@ -51,8 +49,8 @@ _MLA_MODEL_TYPES = frozenset({
 })
 
 # Model types whose decoder mixes attention with state-space / linear-attention
-# layers. Their per-request state lives in vLLM's Mamba KV cache groups, which
-# the connector does not store (lmi_cache.keys.kv_groups refuses those groups).
+# layers. Their per-request state lives in vLLM's Mamba KV cache groups
+# (autoconfig.model.ssm sizes the kinds it knows; the others are refused).
 _HYBRID_MODEL_TYPES = frozenset({
     "jamba", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba", "zamba2",
     "qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "minimax_text_01", "minimax_m1",
@@ -96,7 +94,7 @@ def kv_layout_from_config(
         )
     text, prefix = text_section(config)
     model_type = str(text.get("model_type") or config.get("model_type") or "")
-    _refuse_hybrid(config, text, prefix, model_type, source)
+    hybrid_why = _hybrid_marker(config, text, prefix, model_type)
     notes: list[str] = []
     if prefix:
         notes.append(f"language-model keys read from '{prefix[:-1]}' (multimodal config)")
@@ -106,6 +104,21 @@ def kv_layout_from_config(
     model_dtype, dtype_note = resolve_model_dtype(config, text, dtype, model_type, source, bf16_supported)
     kv_dtype, kv_note = resolve_kv_dtype(config, text, kv_cache_dtype, model_dtype, source)
     notes += [dtype_note, kv_note]
+    state = None
+    if hybrid_why:
+        if model_type not in _HYBRID_MODEL_TYPES:
+            model_type = str(config.get("model_type") or model_type)
+        try:
+            state = state_layout_from_config(text, prefix, model_type, num_layers, model_dtype, source)
+        except HybridModelError as err:
+            raise HybridModelError(f"{err} ({hybrid_why})") from None
+        notes.append(
+            f"hybrid ({hybrid_why}): {state.num_attention_layers} of {num_layers} layers are attention (KV per "
+            f"token), {state.num_state_layers} keep a per-request {state.kind} state; {state.describe()}, "
+            f"{state.request_state_bytes():,} B per request for all state layers (vLLM's mamba_cache_dtype auto: "
+            "the model dtype)"
+        )
+        num_layers = state.num_attention_layers
 
     is_mla = model_type in _MLA_MODEL_TYPES and text.get("kv_lora_rank") is not None
     if is_mla:
@@ -131,18 +144,19 @@ def kv_layout_from_config(
         max_pos = _opt_int(config, "max_position_embeddings", "", source)
     if max_pos is None:
         notes.append("max_position_embeddings not in the config: vLLM uses the model class default")
-    sliding_window, num_sliding = _sliding_window(text, prefix, source, notes, num_layers)
+    sliding_window, num_sliding = (None, 0) if state else _sliding_window(text, prefix, source, notes, num_layers)
 
     layout = KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       kv_dtype=kv_dtype, is_mla=is_mla, model_name=model_name)
-    notes.append(f"{layout.kv_bytes_per_token} bytes of KV per token for the whole model ({num_layers} layers)")
+    notes.append(f"{layout.kv_bytes_per_token} bytes of KV per token for the whole model ({num_layers} "
+                 f"{'attention ' if state else ''}layers)")
     return KvLayoutInfo(layout=layout, model_dtype=model_dtype, max_position_embeddings=max_pos,
                         sliding_window=sliding_window, notes=notes, num_attention_heads=num_heads,
-                        num_sliding_layers=num_sliding)
+                        num_sliding_layers=num_sliding, state=state)
 
 
-def _refuse_hybrid(config: Mapping[str, Any], text: Mapping[str, Any], prefix: str,
-                   model_type: str, source: str) -> None:
+def _hybrid_marker(config: Mapping[str, Any], text: Mapping[str, Any], prefix: str, model_type: str) -> str:
+    """Why the config reads as a hybrid attention / state-space model; "" when it does not."""
     why = ""
     if model_type in _HYBRID_MODEL_TYPES or str(config.get("model_type", "")) in _HYBRID_MODEL_TYPES:
         why = f"model_type '{model_type or config.get('model_type')}' mixes attention with state-space/linear-attention layers"
@@ -155,11 +169,7 @@ def _refuse_hybrid(config: Mapping[str, Any], text: Mapping[str, Any], prefix: s
     for key in _HYBRID_KEYS:
         if not why and text.get(key) is not None:
             why = f"'{prefix}{key}' marks a hybrid attention/state-space model"
-    if why:
-        raise HybridModelError(
-            f"{source}: {why}; lmi-cache caches attention KV only (full and sliding-window layers), not "
-            "Mamba / linear-attention state, so a hit could not restore this model: serve it without KV offloading"
-        )
+    return why
 
 
 # Upper bounds far above any real model, checked before any arithmetic: a config.json

@@ -13,6 +13,10 @@ from autoconfig.model.kv import hybrid_group_layers
 from autoconfig.probe.snapshot import HostSnapshot
 from autoconfig.plan.checks import check_disk_path_on_host, check_parallel_fits_model, check_settings
 from autoconfig.plan.disk import mount_of
+from autoconfig.plan.hybrid import (
+    hybrid_block_tokens, hybrid_chunk_tokens, hybrid_pool_tokens, hybrid_request_bytes, hybrid_vllm_args,
+    state_bytes_rank, tier_bytes_per_token,
+)
 from autoconfig.plan.types import (
     GIB, KIB, CpuTierPlan, GpuPlan, LmiReference, ModelInfoLike, PlanError, PlanModel, TierPlan,
 )
@@ -73,10 +77,12 @@ def plan_tiers(
 
     ranks = _ranks_per_host(host, settings, why, warn)
     gpu = _gpu_plan(host, m, settings, bpt_rank, ranks, max_model_len, cpu_kvcache_space_gib, why, warn)
-    chunk = _chunk_size(settings, bpt_rank, gpu.block_size, max_model_len, why)
-    cpu = _with_session_retention(cpu_tier(host, m, settings, gpu, bpt_rank, ranks, chunk, why, warn, max_model_len),
-                                  settings, bpt_rank, chunk, why, warn)
-    disk = disk_tier(host, settings, gpu, cpu, bpt_rank, ranks, chunk, why, warn)
+    chunk = _chunk_size(settings, bpt_rank, gpu.block_size, max_model_len, why,
+                        state_bytes_rank(m, tp, pp) if m.state else 0)
+    tier_bpt = tier_bytes_per_token(m, tp, pp, bpt_rank, chunk, why)
+    cpu = _with_session_retention(cpu_tier(host, m, settings, gpu, tier_bpt, ranks, chunk, why, warn, max_model_len),
+                                  settings, tier_bpt, chunk, why, warn)
+    disk = disk_tier(host, settings, gpu, cpu, tier_bpt, ranks, chunk, why, warn)
     ref = lmi_reference(host, m.weights_bytes, tp)
     why.append(
         f"LMI formula for comparison: (available RAM - max(2 x weights, 20%)) / tp = "
@@ -96,7 +102,8 @@ def plan_tiers(
         env=_server_env(gpu, settings, why),
         warnings=warn, explanation=why, blend=blend,
     )
-    return replace(plan, lmcache_config=lmcache_dict(plan), vllm_args=vllm_args(plan, settings))
+    args = vllm_args(plan, settings) + hybrid_vllm_args(m, gpu.backend, gpu.block_size, chunk, why)
+    return replace(plan, lmcache_config=lmcache_dict(plan), vllm_args=args)
 
 
 def _with_session_retention(cpu: CpuTierPlan, s: ServingSettings, bpt_rank: int, chunk: int, why: list[str],
@@ -199,12 +206,11 @@ def _gpu_plan(host: HostSnapshot, m: PlanModel, s: ServingSettings, bpt_rank: in
             f"leave no KV cache in {_gib(budget)} (gpu_memory_utilization={s.gpu_memory_utilization}): "
             "raise tensor_parallel_degree or gpu_memory_utilization"
         )
-    pool_bpt = _pool_bytes_per_token(m, bpt_rank, why)
-    tokens = kv_bytes // pool_bpt // CUDA_BLOCK_TOKENS * CUDA_BLOCK_TOKENS
+    tokens, block, per = _pool_tokens(m, s.tp, kv_bytes, bpt_rank, CUDA_BLOCK_TOKENS, max_model_len, why)
     why.append(
         f"gpu.kv_capacity_tokens = {tokens:,} per rank: {_gib(total)} x {s.gpu_memory_utilization} - weights "
         f"{_gib(weights_rank)} (1/{s.tp * s.pp}) - reserve {_gib(reserve)} (estimate: max(1 GiB, 5%) for "
-        f"CUDA context, activations, CUDA graphs; vLLM measures it) = {_gib(kv_bytes)} / {pool_bpt:,} B"
+        f"CUDA context, activations, CUDA graphs; vLLM measures it) = {_gib(kv_bytes)}{per}"
     )
     for g in used:
         if g.memory_free_bytes < budget:
@@ -216,7 +222,17 @@ def _gpu_plan(host: HostSnapshot, m: PlanModel, s: ServingSettings, bpt_rank: in
                         f"(estimated: {_gib(kv_bytes)} after weights and reserve), less than one sequence, so vLLM would refuse to "
                         f"start; set max_model_len to {tokens} or less, or raise tensor_parallel_degree or "
                         "gpu_memory_utilization")
-    return GpuPlan("cuda", len(host.gpus), kv_bytes, tokens, CUDA_BLOCK_TOKENS, None)
+    return GpuPlan("cuda", len(host.gpus), kv_bytes, tokens, block, None)
+
+
+def _pool_tokens(m: PlanModel, tp: int, kv_bytes: int, bpt_rank: int, base_block: int, max_model_len: int,
+                 why: list[str]) -> tuple[int, int, str]:
+    """(tokens the KV pool holds per rank, vLLM's block size, how the division reads in the explanation)."""
+    if m.state is not None:
+        block = hybrid_block_tokens(m, tp, base_block)
+        return hybrid_pool_tokens(m, tp, kv_bytes, block, max_model_len, why), block, " (hybrid pool above)"
+    pool_bpt = _pool_bytes_per_token(m, bpt_rank, why)
+    return kv_bytes // pool_bpt // base_block * base_block, base_block, f" / {pool_bpt:,} B"
 
 
 def _pool_bytes_per_token(m: PlanModel, bpt_rank: int, why: list[str]) -> int:
@@ -248,22 +264,30 @@ def _cpu_backend_plan(host: HostSnapshot, m: PlanModel, bpt_rank: int, ranks: in
         # Left unset, vLLM 0.32 takes total RAM x gpu_memory_utilization - RSS per worker,
         # starving the CPU tier (and failing on NUMA hosts): we set it to what one
         # full-length sequence needs, at least 1 GiB.
-        space_gib = max(1, math.ceil(max_model_len * bpt_rank / GIB))
+        space_gib = max(1, math.ceil(_sequence_bytes(m, bpt_rank, block, max_model_len) / GIB))
         how = f"chosen: one max_model_len ({max_model_len:,}) sequence, at least 1 GiB; sets VLLM_CPU_KVCACHE_SPACE"
     kv_bytes = space_gib * GIB
-    pool_bpt = _pool_bytes_per_token(m, bpt_rank, why)
-    tokens = kv_bytes // pool_bpt // block * block
+    tokens, block, per = _pool_tokens(m, 1, kv_bytes, bpt_rank, block, max_model_len, why)
     why.append(f"gpu.kv_capacity_tokens = {tokens:,} per rank: no GPU, vLLM's CPU backend keeps its KV "
-               f"cache in RAM: {space_gib} GiB ({how}) / {pool_bpt:,} B")
+               f"cache in RAM: {space_gib} GiB ({how}){per}")
     if tokens < max_model_len:
         raise PlanError(f"max_model_len={max_model_len}: VLLM_CPU_KVCACHE_SPACE={space_gib} holds {tokens:,} tokens, "
                         f"less than one sequence, so vLLM would refuse to start; set max_model_len to {tokens} or "
-                        f"less, or VLLM_CPU_KVCACHE_SPACE to {math.ceil(max_model_len * bpt_rank / GIB)}")
+                        f"less, or VLLM_CPU_KVCACHE_SPACE to "
+                        f"{math.ceil(_sequence_bytes(m, bpt_rank, block, max_model_len) / GIB)}")
     return GpuPlan("cpu", 0, kv_bytes, tokens, block, space_gib)
 
 
+def _sequence_bytes(m: PlanModel, bpt_rank: int, block: int, max_model_len: int) -> int:
+    """Pool bytes one max_model_len sequence needs (CPU backend: one rank, tp 1)."""
+    if m.state is not None:
+        return hybrid_request_bytes(m, 1, hybrid_block_tokens(m, 1, block), max_model_len)
+    return max_model_len * bpt_rank
+
+
 def _chunk_size(s: ServingSettings, bpt_rank: int, block: int, max_model_len: int,
-                why: list[str]) -> int:
+                why: list[str], state_bytes: int = 0) -> int:
+    """Tokens per stored chunk; ``state_bytes``: a hybrid model's state per chunk boundary per rank (0: none)."""
     override = s.overrides.chunk_size
     if override is not None:
         if override <= 0 or override % block:
@@ -273,6 +297,8 @@ def _chunk_size(s: ServingSettings, bpt_rank: int, block: int, max_model_len: in
         return override
     chunk = DEFAULT_CHUNK_TOKENS
     reason = f"LMCache's default; {_size(chunk * bpt_rank)} per chunk per rank is large enough to amortise I/O"
+    if state_bytes:
+        chunk, reason = hybrid_chunk_tokens(block, bpt_rank, state_bytes, DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS)
     while chunk * bpt_rank < MIN_CHUNK_BYTES and chunk * 2 <= MAX_CHUNK_TOKENS:
         chunk *= 2
         reason = (f"doubled from 256 so one chunk is >= 256 KiB per rank "

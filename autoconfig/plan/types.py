@@ -13,6 +13,7 @@ from lmi_cache.errors import UserError
 from lmi_cache.kv_layout import KvLayout
 
 if TYPE_CHECKING:
+    from autoconfig.model.ssm import StateLayout
     from lmi_cache.blend.settings import BlendSettings
 
 GIB = 1 << 30
@@ -58,6 +59,7 @@ class PlanModel:
     config: Mapping[str, Any] | None = None  # config.json as read; None: unknown (a bare layout), not checked
     sliding_window: int | None = None  # tokens a windowed layer attends to; None: no windowed layers
     num_sliding_layers: int = 0
+    state: StateLayout | None = None  # hybrid models: the state layers' per-request state; None: attention only
 
     @classmethod
     def coerce(cls, model: "PlanModel | ModelInfoLike | KvLayout") -> "PlanModel":
@@ -77,6 +79,7 @@ class PlanModel:
             config=getattr(model, "config", None) or None,
             sliding_window=getattr(kv, "sliding_window", None),
             num_sliding_layers=int(getattr(kv, "num_sliding_layers", 0) or 0),
+            state=getattr(kv, "state", None),
         )
 
 

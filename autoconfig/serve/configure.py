@@ -160,6 +160,10 @@ def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: M
     hf_home, allow_network = hub_access_from_env(env)
     info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
                            hf_home=hf_home, allow_network=allow_network)
+    if info.kv.state is not None and props.settings.engine != "lmi_cache":
+        from autoconfig.model.ssm import refuse_state_caching
+
+        refuse_state_caching(info.kv.state, model)
     return plan_tiers(host, info, props.settings, cpu_kvcache_space_gib=cpu_kvcache_space_from_env(env))
 
 

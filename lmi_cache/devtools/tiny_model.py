@@ -1,4 +1,4 @@
-"""Tiny random-weight models (Llama, Mistral- and Gemma-2-shaped) plus a local tokenizer, no downloads.
+"""Tiny random-weight models (Llama, Mistral-, Gemma-2- and Granite-4-hybrid-shaped) plus a local tokenizer.
 
 Tests and benchmarks run vLLM on CPU with these models: no weights can be
 fetched here. Runs in the test/benchmark process; needs transformers,
@@ -13,6 +13,12 @@ Mistral shape windows every layer (one KV cache group), the Gemma-2 shape
 alternates windowed and full-attention layers (two groups). Their windows are
 a few vLLM CPU blocks (128 tokens) long, so prompts of a thousand tokens span
 several windows.
+
+The Granite-4 hybrid shape alternates Mamba2 layers (a per-request recurrent
+state that vLLM keeps in Mamba KV cache groups) with full-attention layers.
+vLLM's CPU Mamba2 kernel cannot export the state at a block boundary inside a
+longer prefill chunk, so with prefix caching ("align" mode) it must be served
+with prefill chunks of one block (HYBRID_LLM_KWARGS).
 """
 from __future__ import annotations
 
@@ -26,6 +32,10 @@ from pathlib import Path
 # Version of what this module writes: bump to invalidate cached model folders.
 _RECIPE_VERSION = 2
 
+# vLLM arguments the hybrid shape needs on the CPU backend with prefix caching: every prefill
+# step then ends on a 128-token block boundary, where "align" mode keeps the Mamba state.
+HYBRID_LLM_KWARGS: dict[str, Any] = {"max_num_batched_tokens": 128}
+
 
 @dataclass(frozen=True)
 class TinyModelSpec:
@@ -36,7 +46,8 @@ class TinyModelSpec:
     intermediate_size: int
     vocab_size: int = 4096
     max_position_embeddings: int = 16384
-    # "llama" (full attention), "mistral" (every layer windowed), "gemma2" (alternating).
+    # "llama" (full attention), "mistral" (every layer windowed), "gemma2" (alternating),
+    # "granite_hybrid" (Mamba2 alternating with full attention).
     family: str = "llama"
     sliding_window_tokens: int | None = None
 
@@ -55,6 +66,11 @@ SPECS: dict[str, TinyModelSpec] = {
     "gemma2-7m": TinyModelSpec(
         num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=688,
         family="gemma2", sliding_window_tokens=256,
+    ),
+    # Layers 0 and 2 Mamba2 (8 heads of 64, state 16, conv 4), layers 1 and 3 full attention; dense MLPs.
+    "granite-hybrid-5m": TinyModelSpec(
+        num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=688,
+        family="granite_hybrid",
     ),
 }
 
@@ -144,7 +160,7 @@ def _amplify_gemma2_blocks(model: Any) -> None:
 
 
 def _hf_config(spec: TinyModelSpec) -> Any:
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig
+    from transformers import Gemma2Config, GraniteMoeHybridConfig, LlamaConfig, MistralConfig
 
     common: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
@@ -176,6 +192,16 @@ def _hf_config(spec: TinyModelSpec) -> Any:
             hidden_activation="gelu_pytorch_tanh",
             # vLLM's Gemma 2 always ties the output head to the embeddings, as the real checkpoints do.
             **{**common, "tie_word_embeddings": True},
+        )
+    if spec.family == "granite_hybrid":
+        return GraniteMoeHybridConfig(
+            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)],
+            # Dense like Granite 4.0 H Micro: no experts, the shared MLP is the layer's MLP.
+            num_local_experts=0, shared_intermediate_size=spec.intermediate_size,
+            position_embedding_type="rope",
+            mamba_n_heads=8, mamba_d_head=2 * spec.hidden_size // 8, mamba_n_groups=1, mamba_d_state=16,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
+            **common,
         )
     raise ValueError(f"unknown tiny model family {spec.family!r}")
 

@@ -15,6 +15,15 @@ for a request resumed at ``H``: from token ``H - W + 1`` (vLLM's
 Blocks before that are vLLM's null block in the request's block table: they
 are neither loaded nor saved.
 
+A state group (vLLM's ``MambaSpec``: Mamba / linear-attention layers of a
+hybrid model, prefix caching in "align" mode) keeps one recurrent state per
+block boundary: block ``p`` of its block table holds the state after
+``(p + 1) * block`` tokens. The cache stores that state at chunk boundaries,
+keyed like the chunk that ends there (chunk ``H // chunk - 1`` for boundary
+``H``); a hit of ``H`` tokens needs exactly that one state per state group, so
+``H`` is a multiple of the chunk. The state geometry (shapes, dtypes) is in
+the group's key tag: a change of it is a miss.
+
 Pure and vLLM-free: :func:`kv_groups_of` reads vLLM's ``KVCacheConfig`` by
 attribute, so tests drive everything here with plain objects.
 """
@@ -32,32 +41,54 @@ NULL_BLOCK_ID = 0
 # mistaken for plain full attention.
 _FULL_SPECS = {"FullAttentionSpec"}
 _SLIDING_SPECS = {"SlidingWindowSpec"}
+_STATE_SPECS = {"MambaSpec"}
+
+FULL, SLIDING, STATE = "full", "sliding", "state"
 
 
 class UnsupportedKvGroups(ValueError):
-    """The model has a KV cache group kind the cache cannot store (e.g. Mamba state, chunked local attention)."""
+    """The model has a KV cache group kind the cache cannot store (e.g. chunked local attention, MLA)."""
 
 
 @dataclass(frozen=True)
 class KvCacheGroup:
-    """One vLLM KV cache group: its position, its layers, and its window (None: full attention)."""
+    """One vLLM KV cache group: its position, its layers, and its window (None: full attention).
+
+    A state group (``state_shapes`` non-empty) has, per layer, one state tensor per shape, with the dtype
+    of the same position in ``state_dtypes`` (torch dtype names, e.g. "float32"), as vLLM's ``MambaSpec``.
+    """
 
     index: int
     layer_names: tuple[str, ...]
     sliding_window_tokens: int | None = None
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    state_dtypes: tuple[str, ...] = ()
 
     @property
     def is_sliding(self) -> bool:
         return self.sliding_window_tokens is not None
 
     @property
+    def is_state(self) -> bool:
+        return bool(self.state_shapes)
+
+    @property
+    def kind(self) -> str:
+        return STATE if self.is_state else SLIDING if self.is_sliding else FULL
+
+    @property
     def key_tag(self) -> str:
-        """What the chunk-key namespace records about this group: kind, window, layers."""
-        kind = f"sliding{self.sliding_window_tokens}" if self.is_sliding else "full"
+        """What the chunk-key namespace records about this group: kind, window or state geometry, layers."""
+        if self.is_state:
+            kind = "state" + ";".join(f"{d}{list(s)}" for s, d in zip(self.state_shapes, self.state_dtypes))
+        else:
+            kind = f"sliding{self.sliding_window_tokens}" if self.is_sliding else "full"
         return f"{self.index}:{kind}:{','.join(self.layer_names)}"
 
     def first_needed_token(self, hit_tokens: int) -> int:
-        """First token whose KV a request resumed after ``hit_tokens`` computed tokens still attends to."""
+        """First token whose KV (or, for a state group, whose state) a request resumed at ``hit_tokens`` needs."""
+        if self.is_state:
+            return max(0, hit_tokens - 1)  # vLLM's MambaManager.get_num_skipped_tokens: the last state only
         if self.sliding_window_tokens is None:
             return 0
         return max(0, hit_tokens - self.sliding_window_tokens + 1)
@@ -81,17 +112,27 @@ def kv_groups_of(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
             groups.append(KvCacheGroup(index, names))
         elif kind in _SLIDING_SPECS and not getattr(spec, "extra_retained_tokens", 0):
             groups.append(KvCacheGroup(index, names, int(spec.sliding_window)))
+        elif kind in _STATE_SPECS and getattr(spec, "mamba_cache_mode", "align") == "align":
+            groups.append(KvCacheGroup(index, names, state_shapes=tuple(tuple(int(n) for n in s) for s in spec.shapes),
+                                       state_dtypes=tuple(_dtype_name(d) for d in spec.dtypes)))
         else:
+            mode = getattr(spec, "mamba_cache_mode", None)
             raise UnsupportedKvGroups(
-                f"KV cache group {index} ({kind}, layers {names[0]}..) is not one the cache can store: "
-                "only full-attention and sliding-window attention layers are supported"
+                f"KV cache group {index} ({kind}{f' in mamba_cache_mode {mode!r}' if mode else ''}, layers "
+                f"{names[0]}..) is not one the cache can store: only full-attention, sliding-window attention "
+                "and state layers with prefix caching in 'align' mode are supported"
             )
     return tuple(groups)
 
 
+def _dtype_name(dtype: Any) -> str:
+    """"float32" for torch.float32 (or the string itself): the form key tags and the worker's views use."""
+    return str(dtype).removeprefix("torch.")
+
+
 def is_single_full_group(groups: Sequence[KvCacheGroup]) -> bool:
     """One full-attention group: the layout every pre-hybrid key was written under (its keys stay the same)."""
-    return len(groups) == 1 and not groups[0].is_sliding
+    return len(groups) == 1 and groups[0].kind == FULL
 
 
 def longest_hit_tokens(
@@ -109,10 +150,12 @@ def longest_hit_tokens(
     (vLLM computes at least one prompt token). Full-attention groups need every
     chunk up to the hit; sliding-window groups only the chunks their window
     before the hit touches, so a prefix whose early chunks were evicted can
-    still hit.
+    still hit; state groups only the state at the hit, which therefore is a
+    chunk boundary.
     """
-    full = [g for g in groups if not g.is_sliding]
-    sliding = [g for g in groups if g.is_sliding]
+    full = [g for g in groups if g.kind == FULL]
+    sliding = [g for g in groups if g.kind == SLIDING]
+    state = [g for g in groups if g.kind == STATE]
     top = num_chunks
     for group in full:
         count = 0
@@ -122,7 +165,9 @@ def longest_hit_tokens(
     for chunks in range(top, 0, -1):
         hit = min(chunks * chunk_size_tokens, max_tokens)
         hit -= hit % block_size_tokens
-        if hit <= 0:
+        if hit <= 0 or (state and hit % chunk_size_tokens):
+            continue
+        if not all(held(group.index, hit // chunk_size_tokens - 1) for group in state):
             continue
         last_chunk = -(-hit // chunk_size_tokens)
         if all(

@@ -26,6 +26,14 @@ through ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks; to
 make that the behaviour, the scheduler-side instance switches vLLM's
 ``kv_load_failure_policy`` from its default "fail" to "recompute" (a cache
 fault must never fail a request).
+
+Hybrid state-space models (Mamba / linear-attention layers next to
+attention) are served with prefix caching in vLLM's "align" mode: the
+connector stores the state vLLM offers at each chunk boundary next to the
+attention chunks. vLLM offers a boundary's state only if it retains it, so
+``--prefix-cache-retention-interval`` should divide the chunk size; the
+scheduler warns at start when it does not (fewer boundaries are cached, never
+wrong ones). Without prefix caching there are no boundary states: refused.
 """
 from __future__ import annotations
 
@@ -91,12 +99,21 @@ def _kv_groups(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
         raise ConfigError(f"{err}; serve this model without the lmi-cache connector") from None
 
 
+def _warn_on_sparse_state_retention(groups: tuple[KvCacheGroup, ...], kv_cache_config: Any, chunk: int) -> None:
+    """A state group caches the boundaries vLLM retains; say so when not every chunk boundary is one of them."""
+    interval = getattr(kv_cache_config, "prefix_cache_retention_interval", 0)
+    if any(g.is_state for g in groups) and interval is not None and (interval <= 0 or chunk % interval):
+        logger.warning("lmi-cache: vLLM retains Mamba states every %s tokens, so not every %d-token chunk boundary "
+                       "can be cached; pass --prefix-cache-retention-interval %d for hits at every chunk",
+                       interval or "(prompt end only)", chunk, chunk)
+
+
 class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector storing prompt chunks in lmi_cache tiers (CPU RAM, disk, remote), blending when configured.
 
     It supports vLLM's hybrid KV cache manager (``SupportsHMA``): sliding-window
-    models keep it on, and each KV cache group is cached on its own (blending
-    refuses sliding-window models at start, in ``check_model``).
+    and hybrid state-space models keep it on, and each KV cache group is cached
+    on its own (blending refuses both at start, in ``check_model``).
     """
 
     force_blending = False  # LmiBlendConnector (the earlier name) says True
@@ -114,6 +131,8 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = int(vllm_config.cache_config.block_size)
         check_chunk_size(self._config.chunk_size, block_size)
         self._kv_groups = _kv_groups(kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            _warn_on_sparse_state_retention(self._kv_groups, kv_cache_config, self._config.chunk_size)
         self._model_id = str(vllm_config.model_config.model)
         self._kv_dtype = kv_dtype_name(vllm_config)
         self._tp_size, self._pp_size = parallel_sizes(vllm_config)

@@ -11,6 +11,12 @@ tiers it reserves room in).
 A sliding-window group loads only the blocks vLLM allocates for it (from the
 window's start before the hit) and never saves a chunk vLLM has freed blocks
 of; a load for which vLLM gave no blocks is skipped.
+
+A state group (Mamba layers) loads one transfer: the state at the hit, into
+the block vLLM allocates for it (index ``hit // block - 1`` of its table). It
+saves only the boundary states vLLM offers in this step
+(``plan_state_saves``), each from exactly the block vLLM names, never one
+worked out from the block table.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.keys.kv_groups import NULL_BLOCK_ID, KvCacheGroup, is_single_full_group
+from lmi_cache.keys.kv_groups import NULL_BLOCK_ID, STATE, KvCacheGroup, is_single_full_group
 from lmi_cache.placement.directory import REMOTE, PlacementDirectory
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata
 
@@ -84,6 +90,8 @@ def plan_step(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str
     planned = 0
     for c in range(plan.num_done_chunks, ready_chunks):
         for group in geo.groups:
+            if group.kind == STATE:
+                continue  # saved from vLLM's boundary-state offers (plan_state_saves)
             planned += _plan_group_save(geo, directory, req_id, plan, group, c, num_computed_tokens, meta)
     plan.num_done_chunks = max(plan.num_done_chunks, ready_chunks)
     return planned
@@ -93,6 +101,9 @@ def _plan_group_load(geo: SchedulerGeometry, directory: PlacementDirectory, req_
                      group: KvCacheGroup, start: int, end: int, meta: LmiConnectorMetadata) -> None:
     """Loads of tokens [start, end) for one group; a sliding-window group only from its window's first block."""
     chunk, block, per_chunk = geo.chunk_size_tokens, geo.block_size_tokens, geo.blocks_per_chunk
+    if group.kind == STATE:
+        _plan_state_load(directory, req_id, plan, group, end, chunk, block, meta)
+        return
     start = max(start, group.first_needed_block(end, block) * block)
     block_ids = plan.block_ids[group.index]
     for c in range(start // chunk, -(-end // chunk)):
@@ -103,12 +114,51 @@ def _plan_group_load(geo: SchedulerGeometry, directory: PlacementDirectory, req_
             logger.warning("lmi-cache: request %s has no blocks for its load of group %d; skipping it",
                            req_id, group.index)
             return
-        keys = plan.chunk_keys[group.index][c]
-        source = directory.lookup(keys) or REMOTE
-        placed = directory.prepare_load(keys, group.index, source)
-        meta.loads.append(ChunkTransfer(req_id, keys, tuple(ids), first_block - c * per_chunk, group.index,
-                                        source=placed.tier,
-                                        promote_to=directory.first_tier_name if placed.promote else ""))
+        _add_load(directory, req_id, plan.chunk_keys[group.index][c], tuple(ids), first_block - c * per_chunk,
+                  group.index, meta)
+
+
+def _add_load(directory: PlacementDirectory, req_id: str, keys: tuple[ChunkKey, ...], block_ids: tuple[int, ...],
+              block_offset: int, group: int, meta: LmiConnectorMetadata) -> None:
+    source = directory.lookup(keys) or REMOTE
+    placed = directory.prepare_load(keys, group, source)
+    meta.loads.append(ChunkTransfer(req_id, keys, block_ids, block_offset, group, source=placed.tier,
+                                    promote_to=directory.first_tier_name if placed.promote else ""))
+
+
+def _plan_state_load(directory: PlacementDirectory, req_id: str, plan: RequestPlan, group: KvCacheGroup, end: int,
+                     chunk: int, block: int, meta: LmiConnectorMetadata) -> None:
+    """The state at ``end`` (a chunk boundary) into the one block vLLM allocated for it."""
+    position = end // block - 1
+    block_ids = plan.block_ids[group.index]
+    if end % chunk or position >= len(block_ids) or block_ids[position] == NULL_BLOCK_ID:
+        logger.warning("lmi-cache: request %s has no state block at %d tokens for group %d; skipping its load",
+                       req_id, end, group.index)
+        return
+    _add_load(directory, req_id, plan.chunk_keys[group.index][end // chunk - 1], (block_ids[position],), 0,
+              group.index, meta)
+
+
+def plan_state_saves(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,
+                     offers: Sequence[tuple[int, int, int]], meta: LmiConnectorMetadata) -> int:
+    """Saves of the boundary states vLLM offers this step (``(group, block_id, boundary_tokens)``) that end a
+    prompt chunk; each from exactly the offered block, gathered by the workers in this same step."""
+    if not plan.saves_allowed:
+        return 0
+    state_groups = {g.index for g in geo.groups if g.kind == STATE}
+    chunk = geo.chunk_size_tokens
+    planned = 0
+    for group, block_id, boundary in offers:
+        c = boundary // chunk - 1
+        if (group not in state_groups or block_id == NULL_BLOCK_ID or boundary <= 0 or boundary % chunk
+                or c >= len(plan.chunk_keys[group])):
+            continue
+        keys = plan.chunk_keys[group][c]
+        tiers = directory.prepare_store(keys, group)
+        if tiers:
+            meta.saves.append(ChunkTransfer(req_id, keys, (block_id,), 0, group, tiers=tiers))
+            planned += 1
+    return planned
 
 
 def _plan_group_save(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,

@@ -41,7 +41,10 @@ window's start) and never saves a chunk vLLM has freed blocks of. Such models
 load asynchronously: the load is planned into the blocks
 ``update_state_after_alloc`` receives and goes out with the next metadata
 (``async_loads``) while the request waits; the workers report it done or failed
-per request, and vLLM recomputes a failed one from its first token.
+per request, and vLLM recomputes a failed one from its first token. A state
+group (Mamba layers, prefix caching in "align" mode) loads the one state at
+the hit (a chunk boundary) and saves the boundary states vLLM offers in
+``scheduler_output.kv_connector_block_state`` that end a prompt chunk.
 
 Metrics (``SchedulerMetrics``): a lookup is counted once per admission, in
 ``update_state_after_alloc``, with the answer of the last
@@ -63,7 +66,7 @@ from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
-from lmi_cache.vllm_connector.request_plan import RequestPlan, SchedulerGeometry, plan_step
+from lmi_cache.vllm_connector.request_plan import RequestPlan, SchedulerGeometry, plan_state_saves, plan_step
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +260,7 @@ class SchedulerSide:
                 for ids, more in zip(plan.block_ids, new_ids):
                     ids.extend(more)
             self._plan_step(req_id, plan, cached.num_computed_tokens[i], num_scheduled.get(req_id, 0), meta)
+        self._plan_state_saves(scheduler_output, meta)
         if self._sessions is not None:
             retention = self._sessions.take_step()
             for session in retention.release:
@@ -276,6 +280,16 @@ class SchedulerSide:
         """vLLM's block ids (one list per KV cache group) as one list per group of ours."""
         ids = list(block_ids or ())
         return [list(ids[g.index]) if g.index < len(ids) else [] for g in self.geometry.groups]
+
+    def _plan_state_saves(self, scheduler_output: Any, meta: LmiConnectorMetadata) -> None:
+        """Saves of the Mamba boundary states vLLM offers this step (only while build_connector_meta runs)."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None) or {}
+        for req_id, entries in offers.items():
+            plan = self._plans.get(req_id)
+            if plan is not None:
+                self.stats.num_planned_saves += plan_state_saves(self.geometry, self.directory, req_id, plan,
+                                                                 entries, meta)
 
     def _plan_step(self, req_id: str, plan: RequestPlan, num_computed_tokens: int, num_scheduled_tokens: int,
                    meta: LmiConnectorMetadata) -> None:

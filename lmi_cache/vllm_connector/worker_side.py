@@ -25,7 +25,10 @@
 
 With vLLM's hybrid KV cache manager on, each KV cache group (full attention,
 sliding window) has its own copier over its own layers; a transfer names its
-group (``ChunkTransfer.group``), so a chunk holds one group's layers only.
+group (``ChunkTransfer.group``), so a chunk holds one group's layers only. A
+state group (Mamba layers) has a :class:`StateCopier` instead: a save gathers
+one block's state of every layer into one uint8 payload, a load scatters it
+into the one block named; a payload of another geometry is a load fault.
 
 Every engine or transfer call is wrapped: a fault is a miss, a warning and a
 counter, never an exception into vLLM.
@@ -45,6 +48,7 @@ from lmi_cache.metrics.series import worker_stats_follower
 from lmi_cache.placement.messages import REMOTE, TierEvent
 from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
+from lmi_cache.transfer.state_copy import StateCopier
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
 
 if TYPE_CHECKING:
@@ -93,6 +97,7 @@ class WorkerSide:
         self.copier: PagedChunkCopier | None = None  # group 0's (the only one without the hybrid manager)
         self._groups = groups  # () or one full-attention group: every layer in one chunk, in vLLM's order
         self._copiers: dict[int, PagedChunkCopier] = {}
+        self._states: dict[int, StateCopier] = {}  # state groups (Mamba layers)
         self.stats = WorkerStats()
         self._metrics = worker_stats_follower()  # this rank's lmi_cache_worker_* series
         self._failed_block_ids: set[int] = set()
@@ -107,22 +112,37 @@ class WorkerSide:
         self._pending_releases: list[tuple[Any, list[Any]]] = []  # (copy-done event or None, chunk objects)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        self.layout = describe_kv_caches(kv_caches, self._geometry)
+        state_groups = [g for g in self._groups if g.is_state]
+        self._states = {g.index: StateCopier([kv_caches[name] for name in g.layer_names], g.state_shapes,
+                                             g.state_dtypes) for g in state_groups}
+        state_layers = {name for g in state_groups for name in g.layer_names}
+        # The attention layers alone define the KV layout; state pages are raw bytes described by their group.
+        attention = {name: kv for name, kv in kv_caches.items() if name not in state_layers}
+        self.layout = describe_kv_caches(attention, self._geometry)
         if not self._groups or is_single_full_group(self._groups):
-            self._copiers = {0: PagedChunkCopier(list(kv_caches.values()), self.layout, self._blocks_per_chunk)}
+            self._copiers = {0: PagedChunkCopier(list(attention.values()), self.layout, self._blocks_per_chunk)}
         else:
             self._copiers = {
                 g.index: PagedChunkCopier([kv_caches[name] for name in g.layer_names], self.layout, self._blocks_per_chunk)
-                for g in self._groups
+                for g in self._groups if not g.is_state
             }
         self.copier = next(iter(self._copiers.values()))
         self.engine = self._engine_factory()
-        self.engine.expect_chunks(max(c.chunk_bytes for c in self._copiers.values()))
+        self.engine.expect_chunks(max(self._chunk_bytes().values()))
         logger.info(
             "lmi-cache: rank %d registered %d KV layers in %d group(s), layout %s, %s bytes per chunk",
-            self.rank_index, len(kv_caches), len(self._copiers), self.layout.tag,
-            "/".join(str(c.chunk_bytes) for c in self._copiers.values()),
+            self.rank_index, len(kv_caches), len(self._copiers) + len(self._states), self.layout.tag,
+            "/".join(str(n) for n in self._chunk_bytes().values()),
         )
+
+    def _chunk_bytes(self) -> dict[int, int]:
+        """Payload bytes of one chunk per group (a state group's: one boundary state), in group order."""
+        copiers = self._all_copiers()
+        return {g: copiers[g].chunk_bytes for g in sorted(copiers)}
+
+    def _all_copiers(self) -> dict[int, PagedChunkCopier | StateCopier]:
+        """Every group's copier: paged for attention groups, a state copier for state groups."""
+        return {**self._copiers, **self._states}
 
     def _fault(self, what: str, err: BaseException | None, op: str = "load") -> None:
         """A fault of ``op`` ("load", "save", "events"): a tier-error metric and a rate-limited warning.
@@ -209,7 +229,21 @@ class WorkerSide:
                 landed.extend(self._scatter(meta, part, copier))
         per_block = {g: c.chunk_bytes // self._blocks_per_chunk for g, c in self._copiers.items()}
         self.stats.load_bytes += sum(len(meta.loads[p].block_ids) * per_block[meta.loads[p].group] for p in landed)
+        for position, obj in batch:
+            state = self._states.get(meta.loads[position].group)
+            if state is not None and self._scatter_state(state, meta.loads[position], obj):
+                landed.append(position)
+                self.stats.load_bytes += state.chunk_bytes
         return landed
+
+    def _scatter_state(self, state: StateCopier, transfer: ChunkTransfer, obj: ChunkObject) -> bool:
+        """Write one boundary state into its block; a payload of another geometry (StateShapeError) is a fault."""
+        try:
+            state.scatter(transfer.block_ids[0], obj.payload_tensor())
+            return True
+        except Exception as err:  # noqa: BLE001 - a wrong state is a miss, never a wrong continuation
+            self._fault(f"could not copy state {obj.key.digest.hex()[:12]}", err)
+            return False
 
     def _scatter(self, meta: LmiConnectorMetadata, batch: list[tuple[int, ChunkObject]],
                  copier: PagedChunkCopier) -> list[int]:
@@ -291,18 +325,19 @@ class WorkerSide:
         # Every planned store is answered: it lands, or it is reported failed (a skipped one too).
         self._instructed.extend(TierEvent(tier, t.keys[self.rank_index].digest) for t in meta.saves for tier in t.tiers)
         started = time.perf_counter()
-        for group, copier in self._copiers.items():
+        for group, copier in self._all_copiers().items():
             transfers = [t for t in meta.saves if t.group == group and t.req_id not in self._failed_req_ids]
             if transfers:
                 self._save_group(engine, transfers, copier)
         self.stats.save_seconds += time.perf_counter() - started
 
-    def _save_group(self, engine: Engine, transfers: list[ChunkTransfer], copier: PagedChunkCopier) -> None:
+    def _save_group(self, engine: Engine, transfers: list[ChunkTransfer], copier: PagedChunkCopier | StateCopier) -> None:
         keys = [t.keys[self.rank_index] for t in transfers]
-        block_ids = [t.block_ids for t in transfers]
         directed = all(t.tiers for t in transfers)
+        block_ids = [t.block_ids for t in transfers]
         try:
             # Every full chunk of the step gathered in one kernel call, straight into engine memory.
+            # (A state group's chunk is one block's state, gathered now: vLLM keeps an offered block this step only.)
             saved = engine.save_many(keys, copier.chunk_shape, copier.dtype,
                                      lambda outs: copier.gather_many(block_ids, outs),
                                      [t.tiers for t in transfers] if directed else None)
@@ -343,7 +378,7 @@ class WorkerSide:
         rank = self.rank_index
         return LmiWorkerMeta(
             layout_tags={rank: self.layout.tag},
-            chunk_bytes={rank: {g: c.chunk_bytes for g, c in self._copiers.items()}},
+            chunk_bytes={rank: self._chunk_bytes()},
             stored={rank: stored} if stored else {},
             failed={rank: failed} if failed else {},
             dropped={rank: dropped} if dropped else {},

@@ -111,8 +111,9 @@ def test_tp_beyond_gpus_is_one_line_exit_2() -> None:
                                  "--host", f"{HOSTS}/a100x8_nvme_cgroup.json"]), "--tp=16", "needs 16 GPUs")
 
 
-def test_hybrid_model_is_refused() -> None:
-    result = _run(["plan", "--model", f"{MODELS}/jamba-v0.1", "--host", f"{HOSTS}/a100x8_nvme_cgroup.json"])
+def test_hybrid_model_for_upstream_lmcache_is_refused() -> None:
+    result = _run(["plan", "--model", f"{MODELS}/jamba-v0.1", "--host", f"{HOSTS}/a100x8_nvme_cgroup.json",
+                   "--engine", "lmcache"])
     _assert_one_line_error(result)
 
 

@@ -1,4 +1,4 @@
-"""Plans for sliding-window and hybrid models: golden outputs and the hybrid KV cache manager's GPU capacity.
+"""Plans for sliding-window models: golden outputs and the hybrid KV cache manager's GPU capacity.
 
 Regenerate the golden files after an intended change with
 ``LMI_CACHE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/autoconfig/test_plan_sliding.py``
@@ -62,9 +62,3 @@ def test_gpu_capacity_counts_one_group_of_layers(tmp_path: Path, name: str, mode
     # The tiers still store every layer of every chunk: bytes per token are the whole model's.
     assert with_window["model"]["kv_bytes_per_token"] == without["model"]["kv_bytes_per_token"]
     assert any("hybrid KV cache manager groups layers" in line for line in with_window["explanation"]), with_window["explanation"]
-
-
-def test_hybrid_state_space_model_is_refused_naming_what_is_missing() -> None:
-    result = _run(["plan", "--model", f"{MODELS}/qwen3-next-80b-a3b-instruct", "--host", f"{HOSTS}/a100x8_nvme_cgroup.json"])
-    assert result.exit_code == 2
-    assert "not Mamba / linear-attention state" in result.output and len(result.output.strip().splitlines()) == 1

@@ -134,7 +134,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "phases": []}
     for phase in job["phases"]:
         for action in phase.get("before", []):
-            _action(action, job)
+            if action == "reset_prefix_cache":  # vLLM's own cache only: a repeat then hits our tiers
+                assert llm.reset_prefix_cache(), "vLLM could not reset its prefix cache"
+            else:
+                _action(action, job)
         prompts, adapters = [], []
         for prompt in phase["prompts"]:
             lora = prompt.get("lora")

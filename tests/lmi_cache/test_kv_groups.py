@@ -27,6 +27,14 @@ class SlidingWindowSpec:
 
 @dataclass(frozen=True)
 class MambaSpec:
+    shapes: tuple[tuple[int, ...], ...] = ((3, 640), (8, 64, 16))
+    dtypes: tuple[object, ...] = ("torch.float32", "torch.float32")
+    mamba_cache_mode: str = "align"
+    block_size: int = BLOCK
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec:
     block_size: int = BLOCK
 
 
@@ -48,9 +56,19 @@ def test_gemma2_shape_reads_as_one_sliding_and_one_full_group() -> None:
     assert (full.index, full.is_sliding, full.layer_names) == (1, False, (LAYERS[1], LAYERS[3]))
 
 
-def test_mamba_and_retained_windows_are_refused_naming_the_group() -> None:
-    with pytest.raises(UnsupportedKvGroups, match="group 1 \\(MambaSpec"):
-        kv_groups_of(Config([Group([LAYERS[0]], FullAttentionSpec()), Group([LAYERS[1]], MambaSpec())]))
+def test_a_mamba_group_reads_as_a_state_group_with_its_geometry() -> None:
+    state, full = kv_groups_of(Config([Group([LAYERS[0]], MambaSpec()), Group([LAYERS[1]], FullAttentionSpec())]))
+    assert (state.index, state.kind, state.is_state, state.is_sliding) == (0, "state", True, False)
+    assert state.state_shapes == ((3, 640), (8, 64, 16)) and state.state_dtypes == ("float32", "float32")
+    assert full.kind == "full" and not full.is_state
+
+
+def test_unservable_groups_are_refused_naming_the_group() -> None:
+    # Prefix caching off: no boundary states to cache ("none" mode keeps one state per request).
+    with pytest.raises(UnsupportedKvGroups, match="group 1 \\(MambaSpec in mamba_cache_mode 'none'"):
+        kv_groups_of(Config([Group([LAYERS[0]], FullAttentionSpec()), Group([LAYERS[1]], MambaSpec(mamba_cache_mode="none"))]))
+    with pytest.raises(UnsupportedKvGroups, match="group 0 \\(ChunkedLocalAttentionSpec, layers"):
+        kv_groups_of(Config([Group([LAYERS[0]], ChunkedLocalAttentionSpec())]))
     with pytest.raises(UnsupportedKvGroups, match="SlidingWindowSpec"):
         kv_groups_of(Config([Group(list(LAYERS), SlidingWindowSpec(256, extra_retained_tokens=3))]))
 
@@ -64,6 +82,14 @@ def test_key_tag_changes_with_window_kind_and_layers() -> None:
         KvCacheGroup(1, LAYERS, 256).key_tag,
     }
     assert len(tags) == 5
+    # A state group's tag names its state geometry: other shapes or dtypes are other keys.
+    state_tags = {
+        KvCacheGroup(0, LAYERS, state_shapes=((3, 640), (8, 64, 16)), state_dtypes=("float32", "float32")).key_tag,
+        KvCacheGroup(0, LAYERS, state_shapes=((3, 640), (8, 64, 32)), state_dtypes=("float32", "float32")).key_tag,
+        KvCacheGroup(0, LAYERS, state_shapes=((3, 640), (8, 64, 16)), state_dtypes=("bfloat16", "float32")).key_tag,
+        KvCacheGroup(0, LAYERS).key_tag,
+    }
+    assert len(state_tags) == 4
 
 
 def test_first_needed_block_mirrors_vllm_skipped_tokens() -> None:
@@ -114,3 +140,41 @@ def test_every_hit_is_block_aligned_and_covered(window: int, held_chunks: set[in
     if hit:
         needed = range(group.first_needed_token(hit) // CHUNK, -(-hit // CHUNK))
         assert all(c in held_chunks for c in needed)
+
+
+STATE = KvCacheGroup(0, LAYERS[::2], state_shapes=((3, 640),), state_dtypes=("float32",))
+
+
+def test_state_group_needs_the_one_block_before_the_hit() -> None:
+    # vLLM keeps only the state after the hit's last token: block H // block - 1 of the group's table.
+    assert STATE.first_needed_block(768, BLOCK) == 5
+    assert STATE.first_needed_token(768) == 767
+
+
+def test_a_hybrid_hit_is_a_chunk_boundary_with_its_state_and_every_chunk_before() -> None:
+    groups = [STATE, KvCacheGroup(1, LAYERS[1::2])]
+    full = {(1, c) for c in range(4)}
+    # States at 512 (chunk 1) and 1024 (chunk 3); attention chunks 0-3: the deepest boundary wins.
+    assert _hit(groups, full | {(0, 1), (0, 3)}, num_chunks=4, max_tokens=1299) == 1024
+    # Without the state at 1024, the state at 512 (chunk 1) is the hit, not 768 (no state there).
+    assert _hit(groups, full | {(0, 1)}, num_chunks=4, max_tokens=1299) == 512
+    # A state without the attention chunks before it is no hit; neither are attention chunks without a state.
+    assert _hit(groups, {(1, 0), (0, 1), (0, 3)}, num_chunks=4, max_tokens=1299) == 0
+    assert _hit(groups, full, num_chunks=4, max_tokens=1299) == 0
+
+
+def test_a_capped_hybrid_hit_falls_back_to_a_whole_chunk() -> None:
+    groups = [STATE, KvCacheGroup(1, LAYERS[1::2])]
+    held = {(1, c) for c in range(4)} | {(0, c) for c in range(4)}
+    # A 1024-token prompt: at most 1023 tokens; 896 is a block boundary but no chunk's end, so 768.
+    assert _hit(groups, held, num_chunks=4, max_tokens=1023) == 768
+
+
+@given(held_chunks=st.sets(st.integers(0, 7)), held_states=st.sets(st.integers(0, 7)), max_tokens=st.integers(0, 2047))
+def test_every_hybrid_hit_has_its_state_and_prefix(held_chunks: set[int], held_states: set[int], max_tokens: int) -> None:
+    groups = [STATE, KvCacheGroup(1, LAYERS[1::2])]
+    held = {(1, c) for c in held_chunks} | {(0, c) for c in held_states}
+    hit = _hit(groups, held, num_chunks=8, max_tokens=max_tokens)
+    assert hit % CHUNK == 0 and hit <= max_tokens
+    if hit:
+        assert hit // CHUNK - 1 in held_states and all(c in held_chunks for c in range(hit // CHUNK))

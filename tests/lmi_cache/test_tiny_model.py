@@ -56,3 +56,17 @@ def test_gemma2_shape_output_depends_on_more_than_the_last_token(tmp_path: Path)
         other = [rng.randrange(10, 4000) for _ in range(199)] + prompt[-1:]
         differing += _greedy(model, prompt) != _greedy(model, other)
     assert differing >= 3
+
+
+def test_granite_hybrid_shape_alternates_mamba2_and_attention() -> None:
+    from autoconfig.model.kv import kv_layout_from_config
+
+    config = _hf_config(SPECS["granite-hybrid-5m"])
+    assert config.model_type == "granitemoehybrid"
+    assert config.layer_types == ["linear_attention", "full_attention"] * 2
+    info = kv_layout_from_config(config.to_dict(), dtype="float32")  # the e2e tests serve it in float32
+    assert info.state is not None and info.state.kind == "mamba2"
+    # vLLM 0.32 CPU logged for this model: "Padding mamba page size by 66.78%" to the 128-token attention page
+    # of 2 KV heads x 32 x 4 B x 2 (65,536 B): its state page is conv (3, 544) + ssm (8, 64, 16) in float32.
+    assert info.state.layer_state_bytes() == (3 * 544 + 8 * 64 * 16) * 4 == 39_296
+    assert round(100 * (65_536 - 39_296) / 39_296, 2) == 66.78
