@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -34,6 +34,7 @@ from lmi_cache.blend.engine_io import load_segments, save_segment
 from lmi_cache.blend.jobs import BlendJob, SegmentStore
 from lmi_cache.blend.paged_kv import PagedKV
 from lmi_cache.blend.settings import BlendSettings
+from lmi_cache.metrics.counts import Count, RankCounts
 
 if TYPE_CHECKING:
     from lmi_cache.keys.hashing import ChunkKey
@@ -62,23 +63,33 @@ class PagedAttention(Protocol):
                         values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-@dataclass
-class BlendWorkerStats:
-    num_blends: int = 0
-    num_blend_faults: int = 0  # whole jobs given back to vLLM to recompute
-    num_segments_loaded: int = 0
-    num_segment_misses: int = 0  # planned as cached, missing or damaged: computed in full
-    num_blended_tokens: int = 0  # tokens whose KV came from cached segments
-    num_recomputed_tokens: int = 0  # of those, carried past the check layers
-    num_segments_stored: int = 0
-    num_segment_store_faults: int = 0
-    num_native_attention_layers: int = 0  # layers whose recomputed tokens lmi-cache's native kernel attended
-    num_layer0_reused_tokens: int = 0  # blended tokens whose layer-0 attention within their segment was the stored one
-    num_layer0_attention_stored: int = 0  # segments' layer-0 attention objects stored beside their KV
-    blend_seconds: float = 0.0
-    blend_load_seconds: float = 0.0  # of blend_seconds: prefix read and segment loads
-    blend_write_seconds: float = 0.0  # of blend_seconds: writing every layer's KV into the paged cache (in the attention or after)
-    store_seconds: float = 0.0
+class BlendWorkerStats(RankCounts):
+    """This rank's blend counts, each the rank's ``lmi_cache_blend_*`` series (``lmi_cache.metrics.counts``)."""
+
+    what = "blend metrics"
+    num_blends = Count("lmi_cache_blend_jobs", "Blends written into vLLM's KV cache")
+    num_blend_faults = Count("lmi_cache_blend_job_faults", "Blends given back to vLLM to recompute")
+    num_segments_loaded = Count("lmi_cache_blend_segments_loaded", "Cached segments read back for blends")
+    num_segment_misses = Count("lmi_cache_blend_segment_misses",  # computed in full
+                               "Segments planned as cached but missing or damaged")
+    num_blended_tokens = Count("lmi_cache_blend_blended_tokens", "Tokens whose KV came from cached segments")
+    num_recomputed_tokens = Count("lmi_cache_blend_recomputed_tokens", "Blended tokens recomputed past the check layers")
+    num_segments_stored = Count("lmi_cache_blend_segments_stored", "Segments computed alone and stored")
+    num_segment_store_faults = Count("lmi_cache_blend_segment_store_faults", "Segment stores that failed")
+    num_native_attention_layers = Count(
+        "lmi_cache_blend_native_attention_layers",
+        "Layers whose recomputed tokens lmi-cache's native CPU kernel attended (the rest: vLLM's kernel)")
+    num_layer0_reused_tokens = Count(
+        "lmi_cache_blend_layer0_reused_tokens",
+        "Blended tokens whose layer-0 attention within their segment came from the segment's stored attention")
+    num_layer0_attention_stored = Count("lmi_cache_blend_layer0_attention_stored",
+                                        "Segments whose layer-0 attention over themselves was stored beside their KV")
+    blend_seconds = Count("lmi_cache_blend_seconds", "Seconds spent blending (loads and KV writes included)")
+    blend_load_seconds = Count("lmi_cache_blend_load_seconds",  # of blend_seconds
+                               "Seconds of blending spent reading prefix and segments")
+    blend_write_seconds = Count("lmi_cache_blend_write_seconds",  # of blend_seconds, in the attention or after
+                                "Seconds of blending spent writing KV into vLLM's cache")
+    store_seconds = Count("lmi_cache_blend_segment_store_seconds", "Seconds spent computing and storing segments")
 
 
 class BlendWorker:
@@ -91,12 +102,13 @@ class BlendWorker:
         self.paged = paged
         self.paged_attention = paged_attention  # vLLM's CPU kernel; None: the reference attention
         self.rank_index = rank_index
-        self.stats = BlendWorkerStats()
+        self.stats = BlendWorkerStats(rank_label=str(rank_index))  # in the engine's registry from the first job
 
     # -- blends --------------------------------------------------------------------------
 
     def run_blends(self, jobs: Sequence[BlendJob], engine: Engine) -> set[int]:
         """Blend each job into its blocks; the block ids of jobs that failed (vLLM recomputes them)."""
+        self.stats.attach(engine.metrics)
         failed: set[int] = set()
         for job in jobs:
             started = time.perf_counter()
@@ -198,6 +210,7 @@ class BlendWorker:
     # -- segment stores ------------------------------------------------------------------
 
     def run_stores(self, stores: Sequence[SegmentStore], engine: Engine) -> None:
+        self.stats.attach(engine.metrics)
         for store in stores:
             started = time.perf_counter()
             key = store.keys[self.rank_index]

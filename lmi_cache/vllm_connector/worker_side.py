@@ -35,13 +35,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmi_cache.keys.kv_groups import KvCacheGroup, is_single_full_group
-from lmi_cache.metrics.series import worker_stats_follower
+from lmi_cache.metrics.counts import Count, RankCounts
 from lmi_cache.placement.messages import TierEvent
 from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
@@ -58,16 +57,22 @@ logger = logging.getLogger(__name__)
 WARN_EVERY_FAULTS = 100
 
 
-@dataclass
-class WorkerStats:
-    num_chunks_loaded: int = 0
-    num_chunks_saved: int = 0
-    num_saves_refused: int = 0
-    num_load_faults: int = 0
-    num_save_faults: int = 0
-    load_bytes: int = 0  # KV bytes copied into vLLM's cache by loads
-    load_seconds: float = 0.0
-    save_seconds: float = 0.0
+class WorkerStats(RankCounts):
+    """This rank's connector counts, each the rank's ``lmi_cache_worker_*`` series (``metrics.counts``)."""
+
+    what = "worker metrics"
+    num_chunks_loaded = Count("lmi_cache_worker_loaded_chunks", "Chunks copied into vLLM's KV cache")
+    num_chunks_saved = Count("lmi_cache_worker_saved_chunks", "Chunks gathered after forward passes and stored")
+    num_saves_refused = Count("lmi_cache_worker_refused_saves", "Chunks the engine refused to store (no room)")
+    num_load_faults = Count("lmi_cache_worker_load_faults", "Planned chunks that did not land (vLLM recomputes them)")
+    num_save_faults = Count("lmi_cache_worker_save_faults", "Chunks whose gather or store failed (a future miss)")
+    load_bytes = Count("lmi_cache_worker_loaded_bytes", "KV bytes copied into vLLM's KV cache by loads")
+    # The connector's own time on vLLM's model thread, which no tier series shows (a save's gather and a
+    # load's wait for its reads and copies happen between forward passes).
+    load_seconds = Count("lmi_cache_worker_load_seconds",
+                         "Seconds the model thread spent reading hits and copying them into vLLM's KV cache")
+    save_seconds = Count("lmi_cache_worker_save_seconds",
+                         "Seconds the model thread spent gathering and storing chunks after forward passes")
 
 
 class WorkerSide:
@@ -93,8 +98,8 @@ class WorkerSide:
         self.copier: PagedChunkCopier | None = None  # group 0's (the only one without the hybrid manager)
         self._groups = groups  # () or one full-attention group: every layer in one chunk, in vLLM's order
         self._copiers: dict[int, PagedChunkCopier] = {}
-        self.stats = WorkerStats()
-        self._metrics = worker_stats_follower()  # this rank's lmi_cache_worker_* series
+        # Counted in the engine's registry once it exists (the first count, or the first step's report).
+        self.stats = WorkerStats(lambda: self.engine.metrics if self.engine is not None else None, str(rank_index))
         self._failed_block_ids: set[int] = set()
         self._failed_req_ids: set[str] = set()
         self._async_done: set[str] = set()  # asynchronous loads of this step that landed
@@ -339,7 +344,7 @@ class WorkerSide:
         landed = {(e.tier, e.digest) for e in stored}
         failed = [e for e in instructed if e.tier != "remote" and (e.tier, e.digest) not in landed]
         faults, self._num_new_faults = self._num_new_faults, 0
-        self._metrics.follow(self.engine.metrics, self.stats)
+        self.stats.attach(self.engine.metrics)  # the series are present from the first step, at 0
         rank = self.rank_index
         return LmiWorkerMeta(
             layout_tags={rank: self.layout.tag},
