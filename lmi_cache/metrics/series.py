@@ -285,6 +285,13 @@ class BlendSchedulerMetrics:
     def bad_request(self) -> None:
         self._bad.labels(self.engine_label).inc()
 
+    def counts(self) -> dict[str, float]:
+        """The counts above by their ``BlendSchedulerStats`` names, read from the series (kept nowhere else)."""
+        labels = {"engine": self.engine_label}
+        return {field: self.registry.get_sample_value(f"{name}_total", labels) or 0.0 for field, name in (
+            ("num_blend_plans", "lmi_cache_blend_planned_requests"), ("num_blend_tokens", "lmi_cache_blend_planned_tokens"),
+            ("num_segment_stores", "lmi_cache_blend_segment_stores"), ("num_bad_requests", "lmi_cache_blend_bad_requests"))}
+
 
 class RateLimitedWarner:
     """Logs each kind of warning at most once per ``interval_s`` (faults can repeat per chunk)."""

@@ -46,7 +46,7 @@ def _counters(llm: Any) -> dict[str, Any]:
         counters["blend_worker.model_source"] = blending.model_source
     blend_sched = getattr(getattr(scheduler, "blending", None), "scheduler", None)
     if blend_sched is not None:
-        counters.update({f"blend_scheduler.{k}": v for k, v in vars(blend_sched.stats).items() if not isinstance(v, list)})
+        counters.update({f"blend_scheduler.{k}": v for k, v in blend_sched.stats.snapshot().items()})
     sched = getattr(scheduler, "scheduler_side", None)
     if sched is not None:
         counters.update({f"scheduler.{k}": v for k, v in vars(sched.stats).items()})

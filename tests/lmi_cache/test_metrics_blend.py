@@ -83,6 +83,9 @@ def test_scheduler_series_follow_plans_stores_and_bad_requests() -> None:
     sched.plan(_request("c", prompt, {"blend_segment_ends": [5, 3]}), 0, 0, "L")  # not increasing
     assert _sched_value(base, "lmi_cache_blend_bad_requests_total") == 1
     assert sched.stats.num_bad_requests == 1 and sched.stats.num_blend_plans == 1
+    # The stats are the series read back (no second count that could drift).
+    assert sched.stats.snapshot() == {"num_blend_plans": 1, "num_blend_tokens": 24, "num_segment_stores": 2,
+                                      "num_bad_requests": 1}
 
 
 # -- worker -----------------------------------------------------------------------------------
