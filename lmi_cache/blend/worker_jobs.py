@@ -115,21 +115,21 @@ class BlendWorker:
             try:
                 with torch.inference_mode():
                     self._blend_one(job, engine)
-                self.stats.num_blends += 1
+                self.stats.add(BlendWorkerStats.num_blends)
             except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
-                self.stats.num_blend_faults += 1
+                self.stats.add(BlendWorkerStats.num_blend_faults)
                 block = self.paged.block_size
                 failed.update(job.block_ids[job.prefix_tokens // block : -(-job.end // block)])
                 logger.warning("lmi-cache: blend of request %s failed (%r); vLLM recomputes it", job.req_id, err)
-            self.stats.blend_seconds += time.perf_counter() - started
+            self.stats.add(BlendWorkerStats.blend_seconds, time.perf_counter() - started)
         return failed
 
     def _check_segment(self, data: torch.Tensor | None, num_tokens: int) -> KVStack | None:
         num_layers = self.paged.num_layers
         if data is None or data.dim() != 5 or tuple(data.shape[:3]) != (num_layers, 2, num_tokens):
-            self.stats.num_segment_misses += 1
+            self.stats.add(BlendWorkerStats.num_segment_misses)
             return None
-        self.stats.num_segments_loaded += 1
+        self.stats.add(BlendWorkerStats.num_segments_loaded)
         return KVStack(data[:, 0], data[:, 1])
 
     def _reuses_layer0(self) -> bool:
@@ -165,7 +165,7 @@ class BlendWorker:
             within.append(self._check_attention(stored_attention.get(i), piece.end - piece.start)
                           if reuse and kv is not None else None)
         num_cached = sum(int(t.numel()) for t, c in zip(seg_tokens, cached) if c is not None)
-        self.stats.blend_load_seconds += time.perf_counter() - started
+        self.stats.add(BlendWorkerStats.blend_load_seconds, time.perf_counter() - started)
         attention = None
         if num_cached == 0:
             new_kv, _ = prefill(self.model, tokens, prefix)  # every cached segment went missing: a plain prefill
@@ -187,10 +187,11 @@ class BlendWorker:
                             include_prefix=False, layer0_within=within if reuse else None, cross_attention=cross)
             new_kv = outcome.kv
             recomputed = int(outcome.recomputed.numel())
-            if self.paged_attention is not None:
-                self.stats.blend_write_seconds += self.paged_attention.write_seconds - hook_writes
-                self.stats.num_native_attention_layers += self.paged_attention.native_calls - native_calls
-                self.stats.num_layer0_reused_tokens += self.paged_attention.cross_tokens - cross_tokens
+            paged = self.paged_attention
+            if paged is not None:
+                self.stats.add(BlendWorkerStats.blend_write_seconds, paged.write_seconds - hook_writes)
+                self.stats.add(BlendWorkerStats.num_native_attention_layers, paged.native_calls - native_calls)
+                self.stats.add(BlendWorkerStats.num_layer0_reused_tokens, paged.cross_tokens - cross_tokens)
         if not _finite(new_kv):
             raise ValueError("blended KV is not finite")  # a fault: vLLM recomputes the blocks
         started = time.perf_counter()
@@ -203,9 +204,9 @@ class BlendWorker:
                     self.paged_attention.write(layer, job.prefix_tokens, new_kv.k[layer], new_kv.v[layer])
         else:
             self.paged.write(job.block_ids, job.prefix_tokens, new_kv.k, new_kv.v)
-        self.stats.blend_write_seconds += time.perf_counter() - started
-        self.stats.num_blended_tokens += num_cached
-        self.stats.num_recomputed_tokens += recomputed
+        self.stats.add(BlendWorkerStats.blend_write_seconds, time.perf_counter() - started)
+        self.stats.add(BlendWorkerStats.num_blended_tokens, num_cached)
+        self.stats.add(BlendWorkerStats.num_recomputed_tokens, recomputed)
 
     # -- segment stores ------------------------------------------------------------------
 
@@ -239,13 +240,13 @@ class BlendWorker:
                     out[:, 1].copy_(kv.v.to(out.dtype))
 
                 if save_segment(engine, key, tuple(int(s) for s in shape), dtype, fill):
-                    self.stats.num_segments_stored += 1
+                    self.stats.add(BlendWorkerStats.num_segments_stored)
                     if layer0 is not None:
                         self._store_layer0_attention(engine, key, layer0)
             except Exception as err:  # noqa: BLE001 - a missed store is only a later miss
-                self.stats.num_segment_store_faults += 1
+                self.stats.add(BlendWorkerStats.num_segment_store_faults)
                 logger.warning("lmi-cache: segment KV of request %s not stored (%r)", store.req_id, err)
-            self.stats.store_seconds += time.perf_counter() - started
+            self.stats.add(BlendWorkerStats.store_seconds, time.perf_counter() - started)
 
     def _store_layer0_attention(self, engine: Engine, key: ChunkKey, att: SegmentAttention) -> None:
         """Store the segment's layer-0 attention over itself (``layer0_reuse``) beside its KV.
@@ -264,7 +265,7 @@ class BlendWorker:
         shape = layer0_reuse.packed_shape(*att.out.shape)
         if save_segment(engine, layer0_reuse.attention_key(key), shape, torch.float32,
                         lambda out: layer0_reuse.pack(att, out)):
-            self.stats.num_layer0_attention_stored += 1
+            self.stats.add(BlendWorkerStats.num_layer0_attention_stored)
 
 
 def _finite(kv: KVStack) -> bool:

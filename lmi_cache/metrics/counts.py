@@ -2,9 +2,10 @@
 
 A class of counts (``WorkerStats``, ``BlendWorkerStats``) declares each count
 as a :class:`Count` with its series. The number lives only in that counter's
-child labelled ``engine`` and ``rank``: ``stats.num_blends += 1`` adds 1 to the
-counter, and reading ``stats.num_blends`` reads it back (``Counter.collect``),
-so what a log, a test or a benchmark reads is the series ``/metrics`` serves.
+child labelled ``engine`` and ``rank``: ``stats.add(BlendWorkerStats.num_blends)``
+adds 1 to the counter (as cheap as the counter's own ``inc``), and reading
+``stats.num_blends`` reads it back (``Counter.collect``, some microseconds), so
+what a log, a test or a benchmark reads is the series ``/metrics`` serves.
 Under vLLM the counters write ``PROMETHEUS_MULTIPROC_DIR``'s per-process files
 like every other lmi-cache series (custom collectors would not be scraped there).
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, overload
 
 from prometheus_client import Counter
 
@@ -48,9 +49,10 @@ class Count:
     def __get__(self, obj: RankCounts | None, owner: type) -> Count | float:
         return self if obj is None else obj.value(self.field)
 
-    def __set__(self, obj: RankCounts, value: float) -> None:
-        # ``stats.x += n`` reads x, then sets x + n: the counter grows by what the new value adds.
-        obj.add(self.field, value - obj.value(self.field))
+    def __set__(self, obj: RankCounts, value: NoReturn) -> None:
+        # A data descriptor, so no instance attribute can shadow the counter (a second store); mypy refuses
+        # ``stats.x += n`` too (it would read the counter on every event): counts grow through ``add``.
+        raise AttributeError(f"{self.field} is a counter: add to it with .add({type(obj).__name__}.{self.field}, n)")
 
 
 class RankCounts:
@@ -86,13 +88,14 @@ class RankCounts:
         except Exception as err:  # noqa: BLE001 - metrics must never break a step
             self._turn_off(err)
 
-    def add(self, field: str, amount: float = 1.0) -> None:
+    def add(self, count: Count, amount: float = 1.0) -> None:
+        """Add ``amount`` to ``count`` (a class attribute: ``stats.add(WorkerStats.load_bytes, n)``); thread-safe."""
         if not self._children:
             self.attach(self._metrics_of())
         if self.off:
             return
         try:
-            self._children[field].inc(amount)  # a negative amount is refused (a counter only grows)
+            self._children[count.field].inc(amount)  # a negative amount is refused (a counter only grows)
         except Exception as err:  # noqa: BLE001 - metrics must never break a step
             self._turn_off(err)
 

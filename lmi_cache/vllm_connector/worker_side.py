@@ -192,7 +192,7 @@ class WorkerSide:
         self._pending_releases.append((self._last_event, held))
         self._last_event = None
         self._release_finished_loads()
-        self.stats.load_seconds += time.perf_counter() - started
+        self.stats.add(WorkerStats.load_seconds, time.perf_counter() - started)
 
     def _apply_evictions(self, engine: Engine, meta: LmiConnectorMetadata) -> None:
         """The directory's evictions of this rank, before the loads (a load never reads what it evicts)."""
@@ -213,7 +213,8 @@ class WorkerSide:
             if part:
                 landed.extend(self._scatter(meta, part, copier))
         per_block = {g: c.chunk_bytes // self._blocks_per_chunk for g, c in self._copiers.items()}
-        self.stats.load_bytes += sum(len(meta.loads[p].block_ids) * per_block[meta.loads[p].group] for p in landed)
+        self.stats.add(WorkerStats.load_bytes,
+                       sum(len(meta.loads[p].block_ids) * per_block[meta.loads[p].group] for p in landed))
         return landed
 
     def _scatter(self, meta: LmiConnectorMetadata, batch: list[tuple[int, ChunkObject]],
@@ -260,10 +261,10 @@ class WorkerSide:
                 self._failed_block_ids.update(transfer.block_ids)
                 continue
             if position in loaded:
-                self.stats.num_chunks_loaded += 1
+                self.stats.add(WorkerStats.num_chunks_loaded)
                 continue
             self._failed_block_ids.update(transfer.block_ids)
-            self.stats.num_load_faults += 1
+            self.stats.add(WorkerStats.num_load_faults)
             self._num_new_faults += 1
             self._failed_req_ids.add(transfer.req_id)
             self._dropped.append(TierEvent(transfer.source, keys[position].digest))
@@ -300,7 +301,7 @@ class WorkerSide:
             transfers = [t for t in meta.saves if t.group == group and t.req_id not in self._failed_req_ids]
             if transfers:
                 self._save_group(engine, transfers, copier)
-        self.stats.save_seconds += time.perf_counter() - started
+        self.stats.add(WorkerStats.save_seconds, time.perf_counter() - started)
 
     def _save_group(self, engine: Engine, transfers: list[ChunkTransfer], copier: PagedChunkCopier) -> None:
         keys = [t.keys[self.rank_index] for t in transfers]
@@ -311,10 +312,10 @@ class WorkerSide:
             saved = engine.save_many(keys, copier.chunk_shape, copier.dtype,
                                      lambda outs: copier.gather_many(block_ids, outs),
                                      [t.tiers for t in transfers] if directed else None)
-            self.stats.num_chunks_saved += sum(saved)
-            self.stats.num_saves_refused += len(saved) - sum(saved)
+            self.stats.add(WorkerStats.num_chunks_saved, sum(saved))
+            self.stats.add(WorkerStats.num_saves_refused, len(saved) - sum(saved))
         except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
-            self.stats.num_save_faults += len(transfers)
+            self.stats.add(WorkerStats.num_save_faults, len(transfers))
             self._fault(f"could not save {len(transfers)} chunk(s)", err, op="save")
 
     def expect_stores(self, events: Iterable[TierEvent]) -> None:

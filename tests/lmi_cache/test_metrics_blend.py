@@ -206,8 +206,8 @@ def test_blend_series_add_up_across_processes(tmp_path: Path) -> None:
         "else:\n"
         "    c = CacheMetrics(rank, engine_label='0')\n"
         "    stats = BlendWorkerStats(lambda: c)\n"
-        "    stats.num_blends += 2\n"
-        "    stats.num_blended_tokens += 50\n"
+        "    stats.add(BlendWorkerStats.num_blends, 2)\n"
+        "    stats.add(BlendWorkerStats.num_blended_tokens, 50)\n"
         "    assert stats.num_blends == 2  # the view reads the per-process file's value back\n"
     )
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}

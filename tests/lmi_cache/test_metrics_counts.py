@@ -21,14 +21,17 @@ def test_an_event_is_counted_once_and_the_stats_read_the_series() -> None:
     metrics = CacheMetrics(rank_label="3", engine_label="1")
     stats = WorkerStats(lambda: metrics)
     for _ in range(7):
-        stats.num_chunks_loaded += 1
-        stats.load_seconds += 0.25
+        stats.add(WorkerStats.num_chunks_loaded)
+        stats.add(WorkerStats.load_seconds, 0.25)
     assert stats.num_chunks_loaded == _series(metrics, "lmi_cache_worker_loaded_chunks_total") == 7
     assert stats.load_seconds == _series(metrics, "lmi_cache_worker_load_seconds_total") == 1.75
     # No second store that could drift: the object holds no number of its own.
     assert not [v for v in vars(stats).values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    stats.add("num_chunks_loaded", 5)
+    stats.add(WorkerStats.num_chunks_loaded, 5)
     assert stats.num_chunks_loaded == _series(metrics, "lmi_cache_worker_loaded_chunks_total") == 12
+    with pytest.raises(AttributeError, match="is a counter"):
+        stats.num_chunks_loaded = 0  # type: ignore[assignment]  # (no plain copy can shadow the counter)
+    assert stats.num_chunks_loaded == 12
     assert stats.snapshot()["num_chunks_loaded"] == 12 and "num_chunks_loaded=12" in repr(stats)
 
 
@@ -44,8 +47,8 @@ def test_every_count_is_present_at_zero_once_attached() -> None:
 
 def test_counts_without_an_engine_stay_with_the_object() -> None:
     stats = WorkerStats(rank_label="2")  # a stand-in engine, or none yet: the counts still add up
-    stats.num_chunks_saved += 2
-    stats.num_chunks_saved += 3
+    stats.add(WorkerStats.num_chunks_saved, 2)
+    stats.add(WorkerStats.num_chunks_saved, 3)
     assert stats.num_chunks_saved == 5 and stats.num_save_faults == 0
 
 
@@ -70,13 +73,13 @@ def test_engine_stats_are_read_from_the_series() -> None:
     assert metrics.registry.get_sample_value("lmi_cache_stored_chunks_total", {**RANK, "tier": "cpu"}) == 2
 
 
-def test_a_shrinking_count_turns_the_counts_off_without_an_error(caplog: pytest.LogCaptureFixture,
+def test_a_negative_count_turns_the_counts_off_without_an_error(caplog: pytest.LogCaptureFixture,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(counts_module.logger, "disabled", False)
     caplog.set_level(logging.WARNING, logger=counts_module.logger.name)
     stats = WorkerStats(lambda: CacheMetrics())
-    stats.num_load_faults += 2
-    stats.num_load_faults = 1  # a counter only grows: a metrics fault, never an exception into the step
-    stats.num_load_faults += 1
+    stats.add(WorkerStats.num_load_faults, 2)
+    stats.add(WorkerStats.num_load_faults, -1)  # a counter only grows: a metrics fault, never an exception
+    stats.add(WorkerStats.num_load_faults)
     assert stats.off and stats.num_load_faults == 2
     assert sum("worker metrics turned off" in r.getMessage() for r in caplog.records) == 1
