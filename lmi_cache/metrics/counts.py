@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, overload
+from typing import TYPE_CHECKING, ClassVar, NoReturn, overload
 
 from prometheus_client import Counter
 
@@ -64,7 +64,7 @@ class RankCounts:
         self._metrics_of = metrics_of
         self._rank_label = rank_label
         self._counters = {c.field: Counter(c.name, c.documentation, _LABELS, registry=None) for c in self.counts()}
-        self._children: dict[str, Any] = {}  # field -> the counter's child of this rank, once attached
+        self._children: dict[str, Counter] = {}  # field -> the counter's child of this rank, once attached
         self._labels: dict[str, str] = {}
         self.off = False
 
@@ -79,9 +79,9 @@ class RankCounts:
             return
         try:
             ids = (metrics.engine_label, metrics.rank_label) if metrics is not None else ("0", self._rank_label)
-            for counter in self._counters.values():
-                if metrics is not None:
-                    metrics.registry.register(counter)
+            if metrics is not None:
+                for counter in self._counters.values():
+                    metrics.registry.register(counter)  # served by the rank's exporter with its other series
             # Present at 0 from the start: rates work before the first event.
             self._children = {field: counter.labels(*ids) for field, counter in self._counters.items()}
             self._labels = dict(zip(_LABELS, ids))
