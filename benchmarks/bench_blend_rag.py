@@ -73,7 +73,7 @@ def _child(job_path: str) -> None:
     if job["config"] == "blend":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        stats = dict(vars(get_kv_transfer_group().blending.worker.stats))
+        stats = get_kv_transfer_group().blending.worker.stats.snapshot()
     sys.stdout.write("RESULT_JSON:" + json.dumps({"ttft_s": ttft, "first_tokens": first, "blend_stats": stats}) + "\n")
     sys.stdout.flush()
     os._exit(0)
@@ -110,7 +110,7 @@ def _paired(llm: Any, job: dict[str, Any]) -> None:
         rows.append({"blend_s": blend_s, "no_cache_s": none_s, "prefix_s": prefix_s, "same_first": blend_tok == none_tok})
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    stats = dict(vars(get_kv_transfer_group().blending.worker.stats))
+    stats = get_kv_transfer_group().blending.worker.stats.snapshot()
     sys.stdout.write("RESULT_JSON:" + json.dumps({"rows": rows, "blend_stats": stats}) + "\n")
     sys.stdout.flush()
     os._exit(0)

@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from lmi_cache.blend.jobs import BlendConnectorMetadata, BlendJob, BlendPiece, SegmentStore
 from lmi_cache.blend.segments import BlendPlan, SegmentSplit, Span, plan_blend, split_segments
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
+from lmi_cache.metrics.series import BlendSchedulerMetrics
 from lmi_cache.placement.directory import PlacementDirectory
-
-if TYPE_CHECKING:
-    from lmi_cache.metrics.series import BlendSchedulerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +78,30 @@ class _BlendState:
     stores_issued: bool = False
 
 
-@dataclass
 class BlendSchedulerStats:
-    num_blend_plans: int = 0  # requests admitted with a blend
-    num_blend_tokens: int = 0  # tokens served from cached segments
-    num_segment_stores: int = 0  # segment stores issued to the workers
-    num_bad_requests: int = 0
-    requests_blended: list[str] = field(default_factory=list)
+    """What a blend scheduler counted, read from its ``lmi_cache_blend_*`` series (each event is counted there once)."""
+
+    def __init__(self, metrics: BlendSchedulerMetrics) -> None:
+        self._metrics = metrics
+
+    def snapshot(self) -> dict[str, float]:
+        return self._metrics.counts()
+
+    @property
+    def num_blend_plans(self) -> float:  # requests admitted with a blend
+        return self.snapshot()["num_blend_plans"]
+
+    @property
+    def num_blend_tokens(self) -> float:  # tokens served from cached segments
+        return self.snapshot()["num_blend_tokens"]
+
+    @property
+    def num_segment_stores(self) -> float:  # segment stores issued to the workers
+        return self.snapshot()["num_segment_stores"]
+
+    @property
+    def num_bad_requests(self) -> float:
+        return self.snapshot()["num_bad_requests"]
 
 
 def explicit_split(ends: Any, num_tokens: int) -> SegmentSplit:
@@ -112,13 +129,12 @@ class BlendScheduler:
         self._segment_spaces: dict[str, KeySpace] = {}  # per layout tag
         self.directory = directory  # the connector's: segments are placed like every other entry
         self._states: dict[str, _BlendState] = {}
-        self.stats = BlendSchedulerStats()
-        self.metrics = metrics  # lmi_cache_blend_* series of this scheduler (None: plain stats only)
+        # lmi_cache_blend_* series of this scheduler (None: in a registry of its own); ``stats`` reads them.
+        self.metrics = metrics if metrics is not None else BlendSchedulerMetrics(CollectorRegistry())
+        self.stats = BlendSchedulerStats(self.metrics)
 
     def _bad_request(self) -> None:
-        self.stats.num_bad_requests += 1
-        if self.metrics is not None:
-            self.metrics.bad_request()
+        self.metrics.bad_request()
 
     def state(self, req_id: str) -> _BlendState | None:
         return self._states.get(req_id)
@@ -195,11 +211,7 @@ class BlendScheduler:
             state.blend, state.confirmed = None, False  # vLLM took a different hit: no blend
             return None
         state.confirmed = True
-        self.stats.num_blend_plans += 1
-        self.stats.num_blend_tokens += state.blend.blended_tokens
-        if self.metrics is not None:
-            self.metrics.blended(state.blend.blended_tokens)
-        self.stats.requests_blended.append(req_id)
+        self.metrics.blended(state.blend.blended_tokens)
         return state.blend.prefix_tokens - state.num_computed_tokens
 
     def take_jobs(self, scheduler_output: Any, meta: BlendConnectorMetadata) -> None:
@@ -238,9 +250,7 @@ class BlendScheduler:
             if not tiers:
                 continue  # held, being stored, or no room now
             meta.segment_stores.append(SegmentStore(req_id, tuple(state.prompt[span.start : span.end]), keys, tiers))
-            self.stats.num_segment_stores += 1
-            if self.metrics is not None:
-                self.metrics.segment_stores()
+            self.metrics.segment_stores()
 
     @staticmethod
     def _keys_of(state: _BlendState, span: Span) -> tuple[ChunkKey, ...]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -34,6 +34,7 @@ from lmi_cache.blend.engine_io import load_segments, save_segment
 from lmi_cache.blend.jobs import BlendJob, SegmentStore
 from lmi_cache.blend.paged_kv import PagedKV
 from lmi_cache.blend.settings import BlendSettings
+from lmi_cache.metrics.counts import Count, RankCounts
 
 if TYPE_CHECKING:
     from lmi_cache.keys.hashing import ChunkKey
@@ -62,23 +63,33 @@ class PagedAttention(Protocol):
                         values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-@dataclass
-class BlendWorkerStats:
-    num_blends: int = 0
-    num_blend_faults: int = 0  # whole jobs given back to vLLM to recompute
-    num_segments_loaded: int = 0
-    num_segment_misses: int = 0  # planned as cached, missing or damaged: computed in full
-    num_blended_tokens: int = 0  # tokens whose KV came from cached segments
-    num_recomputed_tokens: int = 0  # of those, carried past the check layers
-    num_segments_stored: int = 0
-    num_segment_store_faults: int = 0
-    num_native_attention_layers: int = 0  # layers whose recomputed tokens lmi-cache's native kernel attended
-    num_layer0_reused_tokens: int = 0  # blended tokens whose layer-0 attention within their segment was the stored one
-    num_layer0_attention_stored: int = 0  # segments' layer-0 attention objects stored beside their KV
-    blend_seconds: float = 0.0
-    blend_load_seconds: float = 0.0  # of blend_seconds: prefix read and segment loads
-    blend_write_seconds: float = 0.0  # of blend_seconds: writing every layer's KV into the paged cache (in the attention or after)
-    store_seconds: float = 0.0
+class BlendWorkerStats(RankCounts):
+    """This rank's blend counts, each the rank's ``lmi_cache_blend_*`` series (``lmi_cache.metrics.counts``)."""
+
+    what = "blend metrics"
+    num_blends = Count("lmi_cache_blend_jobs", "Blends written into vLLM's KV cache")
+    num_blend_faults = Count("lmi_cache_blend_job_faults", "Blends given back to vLLM to recompute")
+    num_segments_loaded = Count("lmi_cache_blend_segments_loaded", "Cached segments read back for blends")
+    num_segment_misses = Count("lmi_cache_blend_segment_misses",  # computed in full
+                               "Segments planned as cached but missing or damaged")
+    num_blended_tokens = Count("lmi_cache_blend_blended_tokens", "Tokens whose KV came from cached segments")
+    num_recomputed_tokens = Count("lmi_cache_blend_recomputed_tokens", "Blended tokens recomputed past the check layers")
+    num_segments_stored = Count("lmi_cache_blend_segments_stored", "Segments computed alone and stored")
+    num_segment_store_faults = Count("lmi_cache_blend_segment_store_faults", "Segment stores that failed")
+    num_native_attention_layers = Count(
+        "lmi_cache_blend_native_attention_layers",
+        "Layers whose recomputed tokens lmi-cache's native CPU kernel attended (the rest: vLLM's kernel)")
+    num_layer0_reused_tokens = Count(
+        "lmi_cache_blend_layer0_reused_tokens",
+        "Blended tokens whose layer-0 attention within their segment came from the segment's stored attention")
+    num_layer0_attention_stored = Count("lmi_cache_blend_layer0_attention_stored",
+                                        "Segments whose layer-0 attention over themselves was stored beside their KV")
+    blend_seconds = Count("lmi_cache_blend_seconds", "Seconds spent blending (loads and KV writes included)")
+    blend_load_seconds = Count("lmi_cache_blend_load_seconds",  # of blend_seconds
+                               "Seconds of blending spent reading prefix and segments")
+    blend_write_seconds = Count("lmi_cache_blend_write_seconds",  # of blend_seconds, in the attention or after
+                                "Seconds of blending spent writing KV into vLLM's cache")
+    store_seconds = Count("lmi_cache_blend_segment_store_seconds", "Seconds spent computing and storing segments")
 
 
 class BlendWorker:
@@ -91,33 +102,34 @@ class BlendWorker:
         self.paged = paged
         self.paged_attention = paged_attention  # vLLM's CPU kernel; None: the reference attention
         self.rank_index = rank_index
-        self.stats = BlendWorkerStats()
+        self.stats = BlendWorkerStats(rank_label=str(rank_index))  # in the engine's registry from the first job
 
     # -- blends --------------------------------------------------------------------------
 
     def run_blends(self, jobs: Sequence[BlendJob], engine: Engine) -> set[int]:
         """Blend each job into its blocks; the block ids of jobs that failed (vLLM recomputes them)."""
+        self.stats.attach(engine.metrics)
         failed: set[int] = set()
         for job in jobs:
             started = time.perf_counter()
             try:
                 with torch.inference_mode():
                     self._blend_one(job, engine)
-                self.stats.num_blends += 1
+                self.stats.add(BlendWorkerStats.num_blends)
             except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
-                self.stats.num_blend_faults += 1
+                self.stats.add(BlendWorkerStats.num_blend_faults)
                 block = self.paged.block_size
                 failed.update(job.block_ids[job.prefix_tokens // block : -(-job.end // block)])
                 logger.warning("lmi-cache: blend of request %s failed (%r); vLLM recomputes it", job.req_id, err)
-            self.stats.blend_seconds += time.perf_counter() - started
+            self.stats.add(BlendWorkerStats.blend_seconds, time.perf_counter() - started)
         return failed
 
     def _check_segment(self, data: torch.Tensor | None, num_tokens: int) -> KVStack | None:
         num_layers = self.paged.num_layers
         if data is None or data.dim() != 5 or tuple(data.shape[:3]) != (num_layers, 2, num_tokens):
-            self.stats.num_segment_misses += 1
+            self.stats.add(BlendWorkerStats.num_segment_misses)
             return None
-        self.stats.num_segments_loaded += 1
+        self.stats.add(BlendWorkerStats.num_segments_loaded)
         return KVStack(data[:, 0], data[:, 1])
 
     def _reuses_layer0(self) -> bool:
@@ -153,7 +165,7 @@ class BlendWorker:
             within.append(self._check_attention(stored_attention.get(i), piece.end - piece.start)
                           if reuse and kv is not None else None)
         num_cached = sum(int(t.numel()) for t, c in zip(seg_tokens, cached) if c is not None)
-        self.stats.blend_load_seconds += time.perf_counter() - started
+        self.stats.add(BlendWorkerStats.blend_load_seconds, time.perf_counter() - started)
         attention = None
         if num_cached == 0:
             new_kv, _ = prefill(self.model, tokens, prefix)  # every cached segment went missing: a plain prefill
@@ -175,10 +187,11 @@ class BlendWorker:
                             include_prefix=False, layer0_within=within if reuse else None, cross_attention=cross)
             new_kv = outcome.kv
             recomputed = int(outcome.recomputed.numel())
-            if self.paged_attention is not None:
-                self.stats.blend_write_seconds += self.paged_attention.write_seconds - hook_writes
-                self.stats.num_native_attention_layers += self.paged_attention.native_calls - native_calls
-                self.stats.num_layer0_reused_tokens += self.paged_attention.cross_tokens - cross_tokens
+            paged = self.paged_attention
+            if paged is not None:
+                self.stats.add(BlendWorkerStats.blend_write_seconds, paged.write_seconds - hook_writes)
+                self.stats.add(BlendWorkerStats.num_native_attention_layers, paged.native_calls - native_calls)
+                self.stats.add(BlendWorkerStats.num_layer0_reused_tokens, paged.cross_tokens - cross_tokens)
         if not _finite(new_kv):
             raise ValueError("blended KV is not finite")  # a fault: vLLM recomputes the blocks
         started = time.perf_counter()
@@ -191,13 +204,14 @@ class BlendWorker:
                     self.paged_attention.write(layer, job.prefix_tokens, new_kv.k[layer], new_kv.v[layer])
         else:
             self.paged.write(job.block_ids, job.prefix_tokens, new_kv.k, new_kv.v)
-        self.stats.blend_write_seconds += time.perf_counter() - started
-        self.stats.num_blended_tokens += num_cached
-        self.stats.num_recomputed_tokens += recomputed
+        self.stats.add(BlendWorkerStats.blend_write_seconds, time.perf_counter() - started)
+        self.stats.add(BlendWorkerStats.num_blended_tokens, num_cached)
+        self.stats.add(BlendWorkerStats.num_recomputed_tokens, recomputed)
 
     # -- segment stores ------------------------------------------------------------------
 
     def run_stores(self, stores: Sequence[SegmentStore], engine: Engine) -> None:
+        self.stats.attach(engine.metrics)
         for store in stores:
             started = time.perf_counter()
             key = store.keys[self.rank_index]
@@ -226,13 +240,13 @@ class BlendWorker:
                     out[:, 1].copy_(kv.v.to(out.dtype))
 
                 if save_segment(engine, key, tuple(int(s) for s in shape), dtype, fill):
-                    self.stats.num_segments_stored += 1
+                    self.stats.add(BlendWorkerStats.num_segments_stored)
                     if layer0 is not None:
                         self._store_layer0_attention(engine, key, layer0)
             except Exception as err:  # noqa: BLE001 - a missed store is only a later miss
-                self.stats.num_segment_store_faults += 1
+                self.stats.add(BlendWorkerStats.num_segment_store_faults)
                 logger.warning("lmi-cache: segment KV of request %s not stored (%r)", store.req_id, err)
-            self.stats.store_seconds += time.perf_counter() - started
+            self.stats.add(BlendWorkerStats.store_seconds, time.perf_counter() - started)
 
     def _store_layer0_attention(self, engine: Engine, key: ChunkKey, att: SegmentAttention) -> None:
         """Store the segment's layer-0 attention over itself (``layer0_reuse``) beside its KV.
@@ -251,7 +265,7 @@ class BlendWorker:
         shape = layer0_reuse.packed_shape(*att.out.shape)
         if save_segment(engine, layer0_reuse.attention_key(key), shape, torch.float32,
                         lambda out: layer0_reuse.pack(att, out)):
-            self.stats.num_layer0_attention_stored += 1
+            self.stats.add(BlendWorkerStats.num_layer0_attention_stored)
 
 
 def _finite(kv: KVStack) -> bool:

@@ -54,6 +54,18 @@ Worker series (per rank; with TP every rank holds its own part of each token's K
 - lmi_cache_load_seconds{tier}                    latency of a successful load (histogram)
 - lmi_cache_store_seconds{tier}                   latency of a store (CPU: copy; disk: file write)
 
+The connector's own counts of each rank (``WorkerStats`` in ``vllm_connector.worker_side``,
+same registry and labels, see ``metrics.counts``):
+
+- lmi_cache_worker_loaded_chunks_total            chunks copied into vLLM's KV cache
+- lmi_cache_worker_loaded_bytes_total             KV bytes those copies wrote
+- lmi_cache_worker_load_faults_total              planned chunks that did not land (vLLM recomputes them)
+- lmi_cache_worker_saved_chunks_total             chunks gathered after forward passes and stored
+- lmi_cache_worker_refused_saves_total            chunks the engine refused to store (no room)
+- lmi_cache_worker_save_faults_total              chunks whose gather or store failed (a future miss)
+- lmi_cache_worker_load_seconds_total             model-thread seconds reading hits and copying them in
+- lmi_cache_worker_save_seconds_total             model-thread seconds gathering and storing chunks
+
 Blending series (``LmiCacheConnector`` with ``enable_blending`` on), in the
 registry of the scheduler's or the rank's object above, so with the same labels
 and the same exporter. ``BlendSchedulerMetrics`` (scheduler, {engine}):
@@ -63,8 +75,8 @@ and the same exporter. ``BlendSchedulerMetrics`` (scheduler, {engine}):
 - lmi_cache_blend_segment_stores_total{engine}    segment stores issued to the workers (once per segment)
 - lmi_cache_blend_bad_requests_total{engine}      requests whose blend kv_transfer_params were malformed
 
-``BlendWorkerMetrics`` (each worker rank, {engine,rank}; the worker's own
-``BlendWorkerStats`` added after every step):
+``BlendWorkerStats`` (``blend.worker_jobs``; each worker rank, {engine,rank}; its
+counts are these counters, see ``metrics.counts``):
 
 - lmi_cache_blend_jobs_total                      blends written into vLLM's KV cache
 - lmi_cache_blend_job_faults_total                blends given back to vLLM to recompute
@@ -85,8 +97,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -95,6 +106,23 @@ logger = logging.getLogger(__name__)
 _LATENCY_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # Several processes write one gauge name; each (engine, rank, tier) is written by one process.
 _GAUGE_MODE: Final = "mostrecent"
+
+
+# Sample of a worker series -> its name in ``CacheMetrics.snapshot()`` (the engine's ``stats()``).
+_SNAPSHOT_KEYS: Final = {
+    "lmi_cache_stored_chunks_total": "{tier}_stored_chunks",
+    "lmi_cache_stored_bytes_total": "{tier}_stored_bytes",
+    "lmi_cache_load_seconds_count": "{tier}_loads",
+    "lmi_cache_loaded_tokens_total": "{tier}_loaded_tokens",
+    "lmi_cache_evictions_total": "{tier}_evictions",
+    "lmi_cache_dropped_stores_total": "{tier}_dropped_{reason}",
+    "lmi_cache_fingerprint_mismatches_total": "{tier}_fingerprint_mismatches",
+    "lmi_cache_corrupted_reads_total": "{tier}_corrupted_reads",
+    "lmi_cache_tier_errors_total": "{tier}_errors_{op}",
+    "lmi_cache_untrusted_files_total": "{tier}_untrusted_{reason}",
+    "lmi_cache_tier_usage_bytes": "{tier}_usage_bytes",
+    "lmi_cache_tier_capacity_bytes": "{tier}_capacity_bytes",
+}
 
 
 class SchedulerMetrics:
@@ -148,7 +176,7 @@ class SchedulerMetrics:
 
 
 class CacheMetrics:
-    """Counters and gauges of one engine (one worker rank); also kept as plain numbers for ``stats()``."""
+    """Counters and gauges of one engine (one worker rank); ``snapshot()`` reads them back for ``stats()``."""
 
     def __init__(self, rank_label: str = "0", registry: CollectorRegistry | None = None,
                  engine_label: str = "0") -> None:
@@ -177,64 +205,56 @@ class CacheMetrics:
         self._store_s = Histogram(
             "lmi_cache_store_seconds", "Store latency", tier, buckets=_LATENCY_BUCKETS_S, registry=r
         )
-        self._lock = threading.Lock()
-        self._plain: dict[str, float] = defaultdict(float)
-
-    def _add(self, name: str, amount: float = 1.0) -> None:
-        with self._lock:
-            self._plain[name] += amount
 
     def stored(self, tier: str, num_tokens: int, num_bytes: int, seconds: float) -> None:
         self._chunks.labels(*self._ids, tier).inc()
         self._tokens.labels(*self._ids, tier).inc(num_tokens)
         self._bytes.labels(*self._ids, tier).inc(num_bytes)
         self._store_s.labels(*self._ids, tier).observe(seconds)
-        self._add(f"{tier}_stored_chunks")
-        self._add(f"{tier}_stored_bytes", num_bytes)
 
     def loaded(self, tier: str, seconds: float) -> None:
         self._load_s.labels(*self._ids, tier).observe(seconds)
-        self._add(f"{tier}_loads")
 
     def loaded_tokens(self, tier: str, num_tokens: int) -> None:
         self._loaded.labels(*self._ids, tier).inc(num_tokens)
-        self._add(f"{tier}_loaded_tokens", num_tokens)
 
     def evicted(self, tier: str, num_chunks: int = 1) -> None:
         self._evictions.labels(*self._ids, tier).inc(num_chunks)
-        self._add(f"{tier}_evictions", num_chunks)
 
     def dropped(self, tier: str, reason: str) -> None:
         self._dropped.labels(*self._ids, tier, reason).inc()
-        self._add(f"{tier}_dropped_stores")
-        self._add(f"{tier}_dropped_{reason}")
 
     def fingerprint_mismatch(self, tier: str) -> None:
         self._fp.labels(*self._ids, tier).inc()
-        self._add(f"{tier}_fingerprint_mismatches")
 
     def corrupted(self, tier: str) -> None:
         self._corrupt.labels(*self._ids, tier).inc()
-        self._add(f"{tier}_corrupted_reads")
 
     def error(self, tier: str, op: str) -> None:
         self._errors.labels(*self._ids, tier, op).inc()
-        self._add(f"{tier}_errors_{op}")
 
     def untrusted(self, tier: str, reason: str) -> None:
         self._untrusted.labels(*self._ids, tier, reason).inc()
-        self._add(f"{tier}_untrusted_{reason}")
 
     def usage(self, tier: str, used_bytes: int, capacity_bytes: int) -> None:
         self._usage.labels(*self._ids, tier).set(used_bytes)
         self._capacity.labels(*self._ids, tier).set(capacity_bytes)
-        with self._lock:
-            self._plain[f"{tier}_usage_bytes"] = used_bytes
-            self._plain[f"{tier}_capacity_bytes"] = capacity_bytes
 
     def snapshot(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self._plain)
+        """This rank's series as ``CacheEngine.stats()`` names them (``<tier>_<what>``), read from the registry."""
+        ids = {"engine": self.engine_label, "rank": self.rank_label}
+        out: dict[str, float] = {}
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                key = _SNAPSHOT_KEYS.get(sample.name)
+                labels = sample.labels
+                if key is None or any(labels.get(k) != v for k, v in ids.items()):
+                    continue
+                out[key.format(**labels)] = sample.value
+                if sample.name == "lmi_cache_dropped_stores_total":  # also all reasons together
+                    total = f"{labels['tier']}_dropped_stores"
+                    out[total] = out.get(total, 0.0) + sample.value
+        return out
 
 
 class BlendSchedulerMetrics:
@@ -265,113 +285,12 @@ class BlendSchedulerMetrics:
     def bad_request(self) -> None:
         self._bad.labels(self.engine_label).inc()
 
-
-# BlendWorkerStats field -> (series name without _total, help). The worker counts in plain fields; these
-# counters follow them (BlendWorkerMetrics.follow), so blending code stays free of Prometheus.
-BLEND_WORKER_SERIES: Final = (
-    ("num_blends", "lmi_cache_blend_jobs", "Blends written into vLLM's KV cache"),
-    ("num_blend_faults", "lmi_cache_blend_job_faults", "Blends given back to vLLM to recompute"),
-    ("num_segments_loaded", "lmi_cache_blend_segments_loaded", "Cached segments read back for blends"),
-    ("num_segment_misses", "lmi_cache_blend_segment_misses", "Segments planned as cached but missing or damaged"),
-    ("num_blended_tokens", "lmi_cache_blend_blended_tokens", "Tokens whose KV came from cached segments"),
-    ("num_recomputed_tokens", "lmi_cache_blend_recomputed_tokens", "Blended tokens recomputed past the check layers"),
-    ("num_segments_stored", "lmi_cache_blend_segments_stored", "Segments computed alone and stored"),
-    ("num_segment_store_faults", "lmi_cache_blend_segment_store_faults", "Segment stores that failed"),
-    ("num_native_attention_layers", "lmi_cache_blend_native_attention_layers",
-     "Layers whose recomputed tokens lmi-cache's native CPU kernel attended (the rest: vLLM's kernel)"),
-    ("num_layer0_reused_tokens", "lmi_cache_blend_layer0_reused_tokens",
-     "Blended tokens whose layer-0 attention within their segment came from the segment's stored attention"),
-    ("num_layer0_attention_stored", "lmi_cache_blend_layer0_attention_stored",
-     "Segments whose layer-0 attention over themselves was stored beside their KV"),
-    ("blend_seconds", "lmi_cache_blend_seconds", "Seconds spent blending (loads and KV writes included)"),
-    ("blend_load_seconds", "lmi_cache_blend_load_seconds", "Seconds of blending spent reading prefix and segments"),
-    ("blend_write_seconds", "lmi_cache_blend_write_seconds", "Seconds of blending spent writing KV into vLLM's cache"),
-    ("store_seconds", "lmi_cache_blend_segment_store_seconds", "Seconds spent computing and storing segments"),
-)
-
-
-# WorkerStats field -> (series, help): the connector's own time on vLLM's model thread, which no tier
-# series shows (a save's gather and a load's wait for its reads and copies happen between forward passes).
-WORKER_SERIES: Final = (
-    ("save_seconds", "lmi_cache_worker_save_seconds",
-     "Seconds the model thread spent gathering and storing chunks after forward passes"),
-    ("load_seconds", "lmi_cache_worker_load_seconds",
-     "Seconds the model thread spent reading hits and copying them into vLLM's KV cache"),
-)
-
-
-class FollowedCounters:
-    """Counters of one worker rank that follow a plain stats object, in its engine's registry (``engine``, ``rank``).
-
-    Worker code counts in plain dataclass fields (free of Prometheus);
-    ``follow`` adds what each field grew by since the last call.
-    """
-
-    def __init__(self, series: tuple[tuple[str, str, str], ...], registry: CollectorRegistry,
-                 engine_label: str = "0", rank_label: str = "0") -> None:
-        self.registry = registry
-        self.engine_label = engine_label
-        self.rank_label = rank_label
-        self._counters = {field: Counter(name, text, ["engine", "rank"], registry=registry)
-                          for field, name, text in series}
-        self._seen: dict[str, float] = {field: 0.0 for field in self._counters}
-        for counter in self._counters.values():
-            counter.labels(engine_label, rank_label)  # present at 0 from the start
-
-    def follow(self, stats: Any) -> None:
-        """Add what ``stats`` counted since the last call."""
-        for field, counter in self._counters.items():
-            value = float(getattr(stats, field, 0) or 0)
-            delta = value - self._seen[field]
-            if delta > 0:
-                counter.labels(self.engine_label, self.rank_label).inc(delta)
-            self._seen[field] = value  # a smaller value: the stats were reset; count from there
-
-
-class BlendWorkerMetrics(FollowedCounters):
-    """Blend counters of one worker rank (``BlendWorkerStats`` fields, ``BLEND_WORKER_SERIES``)."""
-
-    def __init__(self, registry: CollectorRegistry, engine_label: str = "0", rank_label: str = "0") -> None:
-        super().__init__(BLEND_WORKER_SERIES, registry, engine_label, rank_label)
-
-
-class StatsFollower:
-    """A worker's plain stats followed into counters of its engine's registry, once per step.
-
-    The counters are made on the first ``follow`` that finds the engine's metrics
-    (``CacheMetrics``: registry and labels); the first fault turns the follower off
-    with one warning naming ``what``, since metrics must never break a step.
-    """
-
-    def __init__(self, make: Callable[[Any], FollowedCounters], what: str) -> None:
-        self._make = make  # engine metrics -> counters
-        self._what = what
-        self._counters: FollowedCounters | None = None
-        self.off = False
-
-    def follow(self, engine_metrics: Any, stats: Any) -> None:
-        if self.off:
-            return
-        try:
-            if self._counters is None:
-                if getattr(engine_metrics, "registry", None) is None:
-                    return  # no engine (or a stand-in without metrics) yet: try again next step
-                self._counters = self._make(engine_metrics)
-            self._counters.follow(stats)
-        except Exception as err:  # noqa: BLE001 - metrics must never break a step
-            self.off = True  # warned once; the counts stay in the plain stats
-            logger.warning("lmi-cache: %s turned off on this rank (%r)", self._what, err)
-
-
-def worker_stats_follower() -> StatsFollower:
-    """The exact-prefix connector's worker seconds (``WorkerStats`` fields, ``WORKER_SERIES``)."""
-    return StatsFollower(lambda m: FollowedCounters(WORKER_SERIES, m.registry, m.engine_label, m.rank_label),
-                         "worker metrics")
-
-
-def blend_stats_follower() -> StatsFollower:
-    """The blend worker's counters (``BlendWorkerStats`` fields, ``BLEND_WORKER_SERIES``)."""
-    return StatsFollower(lambda m: BlendWorkerMetrics(m.registry, m.engine_label, m.rank_label), "blend metrics")
+    def counts(self) -> dict[str, float]:
+        """The counts above by their ``BlendSchedulerStats`` names, read from the series (kept nowhere else)."""
+        labels = {"engine": self.engine_label}
+        return {field: self.registry.get_sample_value(f"{name}_total", labels) or 0.0 for field, name in (
+            ("num_blend_plans", "lmi_cache_blend_planned_requests"), ("num_blend_tokens", "lmi_cache_blend_planned_tokens"),
+            ("num_segment_stores", "lmi_cache_blend_segment_stores"), ("num_bad_requests", "lmi_cache_blend_bad_requests"))}
 
 
 class RateLimitedWarner:

@@ -44,7 +44,7 @@ import torch
 from lmi_cache.blend.jobs import BlendConnectorMetadata
 from lmi_cache.blend.scheduler_plan import BlendScheduler, KeySpaceFactory
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
-from lmi_cache.metrics.series import BlendSchedulerMetrics, blend_stats_follower
+from lmi_cache.metrics.series import BlendSchedulerMetrics
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.messages import TierEvent
 from lmi_cache.transfer.layouts import LayoutDescriptor
@@ -133,7 +133,6 @@ class ConnectorBlending:
         self.model_source = ""  # worker: "plugin" or "search" (how the model was reached)
         self._isolated: dict[str, int] = {}  # req id -> first block re-hashed by isolate_blocks
         self._failed_blocks: set[int] = set()
-        self.worker_metrics = blend_stats_follower()  # this rank's lmi_cache_blend_* worker series
         if scheduler:
             settings = context.settings
             sep = _separator_ids(context.vllm_config, settings.special_str)
@@ -243,7 +242,6 @@ class ConnectorBlending:
             else:
                 jobs.append(job)
         self._failed_blocks |= self.worker.run_blends(jobs, side.engine)
-        self._follow_stats(side)
 
     def run_stores(self, meta: object, side: WorkerSide) -> None:
         if self.worker is None or side.engine is None or not isinstance(meta, BlendConnectorMetadata) \
@@ -253,13 +251,7 @@ class ConnectorBlending:
         side.expect_stores(TierEvent(tier, store.keys[side.rank_index].digest)
                            for store in meta.segment_stores for tier in store.tiers)
         self.worker.run_stores(meta.segment_stores, side.engine)
-        self._follow_stats(side)
 
     def take_failed_block_ids(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
-
-    def _follow_stats(self, side: WorkerSide) -> None:
-        """Add what the blend worker counted this step to the rank's lmi_cache_blend_* series."""
-        if self.worker is not None:
-            self.worker_metrics.follow(side.engine.metrics if side.engine is not None else None, self.worker.stats)

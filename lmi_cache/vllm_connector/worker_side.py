@@ -38,13 +38,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmi_cache.keys.kv_groups import KvCacheGroup, is_single_full_group
-from lmi_cache.metrics.series import worker_stats_follower
+from lmi_cache.metrics.counts import Count, RankCounts
 from lmi_cache.placement.messages import REMOTE, TierEvent
 from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
@@ -62,16 +61,22 @@ logger = logging.getLogger(__name__)
 WARN_EVERY_FAULTS = 100
 
 
-@dataclass
-class WorkerStats:
-    num_chunks_loaded: int = 0
-    num_chunks_saved: int = 0
-    num_saves_refused: int = 0
-    num_load_faults: int = 0
-    num_save_faults: int = 0
-    load_bytes: int = 0  # KV bytes copied into vLLM's cache by loads
-    load_seconds: float = 0.0
-    save_seconds: float = 0.0
+class WorkerStats(RankCounts):
+    """This rank's connector counts, each the rank's ``lmi_cache_worker_*`` series (``metrics.counts``)."""
+
+    what = "worker metrics"
+    num_chunks_loaded = Count("lmi_cache_worker_loaded_chunks", "Chunks copied into vLLM's KV cache")
+    num_chunks_saved = Count("lmi_cache_worker_saved_chunks", "Chunks gathered after forward passes and stored")
+    num_saves_refused = Count("lmi_cache_worker_refused_saves", "Chunks the engine refused to store (no room)")
+    num_load_faults = Count("lmi_cache_worker_load_faults", "Planned chunks that did not land (vLLM recomputes them)")
+    num_save_faults = Count("lmi_cache_worker_save_faults", "Chunks whose gather or store failed (a future miss)")
+    load_bytes = Count("lmi_cache_worker_loaded_bytes", "KV bytes copied into vLLM's KV cache by loads")
+    # The connector's own time on vLLM's model thread, which no tier series shows (a save's gather and a
+    # load's wait for its reads and copies happen between forward passes).
+    load_seconds = Count("lmi_cache_worker_load_seconds",
+                         "Seconds the model thread spent reading hits and copying them into vLLM's KV cache")
+    save_seconds = Count("lmi_cache_worker_save_seconds",
+                         "Seconds the model thread spent gathering and storing chunks after forward passes")
 
 
 class WorkerSide:
@@ -98,8 +103,8 @@ class WorkerSide:
         self._groups = groups  # () or one full-attention group: every layer in one chunk, in vLLM's order
         self._copiers: dict[int, PagedChunkCopier] = {}
         self._states: dict[int, StateCopier] = {}  # state groups (Mamba layers)
-        self.stats = WorkerStats()
-        self._metrics = worker_stats_follower()  # this rank's lmi_cache_worker_* series
+        # Counted in the engine's registry once it exists (the first count, or the first step's report).
+        self.stats = WorkerStats(lambda: self.engine.metrics if self.engine is not None else None, str(rank_index))
         self._failed_block_ids: set[int] = set()
         self._failed_req_ids: set[str] = set()
         self._async_done: set[str] = set()  # asynchronous loads of this step that landed
@@ -207,7 +212,7 @@ class WorkerSide:
         self._pending_releases.append((self._last_event, held))
         self._last_event = None
         self._release_finished_loads()
-        self.stats.load_seconds += time.perf_counter() - started
+        self.stats.add(WorkerStats.load_seconds, time.perf_counter() - started)
 
     def _apply_evictions(self, engine: Engine, meta: LmiConnectorMetadata) -> None:
         """The directory's evictions of this rank, before the loads (a load never reads what it evicts)."""
@@ -228,12 +233,13 @@ class WorkerSide:
             if part:
                 landed.extend(self._scatter(meta, part, copier))
         per_block = {g: c.chunk_bytes // self._blocks_per_chunk for g, c in self._copiers.items()}
-        self.stats.load_bytes += sum(len(meta.loads[p].block_ids) * per_block[meta.loads[p].group] for p in landed)
+        self.stats.add(WorkerStats.load_bytes,
+                       sum(len(meta.loads[p].block_ids) * per_block[meta.loads[p].group] for p in landed))
         for position, obj in batch:
             state = self._states.get(meta.loads[position].group)
             if state is not None and self._scatter_state(state, meta.loads[position], obj):
                 landed.append(position)
-                self.stats.load_bytes += state.chunk_bytes
+                self.stats.add(WorkerStats.load_bytes, state.chunk_bytes)
         return landed
 
     def _scatter_state(self, state: StateCopier, transfer: ChunkTransfer, obj: ChunkObject) -> bool:
@@ -289,10 +295,10 @@ class WorkerSide:
                 self._failed_block_ids.update(transfer.block_ids)
                 continue
             if position in loaded:
-                self.stats.num_chunks_loaded += 1
+                self.stats.add(WorkerStats.num_chunks_loaded)
                 continue
             self._failed_block_ids.update(transfer.block_ids)
-            self.stats.num_load_faults += 1
+            self.stats.add(WorkerStats.num_load_faults)
             self._num_new_faults += 1
             self._failed_req_ids.add(transfer.req_id)
             self._dropped.append(TierEvent(transfer.source, keys[position].digest))
@@ -329,7 +335,7 @@ class WorkerSide:
             transfers = [t for t in meta.saves if t.group == group and t.req_id not in self._failed_req_ids]
             if transfers:
                 self._save_group(engine, transfers, copier)
-        self.stats.save_seconds += time.perf_counter() - started
+        self.stats.add(WorkerStats.save_seconds, time.perf_counter() - started)
 
     def _save_group(self, engine: Engine, transfers: list[ChunkTransfer], copier: PagedChunkCopier | StateCopier) -> None:
         keys = [t.keys[self.rank_index] for t in transfers]
@@ -341,10 +347,10 @@ class WorkerSide:
             saved = engine.save_many(keys, copier.chunk_shape, copier.dtype,
                                      lambda outs: copier.gather_many(block_ids, outs),
                                      [t.tiers for t in transfers] if directed else None)
-            self.stats.num_chunks_saved += sum(saved)
-            self.stats.num_saves_refused += len(saved) - sum(saved)
+            self.stats.add(WorkerStats.num_chunks_saved, sum(saved))
+            self.stats.add(WorkerStats.num_saves_refused, len(saved) - sum(saved))
         except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
-            self.stats.num_save_faults += len(transfers)
+            self.stats.add(WorkerStats.num_save_faults, len(transfers))
             self._fault(f"could not save {len(transfers)} chunk(s)", err, op="save")
 
     def expect_stores(self, events: Iterable[TierEvent]) -> None:
@@ -374,7 +380,7 @@ class WorkerSide:
         landed = {(e.tier, e.digest) for e in stored}
         failed = [e for e in instructed if e.tier != REMOTE and (e.tier, e.digest) not in landed]
         faults, self._num_new_faults = self._num_new_faults, 0
-        self._metrics.follow(self.engine.metrics, self.stats)
+        self.stats.attach(self.engine.metrics)  # the series are present from the first step, at 0
         rank = self.rank_index
         return LmiWorkerMeta(
             layout_tags={rank: self.layout.tag},

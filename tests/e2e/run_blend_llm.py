@@ -39,14 +39,14 @@ def _counters(llm: Any) -> dict[str, Any]:
     counters: dict[str, Any] = {}
     side = getattr(worker, "worker_side", None)
     if side is not None:
-        counters.update({f"worker.{k}": v for k, v in vars(side.stats).items()})
+        counters.update({f"worker.{k}": v for k, v in side.stats.snapshot().items()})
     blending = getattr(worker, "blending", None)
     if blending is not None and blending.worker is not None:
-        counters.update({f"blend_worker.{k}": v for k, v in vars(blending.worker.stats).items()})
+        counters.update({f"blend_worker.{k}": v for k, v in blending.worker.stats.snapshot().items()})
         counters["blend_worker.model_source"] = blending.model_source
     blend_sched = getattr(getattr(scheduler, "blending", None), "scheduler", None)
     if blend_sched is not None:
-        counters.update({f"blend_scheduler.{k}": v for k, v in vars(blend_sched.stats).items() if not isinstance(v, list)})
+        counters.update({f"blend_scheduler.{k}": v for k, v in blend_sched.stats.snapshot().items()})
     sched = getattr(scheduler, "scheduler_side", None)
     if sched is not None:
         counters.update({f"scheduler.{k}": v for k, v in vars(sched.stats).items()})

@@ -47,7 +47,7 @@ def _counters(llm: Any) -> dict[str, Any]:
     worker = _worker_connector()
     side = getattr(worker, "worker_side", None)
     if side is not None:
-        counters.update({f"worker.{k}": v for k, v in vars(side.stats).items()})
+        counters.update({f"worker.{k}": v for k, v in side.stats.snapshot().items()})
         if side.layout is not None:
             counters["worker.layout_tag"] = side.layout.tag
         if side.copier is not None:

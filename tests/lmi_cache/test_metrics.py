@@ -87,6 +87,9 @@ else:
     m.loaded_tokens("cpu", 10 + int(role))
     m.usage("cpu", 1000 + int(role), 4096)
     m.usage("cpu", 2000 + int(role), 4096)
+    # stats() reads this process's values back, from the multiprocess files as well
+    assert m.snapshot() == {"cpu_loaded_tokens": 10 + int(role), "cpu_usage_bytes": 2000 + int(role),
+                            "cpu_capacity_bytes": 4096}, m.snapshot()
 """
 
 

@@ -1,13 +1,13 @@
 """Worker half of the connector with a dict-backed fake engine: loads, saves and every fault path."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
 import torch
 
 from lmi_cache.keys.hashing import KeyNamespace, chunk_keys
+from lmi_cache.metrics.series import CacheMetrics
 from lmi_cache.transfer.layouts import ExpectedGeometry, KvLayoutError
 from lmi_cache.placement.messages import Eviction, TierEvent
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata
@@ -31,6 +31,12 @@ class FakeObject:
         self._engine.outstanding -= 1
 
 
+def tier_errors(engine: FakeEngine) -> dict[tuple[str, str], float]:
+    """lmi_cache_tier_errors_total of the engine's rank, by (tier, op)."""
+    return {(s.labels["tier"], s.labels["op"]): s.value for m in engine.metrics.registry.collect() for s in m.samples
+            if s.name == "lmi_cache_tier_errors_total"}
+
+
 class FakeEngine:
     def __init__(self) -> None:
         self.data: dict[bytes, torch.Tensor] = {}
@@ -40,8 +46,7 @@ class FakeEngine:
         self.flushed = self.closed = False
         self.outstanding = 0  # objects handed out by load and not released yet
         self.load_calls = 0
-        self.metrics = SimpleNamespace(errors=[])
-        self.metrics.error = lambda tier, op: self.metrics.errors.append((tier, op))
+        self.metrics = CacheMetrics(rank_label="0", engine_label="e")  # the rank's registry, as a real engine's
 
     def expect_chunks(self, payload_bytes: int) -> None:
         self.expected_chunk_bytes = payload_bytes
@@ -181,7 +186,7 @@ def test_missing_chunk_reports_blocks_removes_digest_and_skips_saves() -> None:
     assert worker.take_failed_block_ids() == set()
     assert torch.equal(layers[0][5], before)
     assert worker.stats.num_load_faults == 1
-    assert engine.metrics.errors == [("connector", "load")]
+    assert tier_errors(engine) == {("connector", "load"): 1}
     assert [t for t in engine.data] == [k[2].digest]  # only the healthy request saved
     wmeta = worker.build_worker_meta()
     assert wmeta is not None and k[0].digest in [e.digest for e in wmeta.dropped[0]] and wmeta.num_load_faults == 1
@@ -203,7 +208,7 @@ def test_store_exception_is_counted() -> None:
     engine.fail_store = True
     worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (keys(1)[0],), (1, 2))]))
     assert worker.stats.num_save_faults == 1 and worker.stats.num_chunks_saved == 0
-    assert engine.metrics.errors == [("connector", "save")]
+    assert tier_errors(engine) == {("connector", "save"): 1}
 
 
 def test_bad_block_id_is_a_fault() -> None:
@@ -230,12 +235,8 @@ def test_shutdown_flushes_and_closes() -> None:
 
 def test_save_and_load_seconds_reach_the_ranks_worker_series() -> None:
     """The connector's own time on the model thread is on /metrics (no tier series shows it)."""
-    from lmi_cache.metrics.series import CacheMetrics
-
     worker, engine, _ = make_worker()
-    metrics = CacheMetrics(rank_label="0", engine_label="e")
-    metrics.errors = []  # type: ignore[attr-defined]
-    engine.metrics = metrics  # type: ignore[assignment]
+    metrics = engine.metrics
     k = keys(2)
     labels = {"engine": "e", "rank": "0"}
     worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2)), ChunkTransfer("r", (k[1],), (3, 4))]))
