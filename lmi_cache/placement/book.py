@@ -168,11 +168,10 @@ class TierBook:
         return victims
 
     def adopt(self, rank: int, shard: int, digest: bytes, size_bytes: int) -> None:
-        """A ready entry found at start-up (disk files, oldest first); skipped when it does not fit."""
-        budget = self._budget(rank, shard)
-        if digest in self._where or budget.used_bytes + size_bytes > budget.capacity_bytes:
-            return  # over the budget: the worker's own start-up trims it
-        self._admit(rank, digest, size_bytes, size_bytes, ready=True, shard=shard)
+        """A ready entry found at start-up (disk files, oldest first). Over the budget the oldest go, as the
+        disk tier's own start-up trims them (no eviction is sent: the worker has done it or will do it)."""
+        if digest not in self._where:
+            self._admit(rank, digest, size_bytes, size_bytes, ready=True, shard=shard)
 
     def confirm(self, rank: int, digest: bytes, payload_bytes: int) -> list[Victim]:
         """A worker stored ``digest`` here: ready now. A store the directory did not plan (a worker's own

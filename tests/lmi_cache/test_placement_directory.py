@@ -132,10 +132,11 @@ def test_disk_files_found_at_start_are_hits_oldest_evicted_first() -> None:
     d = directory(cpu_chunks=1, disk_chunks=2)
     d.adopt("disk", 0, 0, key(7).digest, PAYLOAD)
     d.adopt("disk", 0, 0, key(8).digest, PAYLOAD)
-    d.adopt("disk", 0, 0, key(9).digest, PAYLOAD)  # over the budget: the worker trims it at start
-    assert d.lookup(keys(7)) == "disk" and d.lookup(keys(9)) is None
+    d.adopt("disk", 0, 0, key(9).digest, PAYLOAD)  # over the budget: the oldest goes, as the disk tier trims it
+    assert d.lookup(keys(7)) is None and d.lookup(keys(8)) == d.lookup(keys(9)) == "disk"
+    assert d.take_evictions() == []  # the worker's start-up trims on its own
     store(d, 1)
-    assert Eviction(0, "disk", key(7).digest) in d.take_evictions()
+    assert Eviction(0, "disk", key(8).digest) in d.take_evictions()
 
 
 def test_open_sessions_chunks_are_evicted_last() -> None:
