@@ -10,7 +10,8 @@ tiers it reserves room in).
 
 A sliding-window group loads only the blocks vLLM allocates for it (from the
 window's start before the hit) and never saves a chunk vLLM has freed blocks
-of; a load for which vLLM gave no blocks is skipped.
+of; a request for which vLLM gave some group no blocks loads nothing (its
+asynchronous load is then answered failed, and vLLM recomputes it).
 
 A state group (Mamba layers) loads one transfer: the state at the hit, into
 the block vLLM allocates for it (index ``hit // block - 1`` of its table). It
@@ -78,8 +79,7 @@ def plan_step(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str
     chunk = geo.chunk_size_tokens
     if plan.load_confirmed and plan.load_range is not None:
         start, end = plan.load_range
-        for group in geo.groups:
-            _plan_group_load(geo, directory, req_id, plan, group, start, end, meta)
+        _plan_loads(geo, directory, req_id, plan, start, end, meta)
         # Loaded chunks (even a partially loaded last one) are already in the store.
         plan.num_done_chunks = max(plan.num_done_chunks, -(-end // chunk))
     plan.load_range, plan.load_confirmed = None, False
@@ -97,46 +97,52 @@ def plan_step(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str
     return planned
 
 
-def _plan_group_load(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,
-                     group: KvCacheGroup, start: int, end: int, meta: LmiConnectorMetadata) -> None:
-    """Loads of tokens [start, end) for one group; a sliding-window group only from its window's first block."""
-    chunk, block, per_chunk = geo.chunk_size_tokens, geo.block_size_tokens, geo.blocks_per_chunk
-    if group.kind == STATE:
-        _plan_state_load(directory, req_id, plan, group, end, chunk, block, meta)
+LoadPart = tuple[tuple[ChunkKey, ...], tuple[int, ...], int]  # one chunk's keys, block ids, block offset
+
+
+def _plan_loads(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,
+                start: int, end: int, meta: LmiConnectorMetadata) -> None:
+    """Every group's loads of tokens [start, end), or none: a request loaded in part would resume on blocks
+    (or a state) nobody wrote. With no load planned, the workers answer an asynchronous load failed and vLLM
+    recomputes the request."""
+    parts = {group.index: _group_load_parts(geo, plan, group, start, end) for group in geo.groups}
+    missing = [g for g, p in parts.items() if p is None]
+    if missing:
+        logger.warning("lmi-cache: request %s has no blocks for its load of group(s) %s; not loading it",
+                       req_id, missing)
         return
-    start = max(start, group.first_needed_block(end, block) * block)
+    for group, group_parts in parts.items():
+        for keys, ids, offset in group_parts or ():
+            source = directory.lookup(keys) or REMOTE
+            placed = directory.prepare_load(keys, group, source)
+            meta.loads.append(ChunkTransfer(req_id, keys, ids, offset, group, source=placed.tier,
+                                            promote_to=directory.first_tier_name if placed.promote else ""))
+
+
+def _group_load_parts(geo: SchedulerGeometry, plan: RequestPlan, group: KvCacheGroup, start: int,
+                      end: int) -> list[LoadPart] | None:
+    """One group's chunks to load for tokens [start, end) (None: vLLM gave it no blocks for them).
+
+    A sliding-window group loads from its window's first block; a state group loads the one state at ``end``
+    (a chunk boundary) into the block vLLM allocated for it.
+    """
+    chunk, block, per_chunk = geo.chunk_size_tokens, geo.block_size_tokens, geo.blocks_per_chunk
     block_ids = plan.block_ids[group.index]
+    if group.kind == STATE:
+        position = end // block - 1
+        if end % chunk or position >= len(block_ids) or block_ids[position] == NULL_BLOCK_ID:
+            return None
+        return [(plan.chunk_keys[group.index][end // chunk - 1], (block_ids[position],), 0)]
+    start = max(start, group.first_needed_block(end, block) * block)
+    parts: list[LoadPart] = []
     for c in range(start // chunk, -(-end // chunk)):
         first_block = max(start, c * chunk) // block
         end_block = min(end, (c + 1) * chunk) // block
         ids = block_ids[first_block:end_block]
         if len(ids) != end_block - first_block or (group.is_sliding and NULL_BLOCK_ID in ids):
-            logger.warning("lmi-cache: request %s has no blocks for its load of group %d; skipping it",
-                           req_id, group.index)
-            return
-        _add_load(directory, req_id, plan.chunk_keys[group.index][c], tuple(ids), first_block - c * per_chunk,
-                  group.index, meta)
-
-
-def _add_load(directory: PlacementDirectory, req_id: str, keys: tuple[ChunkKey, ...], block_ids: tuple[int, ...],
-              block_offset: int, group: int, meta: LmiConnectorMetadata) -> None:
-    source = directory.lookup(keys) or REMOTE
-    placed = directory.prepare_load(keys, group, source)
-    meta.loads.append(ChunkTransfer(req_id, keys, block_ids, block_offset, group, source=placed.tier,
-                                    promote_to=directory.first_tier_name if placed.promote else ""))
-
-
-def _plan_state_load(directory: PlacementDirectory, req_id: str, plan: RequestPlan, group: KvCacheGroup, end: int,
-                     chunk: int, block: int, meta: LmiConnectorMetadata) -> None:
-    """The state at ``end`` (a chunk boundary) into the one block vLLM allocated for it."""
-    position = end // block - 1
-    block_ids = plan.block_ids[group.index]
-    if end % chunk or position >= len(block_ids) or block_ids[position] == NULL_BLOCK_ID:
-        logger.warning("lmi-cache: request %s has no state block at %d tokens for group %d; skipping its load",
-                       req_id, end, group.index)
-        return
-    _add_load(directory, req_id, plan.chunk_keys[group.index][end // chunk - 1], (block_ids[position],), 0,
-              group.index, meta)
+            return None
+        parts.append((plan.chunk_keys[group.index][c], tuple(ids), first_block - c * per_chunk))
+    return parts
 
 
 def plan_state_saves(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,

@@ -130,7 +130,7 @@ def test_plan_asks_vllm_for_a_state_at_every_chunk_boundary(model: str) -> None:
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
     args = plan["vllm_args"]
-    chunk = plan["tiers"]["chunk_size"] if "chunk_size" in plan["tiers"] else plan["chunk_size"]
+    chunk = plan["chunk_size"]
     assert args[args.index("--prefix-cache-retention-interval") + 1] == str(chunk)
     assert "--max-num-batched-tokens" not in args  # CUDA's Mamba kernels export states inside a prefill step
 

@@ -103,7 +103,11 @@ def cached(e2e_dir: Path) -> dict[str, Any]:
         gen_phase("warm", prompts(HYBRID_DOCS), before=["reset_prefix_cache"]),
         gen_phase("partial", prompts(HYBRID_PARTIAL), before=["reset_prefix_cache"]),
     ]}, work / "connector")
-    restart = run_job({**job, "phases": [gen_phase("reload", prompts(HYBRID_DOCS))]}, work / "restart")
+    restart = run_job({**job, "phases": [
+        gen_phase("reload", prompts(HYBRID_DOCS)),
+        # Drop the engine's contents behind the scheduler's back: every planned load (state included) fails.
+        gen_phase("stale", prompts(HYBRID_DOCS), before=["clear_engine", "reset_prefix_cache"]),
+    ]}, work / "restart")
     logs = {name: (work / name / "stderr.txt").read_text() + (work / name / "stdout.txt").read_text()
             for name in ("connector", "restart")}
     return {"connector": connector, "restart": restart, "logs": logs}
@@ -144,6 +148,13 @@ def test_a_fresh_process_restores_from_the_disk_tier(cached: dict[str, Any], hyb
     assert_same_outputs(reload, phase(hybrid["result"], "again"), logprob_atol=1e-4)
     assert reload["delta"]["worker.num_load_faults"] == 0
     assert reload["delta"].get("engine.disk_loads", 0) > 0, reload["counters"]
+
+
+def test_failed_state_loads_are_recomputed(cached: dict[str, Any], hybrid: dict[str, Any]) -> None:
+    """Loads that fail (state or attention) make vLLM recompute the request from its first token."""
+    stale = phase(cached["restart"], "stale")
+    assert_same_outputs(stale, phase(hybrid["result"], "first"), logprob_atol=1e-4)
+    assert stale["delta"]["worker.num_load_faults"] >= 2
 
 
 def test_the_connector_refuses_a_mamba_group_without_prefix_caching(e2e_dir: Path) -> None:
