@@ -17,6 +17,7 @@ heads of 64 dims, 8 layers.
 
     .venv/bin/python benchmarks/bench_blend_attention.py
     .venv/bin/python benchmarks/bench_blend_attention.py --heads 32 --kv-heads 8 --dim 128   # a Llama-3-8B layer
+    .venv/bin/python benchmarks/bench_blend_attention.py --isa generic   # a narrower compiled variant
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--segments", type=int, default=4, help="documents the blended tokens make (layer 0's reuse)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--isa", default="", help="the native kernel's compiled variant (avx512, avx2, generic); "
+                        "default: the widest this CPU runs")
     args = parser.parse_args()
 
     gen = torch.Generator().manual_seed(args.seed)
@@ -62,13 +65,16 @@ def main() -> None:
     dense_q, dense_positions = torch.randn(n, heads, dim, generator=gen), torch.arange(n)
     keys, values = (k[: args.prefix], k[args.prefix :]), (v[: args.prefix], v[args.prefix :])
 
-    native = kernels.scattered_attention(q, positions, keys, values, scale).reshape(q.shape[0], -1)
+    isas = kernels.scattered_attention_isas()
+    if args.isa and args.isa not in isas:
+        parser.error(f"--isa {args.isa}: this CPU runs {', '.join(isas)}")
+    isa = args.isa or isas[0]
+    native = kernels.scattered_attention(q, positions, keys, values, scale, isa=isa).reshape(q.shape[0], -1)
     worst = float((native - paged.attend(0, q, positions)).abs().max())
-    isa = kernels.scattered_attention_isas()[0]
     print(f"{n} tokens, {positions.numel()} scattered queries, {heads} heads / {kv_heads} KV heads x {dim}; "
           f"native ISA {isa}; max |native - vLLM| = {worst:.1e}; threads {torch.get_num_threads()}")
     med = medians(args.repeats, {
-        "native": lambda: kernels.scattered_attention(q, positions, keys, values, scale),
+        "native": lambda: kernels.scattered_attention(q, positions, keys, values, scale, isa=isa),
         "vllm": lambda: paged.attend(0, q, positions),
         "vllm_dense": lambda: paged.attend(0, dense_q, dense_positions),
     }, warm_up=True)
@@ -92,7 +98,7 @@ def main() -> None:
 
     def merged() -> torch.Tensor:
         lse = torch.empty(q0.shape[0], heads)
-        cross = kernels.scattered_attention(q0, limits, keys, values, scale, lse=lse).reshape(q0.shape[0], -1)
+        cross = kernels.scattered_attention(q0, limits, keys, values, scale, isa=isa, lse=lse).reshape(q0.shape[0], -1)
         return merge_attention(cross, lse, within_out, within_lse)
 
     l0 = medians(args.repeats, {"merged": merged, "vllm_dense": lambda: paged.attend(0, q0, dense0)}, warm_up=True)

@@ -2,18 +2,23 @@
 //
 // One work item is (kv head, group of queries consecutive in sorted order)
 // with at most kRowsPerItem query rows (query x head of that kv head), held
-// as the lanes of four 16-float vectors. Every array the inner loops touch is
-// laid out [something][row], so K and V elements are only ever broadcast and
-// the online softmax (max, exp, sum, rescale) is element-wise over rows:
+// as the lanes of a few vectors (4 of 16 floats with AVX-512, 8 of 8 with
+// AVX2). Every array the inner loops touch is laid out [something][row], so
+// K and V elements are only ever broadcast and the online softmax (max, exp,
+// sum, rescale) is element-wise over rows:
 //   S^T[key][row] = sum_d K[key][d] * Q^T[d][row]
 //   O^T[d][row]   = O^T[d][row] * alpha[row] + sum_key V[key][d] * P^T[key][row]
 // Keys past a group's first query position are masked per row (position
 // rule), so a group costs its last query's key count; with queries at 15%
 // density a group of 32 wastes about 2% on masked keys. Each row's sums run
 // in the same order whatever the grouping, so results do not depend on it.
-// 64 rows (6-key and 4-dim register blocks) measured 10-25% faster than 32
-// rows (8 x 2 blocks) or 48 on the benchmark's shape, and no slower with
-// head_dim 128.
+//
+// Each ISA has its own register blocking (``Isa`` in scattered_attention_simd.h):
+// the accumulators of one block, the row vectors it reads and a broadcast K/V
+// element must fit the register file, or every FMA spills to the stack. AVX2
+// has 16 registers of 8 floats; running AVX-512's 64-row block there (96
+// registers' worth of accumulators) made that variant 8x slower than vLLM's
+// own CPU attention.
 //
 // The keys are first copied one kv head after another (``pack_keys``), and the
 // items go kv head by kv head, so both threads stream the same head's keys.
@@ -33,67 +38,22 @@
 #include <vector>
 
 #include "scattered_attention.h"
-
-#pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vectors never cross a call: everything is inlined
+#include "scattered_attention_simd.h"
 
 namespace lmi_cache {
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-constexpr int kVecs = static_cast<int>(kRowsPerItem) / kLanes;
-constexpr int kTile = 64;      // keys per online-softmax step
-constexpr int kKeyBlock = 6;   // scores: 6 keys x 4 row vectors = 24 accumulators (of 32 registers)
-constexpr int kDimBlock = 4;   // output: 4 dims x 4 row vectors (head_dim is a multiple of 8)
+using simd::Avx2;
+using simd::Avx512;
+using simd::broadcast;
+using simd::exp_nonpositive;
+using simd::Generic;
+using simd::splat;
+using simd::vmax;
 
-#define LMI_INLINE inline __attribute__((always_inline))
+constexpr int kTile = 64;  // keys per online-softmax step
 
-// GCC 12 turns this into an add of +0.0 and a register broadcast (element lists and
-// shuffles came out worse: per-lane masked broadcasts, twice as slow).
-LMI_INLINE vf splat(float x) { return vf{} + x; }
-LMI_INLINE vi splat_i(int32_t x) { return vi{} + x; }
-
-// A float from memory in every lane. On AVX-512 this is one vbroadcastss from memory, a
-// load-port instruction: splat's add and register broadcast took two slots of the two FMA
-// ports per broadcast (6 per 24 FMAs in the score block, 4 per 16 in the output block), and
-// dropping them made the kernel 11-21% faster (one-off side-by-side build). The pointer goes
-// in as a register, not an "m" operand: with one, GCC 12 stored all 24 accumulators to the
-// stack on every iteration. The asm reads K/V, which nothing writes while the kernel runs.
-template <bool kAvx512>
-LMI_INLINE vf broadcast(const float* p) {
-  if constexpr (kAvx512) {
-    vf out;
-    asm("vbroadcastss (%1), %0" : "=v"(out) : "r"(p));
-    return out;
-  } else {
-    return splat(*p);
-  }
-}
-LMI_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
 LMI_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-// exp(x) for x <= 0 (scores minus their running max), exactly 0 below -87
-// (masked keys are -inf). Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a
-// degree-5 polynomial for e^r, 2^n through the exponent bits.
-LMI_INLINE vf exp_nonpositive(vf x) {
-  const vi dead = x < splat(-87.0f);
-  x = dead ? splat(-87.0f) : x;
-  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  vf r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return dead ? splat(0.0f) : p * two_n;
-}
 
 struct Item {
   int64_t kv_head;
@@ -101,10 +61,12 @@ struct Item {
   int64_t end_query;
 };
 
+// Every ISA's arrays are the same bytes: [something][64 rows] of floats.
+template <class T>
 struct alignas(64) Scratch {
-  vf qt[kMaxHeadDim][kVecs];  // Q^T, pre-scaled
-  vf ot[kMaxHeadDim][kVecs];  // O^T, unnormalised
-  vf st[kTile][kVecs];        // S^T, then P^T, of one key tile
+  typename T::vf qt[kMaxHeadDim][T::kVecs];  // Q^T, pre-scaled
+  typename T::vf ot[kMaxHeadDim][T::kVecs];  // O^T, unnormalised
+  typename T::vf st[kTile][T::kVecs];        // S^T, then P^T, of one key tile
 };
 
 // Keys the way attend_item reads them: kv head h's keys start h * head_stride floats in, each
@@ -115,13 +77,72 @@ struct HeadMajorKeys {
   int64_t head_stride;
 };
 
-template <bool kAvx512>
+// S^T[key][row] for the tile's n keys at kbase, row vectors [0, vecs) (a multiple of
+// kScoreVecs). Row blocks go outermost, so a block's Q^T columns stay in L1 over the tile.
+template <class T>
+LMI_INLINE void tile_scores(const float* kbase, int64_t n, int64_t dim, int vecs, Scratch<T>& s) {
+  typedef typename T::vf vf;
+  constexpr int kKeys = T::kKeyBlock, kRowVecs = T::kScoreVecs;
+  for (int v0 = 0; v0 < vecs; v0 += kRowVecs) {
+    for (int64_t jb = 0; jb < n; jb += kKeys) {
+      const int64_t nb = min64(kKeys, n - jb);
+      vf acc[kKeys][kRowVecs] = {};
+      const float* krow[kKeys];
+      for (int b = 0; b < kKeys; ++b) krow[b] = kbase + (jb + (b < nb ? b : 0)) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        vf qv[kRowVecs];
+        for (int v = 0; v < kRowVecs; ++v) qv[v] = s.qt[d][v0 + v];
+        for (int b = 0; b < kKeys; ++b) {
+          const vf kb = broadcast<T>(krow[b] + d);
+          for (int v = 0; v < kRowVecs; ++v) acc[b][v] += kb * qv[v];
+        }
+      }
+      for (int64_t b = 0; b < nb; ++b)
+        for (int v = 0; v < kRowVecs; ++v) s.st[jb + b][v0 + v] = acc[b][v];
+    }
+  }
+}
+
+// O^T[d][row] = O^T[d][row] * alpha[row] + sum over the tile's n keys of V[key][d] * P^T[key][row].
+template <class T>
+LMI_INLINE void tile_output(const float* vbase, int64_t n, int64_t dim, int vecs, const typename T::vf* alpha,
+                            Scratch<T>& s) {
+  typedef typename T::vf vf;
+  constexpr int kDims = T::kDimBlock, kRowVecs = T::kOutVecs;
+  for (int v0 = 0; v0 < vecs; v0 += kRowVecs) {
+    for (int64_t d0 = 0; d0 < dim; d0 += kDims) {
+      vf acc[kDims][kRowVecs];
+      for (int b = 0; b < kDims; ++b)
+        for (int v = 0; v < kRowVecs; ++v) acc[b][v] = s.ot[d0 + b][v0 + v] * alpha[v0 + v];
+      for (int64_t j = 0; j < n; ++j) {
+        vf pv[kRowVecs];
+        for (int v = 0; v < kRowVecs; ++v) pv[v] = s.st[j][v0 + v];
+        const float* vrow = vbase + j * dim + d0;
+        for (int b = 0; b < kDims; ++b) {
+          const vf vb = broadcast<T>(vrow + b);
+          for (int v = 0; v < kRowVecs; ++v) acc[b][v] += vb * pv[v];
+        }
+      }
+      for (int b = 0; b < kDims; ++b)
+        for (int v = 0; v < kRowVecs; ++v) s.ot[d0 + b][v0 + v] = acc[b][v];
+    }
+  }
+}
+
+template <class T>
 LMI_INLINE void attend_item(const ScatteredAttentionArgs& a, const HeadMajorKeys& keys, const Item& item,
-                            Scratch& s) {
+                            Scratch<T>& s) {
+  typedef typename T::vf vf;
+  typedef typename T::vi vi;
+  constexpr int kLanes = T::kLanes, kVecs = T::kVecs;
   constexpr int64_t kRows = kRowsPerItem;
   const int64_t dim = a.head_dim;
   const int64_t per_kv = a.num_heads / a.num_kv_heads;
   const int64_t rows = (item.end_query - item.first_query) * per_kv;
+  // Row vectors holding real rows, rounded up to whole score and output blocks (a short last
+  // group skips the vectors of padding only).
+  constexpr int kBlock = T::kScoreVecs > T::kOutVecs ? T::kScoreVecs : T::kOutVecs;
+  const int vecs = static_cast<int>(min64(kVecs, (rows + kBlock * kLanes - 1) / (kBlock * kLanes) * kBlock));
   const int64_t last_position = a.positions[item.end_query - 1];
   const int64_t first_position = a.positions[item.first_query];
   int32_t row_position[kRows];
@@ -137,8 +158,8 @@ LMI_INLINE void attend_item(const ScatteredAttentionArgs& a, const HeadMajorKeys
   std::memcpy(row_pos, row_position, sizeof(row_pos));
   vf m[kVecs], l[kVecs];
   for (int v = 0; v < kVecs; ++v) {
-    m[v] = splat(-__builtin_inff());
-    l[v] = splat(0.0f);
+    m[v] = splat<vf>(-__builtin_inff());
+    l[v] = splat<vf>(0.0f);
   }
   std::memset(s.ot, 0, sizeof(vf) * kVecs * dim);
 
@@ -147,68 +168,35 @@ LMI_INLINE void attend_item(const ScatteredAttentionArgs& a, const HeadMajorKeys
   const float* vhead = keys.v + item.kv_head * keys.head_stride;
   for (int64_t j0 = 0; j0 < num_keys; j0 += kTile) {
     const int64_t n = min64(kTile, num_keys - j0);
-    const float* kbase = khead + j0 * dim;
-    const float* vbase = vhead + j0 * dim;
-    // Scores: 8 keys x 32 rows per register block.
-    for (int64_t jb = 0; jb < n; jb += kKeyBlock) {
-      const int64_t nb = min64(kKeyBlock, n - jb);
-      vf acc[kKeyBlock][kVecs] = {};
-      const float* krow[kKeyBlock];
-      for (int b = 0; b < kKeyBlock; ++b) krow[b] = kbase + (jb + (b < nb ? b : 0)) * dim;
-      for (int64_t d = 0; d < dim; ++d) {
-        vf qv[kVecs];
-        for (int v = 0; v < kVecs; ++v) qv[v] = s.qt[d][v];
-        for (int b = 0; b < kKeyBlock; ++b) {
-          const vf kb = broadcast<kAvx512>(krow[b] + d);
-          for (int v = 0; v < kVecs; ++v) acc[b][v] += kb * qv[v];
-        }
-      }
-      for (int64_t b = 0; b < nb; ++b)
-        for (int v = 0; v < kVecs; ++v) s.st[jb + b][v] = acc[b][v];
-    }
+    tile_scores<T>(khead + j0 * dim, n, dim, vecs, s);
     if (j0 + n - 1 > first_position) {  // some rows may not see the tile's later keys
       for (int64_t j = 0; j < n; ++j) {
-        const vi key_pos = splat_i(static_cast<int32_t>(j0 + j));
-        for (int v = 0; v < kVecs; ++v) s.st[j][v] = key_pos <= row_pos[v] ? s.st[j][v] : splat(-__builtin_inff());
+        const vi key_pos = vi{} + static_cast<int32_t>(j0 + j);
+        for (int v = 0; v < vecs; ++v)
+          s.st[j][v] = key_pos <= row_pos[v] ? s.st[j][v] : splat<vf>(-__builtin_inff());
       }
     }
     // Online softmax over the tile.
     vf alpha[kVecs];
-    for (int v = 0; v < kVecs; ++v) {
+    for (int v = 0; v < vecs; ++v) {
       vf tile_max = s.st[0][v];
       for (int64_t j = 1; j < n; ++j) tile_max = vmax(tile_max, s.st[j][v]);
       const vf m_new = vmax(m[v], tile_max);  // finite: key 0 is in the first tile and every row sees it
-      alpha[v] = exp_nonpositive(m[v] - m_new);
-      vf sum = splat(0.0f);
+      alpha[v] = exp_nonpositive<T>(m[v] - m_new);
+      vf sum = splat<vf>(0.0f);
       for (int64_t j = 0; j < n; ++j) {
-        const vf p = exp_nonpositive(s.st[j][v] - m_new);
+        const vf p = exp_nonpositive<T>(s.st[j][v] - m_new);
         s.st[j][v] = p;
         sum += p;
       }
       l[v] = l[v] * alpha[v] + sum;
       m[v] = m_new;
     }
-    // Output: 8 dims x 32 rows per register block.
-    for (int64_t d0 = 0; d0 < dim; d0 += kDimBlock) {
-      vf acc[kDimBlock][kVecs];
-      for (int b = 0; b < kDimBlock; ++b)
-        for (int v = 0; v < kVecs; ++v) acc[b][v] = s.ot[d0 + b][v] * alpha[v];
-      for (int64_t j = 0; j < n; ++j) {
-        vf pv[kVecs];
-        for (int v = 0; v < kVecs; ++v) pv[v] = s.st[j][v];
-        const float* vrow = vbase + j * dim + d0;
-        for (int b = 0; b < kDimBlock; ++b) {
-          const vf vb = broadcast<kAvx512>(vrow + b);
-          for (int v = 0; v < kVecs; ++v) acc[b][v] += vb * pv[v];
-        }
-      }
-      for (int b = 0; b < kDimBlock; ++b)
-        for (int v = 0; v < kVecs; ++v) s.ot[d0 + b][v] = acc[b][v];
-    }
+    tile_output<T>(vhead + j0 * dim, n, dim, vecs, alpha, s);
   }
   float inv[kRows], row_max[kRows], row_sum[kRows];
-  for (int v = 0; v < kVecs; ++v) {
-    const vf iv = splat(1.0f) / l[v];
+  for (int v = 0; v < vecs; ++v) {
+    const vf iv = splat<vf>(1.0f) / l[v];
     std::memcpy(inv + v * kLanes, &iv, sizeof(iv));
     std::memcpy(row_max + v * kLanes, &m[v], sizeof(vf));
     std::memcpy(row_sum + v * kLanes, &l[v], sizeof(vf));
@@ -224,12 +212,12 @@ LMI_INLINE void attend_item(const ScatteredAttentionArgs& a, const HeadMajorKeys
 }
 
 // One worker's loop: take the next item until none is left.
-template <bool kAvx512>
+template <class T>
 LMI_INLINE void work(const ScatteredAttentionArgs& a, const HeadMajorKeys& keys, const Item* items,
                      int64_t num_items, std::atomic<int64_t>& next) {
-  std::unique_ptr<Scratch> scratch(new Scratch);
+  std::unique_ptr<Scratch<T>> scratch(new Scratch<T>);
   for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
-    attend_item<kAvx512>(a, keys, items[i], *scratch);
+    attend_item<T>(a, keys, items[i], *scratch);
 }
 
 using WorkFn = void (*)(const ScatteredAttentionArgs&, const HeadMajorKeys&, const Item*, int64_t,
@@ -239,17 +227,17 @@ using WorkFn = void (*)(const ScatteredAttentionArgs&, const HeadMajorKeys&, con
 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,fma,avx2")))
 void work_avx512(const ScatteredAttentionArgs& a, const HeadMajorKeys& keys, const Item* items, int64_t n,
                  std::atomic<int64_t>& next) {
-  work<true>(a, keys, items, n, next);
+  work<Avx512>(a, keys, items, n, next);
 }
 __attribute__((target("avx2,fma")))
 void work_avx2(const ScatteredAttentionArgs& a, const HeadMajorKeys& keys, const Item* items, int64_t n,
                std::atomic<int64_t>& next) {
-  work<false>(a, keys, items, n, next);
+  work<Avx2>(a, keys, items, n, next);
 }
 #endif
 void work_generic(const ScatteredAttentionArgs& a, const HeadMajorKeys& keys, const Item* items, int64_t n,
                   std::atomic<int64_t>& next) {
-  work<false>(a, keys, items, n, next);
+  work<Generic>(a, keys, items, n, next);
 }
 
 struct Variant {

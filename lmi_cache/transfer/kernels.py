@@ -46,7 +46,7 @@ EXTENSION_NAME = "lmi_cache_kernels"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 CPU_SOURCES = ("bindings.cpp", "paged_copy_cpu.cpp", "rotate_pairs_cpu.cpp", "scattered_attention_cpu.cpp")
 CUDA_SOURCES = ("paged_copy_cuda.cu",)
-HEADERS = ("paged_copy.h", "rotate_pairs.h", "scattered_attention.h")
+HEADERS = ("paged_copy.h", "rotate_pairs.h", "scattered_attention.h", "scattered_attention_simd.h")
 
 _lock = threading.Lock()
 _backend: str | None = None
