@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from test_worker_side import GEO, NUM_BLOCKS, FakeEngine, keys
+from test_worker_side import GEO, NUM_BLOCKS, FakeEngine, keys, tier_errors
 
 from lmi_cache.keys.kv_groups import KvCacheGroup
 from lmi_cache.transfer.state_copy import state_views
@@ -62,7 +62,7 @@ def test_a_state_of_another_geometry_is_a_load_fault_never_a_write() -> None:
                                      async_loads=["q"]))
     assert all(torch.equal(a, b) for a, b in zip(pages, before))
     assert worker.take_async_results() == (set(), {"q"})  # vLLM recomputes the request
-    assert worker.stats.num_load_faults == 1 and ("connector", "load") in engine.metrics.errors
+    assert worker.stats.num_load_faults == 1 and ("connector", "load") in tier_errors(engine)
 
 
 def test_the_state_payload_size_is_reported_for_the_directory() -> None:
