@@ -32,7 +32,9 @@ takes the sorted queries in groups of 64 query rows per KV head, so one pass
 over a tile of keys serves the whole group from L1, GEMM-shaped, where vLLM's
 kernel re-reads every key for each one-token query. For the benchmark's 1,211
 scattered queries over 8,111 tokens it took 36-55 ms a layer against 65-85 ms
-for vLLM's kernel in side-by-side runs (``benchmarks/bench_blend_attention.py``). It reads the K/V from
+for vLLM's kernel in side-by-side runs on an AVX-512 host, and 2.2-2.6x less
+than vLLM's kernel with the AVX2 variant on an AVX2-only host
+(``benchmarks/bench_blend_attention.py``). It reads the K/V from
 the contiguous tensors the blend already holds (the request's prefix, read
 once, and the blended tokens), not from the paged blocks. A single run of
 consecutive positions (every token recomputed, or a segment computed alone)
