@@ -28,6 +28,8 @@ is looked up again):
                                                   not vLLM's own prefix cache also had them
 - lmi_cache_load_tokens_total{engine}             tokens the workers were told to load: the hit beyond
                                                   vLLM's own prefix cache (the prefill the cache saved)
+- lmi_cache_scheduler_{match_queries,hit_requests,planned_saves,preemptions,remote_checks,remote_hit_chunks}_total{engine}
+                                                  the scheduler's own counts (``SchedulerSide.stats`` reads them)
 - lmi_cache_placement_evictions_total{engine,tier} entries the placement directory evicted (every rank's)
 - lmi_cache_placement_dropped_total{engine,tier}  entries a worker's tier lost on its own (damaged or
                                                   unreadable, a full filesystem, over its budget)
@@ -151,6 +153,27 @@ class SchedulerMetrics:
                               tiers, registry=r, multiprocess_mode=_GAUGE_MODE)
         self._retained = Gauge("lmi_cache_session_retained_bytes", "Bytes of open sessions' chunks evicted last, all "
                                "ranks, by tier", tiers, registry=r, multiprocess_mode=_GAUGE_MODE)
+
+        # The scheduler's own counts (``SchedulerSide.stats`` reads them back: each is kept once, here).
+        self._steps = {name: Counter(series, doc, labels, registry=r) for name, series, doc in (
+            ("match_queries", "lmi_cache_scheduler_match_queries",
+             "Calls of get_num_new_matched_tokens, re-asks of waiting requests included"),
+            ("hit_requests", "lmi_cache_scheduler_hit_requests", "Requests admitted with a load from the cache"),
+            ("planned_saves", "lmi_cache_scheduler_planned_saves", "Chunk saves planned for the workers"),
+            ("preemptions", "lmi_cache_scheduler_preemptions", "Requests vLLM preempted"),
+            ("remote_checks", "lmi_cache_scheduler_remote_checks", "Batched remote existence checks sent"),
+            ("remote_hit_chunks", "lmi_cache_scheduler_remote_hit_chunks",
+             "Chunks a remote existence check found beyond the local hit"),
+        )}
+
+    def count(self, name: str, amount: float = 1) -> None:
+        """One of the scheduler's own counts (see ``_steps``) grows by ``amount``."""
+        if amount:
+            self._steps[name].labels(self.engine_label).inc(amount)
+
+    def value(self, name: str) -> float:
+        """A series of this scheduler read back from its registry (0 before its first count)."""
+        return self.registry.get_sample_value(name, {"engine": self.engine_label}) or 0.0
 
     def evicted(self, tier: str, count: int) -> None:
         self._evictions.labels(self.engine_label, tier).inc(count)

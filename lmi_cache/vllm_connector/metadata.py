@@ -78,7 +78,6 @@ class LmiWorkerMeta:
     stored: dict[int, list[TierEvent]] = field(default_factory=dict)
     failed: dict[int, list[TierEvent]] = field(default_factory=dict)
     dropped: dict[int, list[TierEvent]] = field(default_factory=dict)
-    num_load_faults: int = 0
 
     def aggregate(self, other: object) -> LmiWorkerMeta:
         if not isinstance(other, LmiWorkerMeta):
@@ -89,5 +88,4 @@ class LmiWorkerMeta:
             stored=_merged(self.stored, other.stored),
             failed=_merged(self.failed, other.failed),
             dropped=_merged(self.dropped, other.dropped),
-            num_load_faults=self.num_load_faults + other.num_load_faults,
         )

@@ -77,16 +77,30 @@ KeySpaceFactory = Callable[[str], KeySpace]
 MAX_ASKS_WITHOUT_LAYOUT = 200
 
 
-@dataclass
 class SchedulerStats:
-    num_match_queries: int = 0  # calls of get_num_new_matched_tokens, re-asks included
-    num_hit_requests: int = 0
-    num_load_tokens: int = 0
-    num_planned_saves: int = 0
-    num_load_faults: int = 0
-    num_preemptions: int = 0
-    num_remote_lookups: int = 0
-    num_remote_hit_chunks: int = 0
+    """The scheduler's counts, read back from its Prometheus series (each event is counted once, there)."""
+
+    _SERIES = {
+        "num_match_queries": "lmi_cache_scheduler_match_queries_total",
+        "num_hit_requests": "lmi_cache_scheduler_hit_requests_total",
+        "num_load_tokens": "lmi_cache_load_tokens_total",
+        "num_planned_saves": "lmi_cache_scheduler_planned_saves_total",
+        "num_preemptions": "lmi_cache_scheduler_preemptions_total",
+        "num_remote_lookups": "lmi_cache_scheduler_remote_checks_total",
+        "num_remote_hit_chunks": "lmi_cache_scheduler_remote_hit_chunks_total",
+    }
+
+    def __init__(self, metrics: SchedulerMetrics) -> None:
+        self._metrics = metrics
+
+    def __getattr__(self, name: str) -> float:
+        series = type(self)._SERIES.get(name)
+        if series is None:
+            raise AttributeError(name)
+        return self._metrics.value(series)
+
+    def snapshot(self) -> dict[str, float]:
+        return {name: self._metrics.value(series) for name, series in self._SERIES.items()}
 
 
 class SchedulerSide:
@@ -114,7 +128,7 @@ class SchedulerSide:
         self._asks_without_layout = 0
         self._plans: dict[str, RequestPlan] = {}
         self._async_loads: set[str] = set()  # requests whose load goes out with the next metadata (loads_async)
-        self.stats = SchedulerStats()
+        self.stats = SchedulerStats(self.metrics)
 
     # -- lookups -------------------------------------------------------------------------
 
@@ -143,7 +157,7 @@ class SchedulerSide:
                                 session_id=getattr(request, "session_id", None))
             self._plans[req_id] = plan
         plan.load_range, plan.load_confirmed = None, False
-        self.stats.num_match_queries += 1
+        self.metrics.count("match_queries")
         geo = self.geometry
         keys, directory = plan.chunk_keys, self.directory
         num_chunks = len(keys[0])
@@ -180,7 +194,7 @@ class SchedulerSide:
             flat = [key for c in range(first, end) for g in range(num_groups) for key in plan.chunk_keys[g][c]]
             plan.remote_from, plan.remote_found = first, None
             plan.remote_pending = self.directory.ask_remote(flat)
-            self.stats.num_remote_lookups += 1
+            self.metrics.count("remote_checks")
         if plan.remote_found is None:
             found = plan.remote_pending.poll()
             if found is None:
@@ -194,7 +208,7 @@ class SchedulerSide:
             run = first
             while all((g, run) in plan.remote_found for g in range(num_groups)):
                 run += 1
-            self.stats.num_remote_hit_chunks += run - first
+            self.metrics.count("remote_hit_chunks", run - first)
         return plan.remote_found
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int, saves: bool = True,
@@ -214,8 +228,7 @@ class SchedulerSide:
         start = plan.load_range[0]
         plan.load_range = (start, start + num_external_tokens)
         plan.load_confirmed = True
-        self.stats.num_hit_requests += 1
-        self.stats.num_load_tokens += num_external_tokens
+        self.metrics.count("hit_requests")  # its tokens: lmi_cache_load_tokens_total, counted with the lookup above
         if self.geometry.loads_async and block_ids is not None:
             plan.block_ids = self._per_group(block_ids)
             self._async_loads.add(request.request_id)
@@ -228,7 +241,7 @@ class SchedulerSide:
             self._plans.pop(req_id, None)
             self._answered.pop(req_id, None)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            self.stats.num_preemptions += 1
+            self.metrics.count("preemptions")
             plan = self._plans.get(req_id)
             if plan is not None:
                 plan.block_ids, plan.load_range, plan.load_confirmed = [], None, False
@@ -288,13 +301,13 @@ class SchedulerSide:
         for req_id, entries in offers.items():
             plan = self._plans.get(req_id)
             if plan is not None:
-                self.stats.num_planned_saves += plan_state_saves(self.geometry, self.directory, req_id, plan,
-                                                                 entries, meta)
+                self.metrics.count("planned_saves", plan_state_saves(self.geometry, self.directory, req_id, plan,
+                                                                     entries, meta))
 
     def _plan_step(self, req_id: str, plan: RequestPlan, num_computed_tokens: int, num_scheduled_tokens: int,
                    meta: LmiConnectorMetadata) -> None:
-        self.stats.num_planned_saves += plan_step(self.geometry, self.directory, req_id, plan, num_computed_tokens,
-                                                  num_scheduled_tokens, meta)
+        self.metrics.count("planned_saves", plan_step(self.geometry, self.directory, req_id, plan,
+                                                      num_computed_tokens, num_scheduled_tokens, meta))
 
     # -- feedback and lifecycle ----------------------------------------------------------
 
@@ -317,7 +330,6 @@ class SchedulerSide:
         for rank in set(worker_meta.stored) | set(worker_meta.failed) | set(worker_meta.dropped):
             self.directory.complete(rank, worker_meta.stored.get(rank, ()), worker_meta.failed.get(rank, ()),
                                     worker_meta.dropped.get(rank, ()))
-        self.stats.num_load_faults += worker_meta.num_load_faults
 
     def _set_key_space(self, layout_tag: str) -> None:
         space = self._key_space_factory(layout_tag)

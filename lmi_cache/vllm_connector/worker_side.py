@@ -111,7 +111,6 @@ class WorkerSide:
         self._async_failed: set[str] = set()  # ... and that did not (vLLM recomputes those requests)
         self._dropped: list[TierEvent] = []  # entries a load found missing or damaged
         self._instructed: list[TierEvent] = []  # stores and promotions the directory planned this step
-        self._num_new_faults = 0  # load faults since the last worker meta (the scheduler counts them)
         self._num_warnings = 0
         self._last_event: Any = None  # the latest asynchronous scatter of this step (CUDA), or None
         self._pending_releases: list[tuple[Any, list[Any]]] = []  # (copy-done event or None, chunk objects)
@@ -152,8 +151,8 @@ class WorkerSide:
     def _fault(self, what: str, err: BaseException | None, op: str = "load") -> None:
         """A fault of ``op`` ("load", "save", "events"): a tier-error metric and a rate-limited warning.
 
-        Only load faults are reported to the scheduler (``num_load_faults``): they are what made
-        vLLM recompute blocks; a failed save is only a future miss.
+        A load fault's chunk is also reported dropped (the directory forgets it); a failed save is only a
+        future miss.
         """
         metrics = self.engine.metrics if self.engine is not None else None
         if metrics is not None:
@@ -299,7 +298,6 @@ class WorkerSide:
                 continue
             self._failed_block_ids.update(transfer.block_ids)
             self.stats.add(WorkerStats.num_load_faults)
-            self._num_new_faults += 1
             self._failed_req_ids.add(transfer.req_id)
             self._dropped.append(TierEvent(transfer.source, keys[position].digest))
             self._fault(f"could not load chunk {keys[position].digest.hex()[:12]} for request {transfer.req_id}", None)
@@ -379,7 +377,6 @@ class WorkerSide:
             self._fault("could not drain engine events", err, op="events")
         landed = {(e.tier, e.digest) for e in stored}
         failed = [e for e in instructed if e.tier != REMOTE and (e.tier, e.digest) not in landed]
-        faults, self._num_new_faults = self._num_new_faults, 0
         self.stats.attach(self.engine.metrics)  # the series are present from the first step, at 0
         rank = self.rank_index
         return LmiWorkerMeta(
@@ -388,7 +385,6 @@ class WorkerSide:
             stored={rank: stored} if stored else {},
             failed={rank: failed} if failed else {},
             dropped={rank: dropped} if dropped else {},
-            num_load_faults=faults,
         )
 
     def shutdown(self) -> None:

@@ -49,7 +49,7 @@ def _counters(llm: Any) -> dict[str, Any]:
         counters.update({f"blend_scheduler.{k}": v for k, v in blend_sched.stats.snapshot().items()})
     sched = getattr(scheduler, "scheduler_side", None)
     if sched is not None:
-        counters.update({f"scheduler.{k}": v for k, v in vars(sched.stats).items()})
+        counters.update({f"scheduler.{k}": v for k, v in sched.stats.snapshot().items()})
     return counters
 
 

@@ -57,7 +57,7 @@ def _counters(llm: Any) -> dict[str, Any]:
             counters.update({f"engine.{k}": v for k, v in engine_stats().items() if isinstance(v, (int, float))})
     sched = getattr(_scheduler_connector(llm), "scheduler_side", None)
     if sched is not None:
-        counters.update({f"scheduler.{k}": v for k, v in vars(sched.stats).items()})
+        counters.update({f"scheduler.{k}": v for k, v in sched.stats.snapshot().items()})
         counters["scheduler.placed_digests"] = len(sched.directory.digests())
         counters["scheduler.asks_without_layout"] = sched._asks_without_layout
     return counters

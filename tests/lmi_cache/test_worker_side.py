@@ -189,7 +189,7 @@ def test_missing_chunk_reports_blocks_removes_digest_and_skips_saves() -> None:
     assert tier_errors(engine) == {("connector", "load"): 1}
     assert [t for t in engine.data] == [k[2].digest]  # only the healthy request saved
     wmeta = worker.build_worker_meta()
-    assert wmeta is not None and k[0].digest in [e.digest for e in wmeta.dropped[0]] and wmeta.num_load_faults == 1
+    assert wmeta is not None and k[0].digest in [e.digest for e in wmeta.dropped[0]] and worker.stats.num_load_faults == 1
     # The poisoning lasts one step only.
     worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("q", (keys(4)[3],), (1, 2))]))
     assert worker.stats.num_chunks_saved == 2
