@@ -200,6 +200,8 @@ class CacheEngine:
         the first tier where ``promote`` says so (the placement directory decided both); without, every tier
         is asked in order for what the ones before it missed, and hits from behind are promoted."""
         remaining = list(range(len(keys)))
+        # Undirected, every hit from behind the CPU tier is promoted; directed, only where the directory said so.
+        promoted = [sources is None or bool(promote and promote[i]) for i in range(len(keys))]
         for number, tier in enumerate(self.tiers):
             asked = remaining if sources is None else [i for i in remaining if sources[i] == _placement_name(tier)]
             if not asked:
@@ -213,7 +215,7 @@ class CacheEngine:
                     for position, obj in hits:
                         self.metrics.loaded(tier.name, time.perf_counter() - started)
                         self.metrics.loaded_tokens(tier.name, obj.key.num_tokens)
-                        if number and (promote is None if sources is None else bool(promote and promote[position])):
+                        if number and promoted[position]:
                             self._promote(obj, number)
                     found.update(i for i, _ in hits)
                     yield hits
@@ -331,4 +333,4 @@ def scan_persisted_digests(config: CacheConfig, replica: int = 0, world_size: in
     """
     if config.disk_capacity_bytes <= 0:
         return set()
-    return scan_persisted_digests_in(replica_rank_dirs(config.local_disk, replica, world_size))
+    return scan_persisted_digests_in([d.path for _, d in replica_rank_dirs(config.local_disk, replica, world_size)])

@@ -144,9 +144,6 @@ class TierBook:
     def digests(self) -> set[bytes]:
         return set(self._where)
 
-    def used_bytes(self, rank: int | None = None) -> int:
-        return sum(b.used_bytes for (r, _), b in self._budgets.items() if rank is None or r == rank)
-
     # -- changes --------------------------------------------------------------------------
 
     def reserve(self, rank: int, digest: bytes, payload_bytes: int) -> list[Victim] | None:

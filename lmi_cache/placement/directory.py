@@ -134,11 +134,6 @@ class PlacementDirectory:
     def holds(self, keys: Sequence[ChunkKey]) -> bool:
         return self.lookup(keys) is not None
 
-    def expects(self, keys: Sequence[ChunkKey]) -> bool:
-        """Held or being stored in the first tier on every rank (a store planned, not confirmed yet)."""
-        first = self.first_tier
-        return first is not None and all(first.knows(key.digest) for key in keys)
-
     def ask_remote(self, keys: Sequence[ChunkKey]) -> PendingLookup:
         """One batched, asynchronous existence check in the remote store (``poll()`` answers); needs ``remote``."""
         assert self.remote is not None, "no remote store"
@@ -254,7 +249,3 @@ class PlacementDirectory:
     def digests(self) -> set[bytes]:
         """Every digest some local tier holds or expects, on any rank."""
         return set().union(*(book.digests() for book in self.books))
-
-    def num_entries(self, tier: str) -> int:
-        book = self._by_name.get(tier)
-        return len(book) if book is not None else 0

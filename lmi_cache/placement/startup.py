@@ -9,7 +9,6 @@ The disk tier's files of every rank of this replica are adopted oldest first
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from lmi_cache.config.cache_config import CacheConfig
@@ -19,8 +18,7 @@ from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import PlacementDirectory, RemoteLookups
 from lmi_cache.tiers.buffers import size_class_bytes
 from lmi_cache.tiers.disk import object_files
-from lmi_cache.tiers.disk.ranks import prune_orphan_rank_dirs, rank_label
-from lmi_cache.tiers.disk.trust import tier_dir_problem
+from lmi_cache.tiers.disk.ranks import prune_orphan_rank_dirs, replica_rank_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +56,10 @@ def adopt_disk_files(directory: PlacementDirectory, config: CacheConfig, replica
     found = 0
     try:
         prune_orphan_rank_dirs(config.local_disk, replica, world_size)
-        for rank in range(world_size):
-            for shard, root in enumerate(config.local_disk):
-                path = os.path.join(root, f"rank{rank_label(rank, replica)}")
-                if not os.path.isdir(path):
-                    continue
-                problem = tier_dir_problem(path)
-                if problem is not None:
-                    logger.warning("lmi-cache: not reading %s (%s)", path, problem)
-                    continue
-                for file in object_files.scan_root(path, remove_garbage=False):  # oldest first
-                    directory.adopt("disk", rank, shard, file.digest, file.size_bytes)
-                    found += 1
+        for shard, rank_dir in replica_rank_dirs(config.local_disk, replica, world_size):
+            for file in object_files.scan_root(rank_dir.path, remove_garbage=False):  # oldest first
+                directory.adopt("disk", rank_dir.rank, shard, file.digest, file.size_bytes)
+                found += 1
     except Exception as err:  # noqa: BLE001 - a cold directory is only slower
         logger.warning("lmi-cache: could not scan the disk tier (%s); starting without its files", err)
     logger.info("lmi-cache: placement directory adopted %d persisted chunks in %.3f s", found,

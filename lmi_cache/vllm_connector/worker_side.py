@@ -353,7 +353,7 @@ class WorkerSide:
 
     def expect_stores(self, events: Iterable[TierEvent]) -> None:
         """Stores planned by the directory that another component (blending) makes: reported like this side's."""
-        self._instructed.extend(event for event in events if event.tier != REMOTE)
+        self._instructed.extend(events)
 
     def load_failed(self, req_id: str) -> bool:
         """Whether a chunk of ``req_id`` failed to load this step (its blocks after it are recomputed)."""

@@ -48,7 +48,7 @@ def store(d: PlacementDirectory, n: int, ranks: int = 1) -> tuple[str, ...]:
 def test_a_store_is_pending_until_a_worker_confirms_it() -> None:
     d = directory()
     assert d.prepare_store(keys(1), 0) == ("cpu",)
-    assert d.lookup(keys(1)) is None and d.expects(keys(1))
+    assert d.lookup(keys(1)) is None and d.books[0].knows(key(1).digest)  # pending
     assert d.prepare_store(keys(1), 0) == ()  # planned once, even for two requests in one step
     d.complete(0, stored=[TierEvent("cpu", key(1).digest, PAYLOAD)])
     assert d.lookup(keys(1)) == "cpu"
@@ -59,7 +59,7 @@ def test_a_failed_store_frees_its_room_and_is_a_miss() -> None:
     d.prepare_store(keys(1), 0)
     d.complete(0, failed=[TierEvent("cpu", key(1).digest)])
     d.end_step()
-    assert not d.expects(keys(1))
+    assert not d.books[0].knows(key(1).digest)
     assert store(d, 2) == ("cpu",) and d.take_evictions() == []  # the room came back
 
 

@@ -65,10 +65,11 @@ def list_rank_dirs(root: str) -> list[RankDir]:
     return sorted(found, key=lambda d: (d.replica, d.rank))
 
 
-def replica_rank_dirs(roots: Sequence[str], replica: int, world_size: int | None) -> list[str]:
-    """Existing, trustworthy rank directories of one replica, ranks below ``world_size`` (all if None)."""
-    dirs: list[str] = []
-    for root in roots:
+def replica_rank_dirs(roots: Sequence[str], replica: int, world_size: int | None) -> list[tuple[int, RankDir]]:
+    """Existing, trustworthy rank directories of one replica, ranks below ``world_size`` (all if None), each with
+    the index of its root in ``roots`` (the disk tier's shard it belongs to)."""
+    dirs: list[tuple[int, RankDir]] = []
+    for shard, root in enumerate(roots):
         for found in list_rank_dirs(root):
             if found.replica != replica or (world_size is not None and found.rank >= world_size):
                 continue
@@ -76,7 +77,7 @@ def replica_rank_dirs(roots: Sequence[str], replica: int, world_size: int | None
             if problem is not None:
                 logger.warning("lmi-cache: not reading %s (%s)", found.path, problem)
                 continue
-            dirs.append(found.path)
+            dirs.append((shard, found))
     return dirs
 
 
