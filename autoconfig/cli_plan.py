@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -21,10 +22,11 @@ if TYPE_CHECKING:
     from autoconfig.serve.launch import ServeLaunch
     from autoconfig.validate import Finding
 
-# How plan says what serve does with the cache, per mode.
+# How plan says what serve does with the cache, per mode (every mode the settings resolution gives).
 _MODE_TEXT = {
     "auto": "auto-configured as planned above",
-    "file": "from {file} (the plan above shows what auto-configuration would size instead)",
+    "file": "from {file}, with the tiers above (checked against the host)",
+    "env": "from LMCACHE_* variables, with the tiers above (checked against the host)",
     "off": "off (the plan above shows what option.lmcache_auto_config=true would size)",
 }
 
@@ -49,13 +51,20 @@ def run_plan(model_dir: str | None, flags: Mapping[str, Any], source: HostSource
     host = source.load(model_weights(mdir, env, cli))
     launch = prepare_launch(mdir, env, host=host, dry_run=True, cli=cli, check_output=False)
     assert launch.props is not None
-    plan = launch.plan or plan_for(launch.props, mdir, host, env)
+    # The tiers serve will run, whichever way in sets them; with the cache off, what auto-config would size.
+    plan = launch.tiers or launch.plan or plan_for(launch.props, mdir, host, env)
+    plan = replace(plan, vllm_args=launch.engine_args)  # configure's vllm_args.json: what serve passes to vLLM
     if source.live and plan.disk.enabled and plan.disk.path:
         _refuse_unsafe_dir(plan.disk.path)
     cache = _MODE_TEXT[launch.mode].format(file=launch.props.config_file)
+    if launch.mode in ("file", "env") and launch.tiers is None:
+        cache += "; sizes not checked: the model's config.json cannot be read now"
     notes = launch.props.notes
+    compare = launch.auto_plan if launch.mode in ("file", "env") else None
     if as_json:
-        serve = {"cache_mode": launch.mode, "cache": cache, "notes": notes, "vllm_args": launch.vllm_args()}
+        serve: dict[str, Any] = {"cache_mode": launch.mode, "cache": cache, "notes": notes, "vllm_args": launch.vllm_args()}
+        if compare is not None:
+            serve["auto_config_would_size"] = {"tiers": compare.to_dict()["tiers"], "chunk_size": compare.chunk_size}
         echo(json.dumps({**plan.to_dict(), "serve": serve}, indent=2))
         return
     from autoconfig.render.plan_text import format_plan
@@ -63,6 +72,10 @@ def run_plan(model_dir: str | None, flags: Mapping[str, Any], source: HostSource
     echo(format_plan(plan, source.label), nl=False)
     echo("\nServe with these settings ('lmi-cache serve --dry-run' resolves them the same way):")
     echo(f"  cache: {cache}")
+    if compare is not None:
+        from autoconfig.serve.summary import planned_parts
+
+        echo(f"  auto-configuration would size instead: {'; '.join(planned_parts(compare))}")
     for note in notes:
         echo(f"  note: {note}")
     echo(f"  vLLM arguments: {_shell(launch)}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
@@ -32,6 +32,7 @@ from lmi_cache.config.env import env_override_line, env_override_names
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
+    from autoconfig.lmi.to_vllm import MappedArgs
     from autoconfig.probe.snapshot import HostSnapshot
     from autoconfig.plan.types import TierPlan
 
@@ -42,6 +43,14 @@ DEFAULT_OUTPUT_DIR = "/tmp/lmi-cache"
 RUNTIME_DIR_ENV = "LMI_CACHE_RUNTIME_DIR"
 OUTPUT_FILES = ("lmcache.yaml", "plan.json", "vllm_args.json", "env.json", "env.sh", "vllm_secrets.yaml")
 PRIVATE_FILES = frozenset({"vllm_secrets.yaml"})  # written 0600: they hold secrets
+
+
+# vLLM arguments derived from ServingSettings (the connector arguments carry them): the option
+# values are not rendered a second time.
+SETTINGS_ARGS = frozenset({
+    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "max_model_len",
+    "gpu_memory_utilization", "kv_cache_dtype", "dtype",
+})
 
 
 class ConfigureError(UserError):
@@ -76,6 +85,7 @@ def configure(
     model: str | None = None,
     resolved: ResolvedProperties | None = None,
     check_output: bool = True,
+    mapped: "MappedArgs | None" = None,
 ) -> ConfigureResult:
     """Resolve properties, probe (unless ``host`` is given), plan and write the files.
 
@@ -83,7 +93,9 @@ def configure(
     others; ``write=False`` checks the directory and writes nothing; ``model``
     replaces option.model_id where config.json is read (an S3 model's local copy);
     ``resolved`` is serve's own resolution of the same properties (with its TP fit);
-    ``check_output=False`` (``plan``, with ``write=False``) skips the runtime directory check.
+    ``check_output=False`` (``plan``, with ``write=False``) skips the runtime directory check;
+    ``mapped``: serve's mapping of the other LMI options (computed here when not given).
+    vllm_args.json holds every vLLM argument serve passes after ``--model`` except the front door's.
     """
     from autoconfig.render.vllm_args import vllm_args as render_args
 
@@ -105,7 +117,6 @@ def configure(
         plan = plan_for(props, mdir, host, env, model)
         yaml_path = out / "lmcache.yaml"
         files["lmcache.yaml"] = _yaml_text(plan)
-        files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
         run_env = {"LMCACHE_CONFIG_FILE": str(yaml_path), **plan.env}
         args = list(plan.vllm_args)
         messages += [f"warning: {w}" for w in plan.warnings]
@@ -127,6 +138,10 @@ def configure(
         args = render_args(None, props.settings)[2:]
         mode = "off"
         messages.append("LMCache off: set option.lmcache_auto_config=true or option.lmcache_config_file")
+    args = engine_args(props, args, mapped or mapped_options(props))
+    if plan is not None:
+        plan = replace(plan, vllm_args=args)
+        files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
     overrides = env_override_names(env) if mode in ("auto", "file") else []
     if overrides:  # LMCache's rule, which the engine follows: LMCACHE_<KEY> beats the YAML
         messages.append(f"warning: {env_override_line(overrides)}")
@@ -147,6 +162,29 @@ def configure(
     return ConfigureResult(mode, out, written, props, plan, run_env, args, messages)
 
 
+def mapped_options(props: ResolvedProperties) -> "MappedArgs":
+    """The LMI options that become vLLM arguments (not the cache's, the front door's or the recipe's own)."""
+    from autoconfig.lmi.to_vllm import map_lmi_options
+    from lmi_cache.front.options import FRONT_OPTIONS
+
+    passed = {name: opt for name, opt in props.options.items()
+              if name not in props.consumed and name not in FRONT_OPTIONS}
+    return map_lmi_options({name: opt.value for name, opt in passed.items()},
+                           {name: opt.where for name, opt in passed.items()}, num_gpus=props.settings.tp)
+
+
+def engine_args(props: ResolvedProperties, args: list[str], mapped: "MappedArgs") -> list[str]:
+    """The connector and settings arguments, then every other option as serve passes it to vLLM."""
+    from autoconfig.lmi.to_vllm import flag_to_name
+
+    out = list(args)
+    if props.recipe is not None and props.settings.engine == "lmcache" and "--kv-transfer-config" in out:
+        # Upstream LMCache through LMI's recipe keeps the user's kv_transfer_config.
+        out[out.index("--kv-transfer-config") + 1] = props.recipe.upstream_json()
+    names = flag_to_name()
+    return out + mapped.argv(skip=SETTINGS_ARGS | frozenset(names[a] for a in args if a in names))
+
+
 def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str],
              model_override: str | None = None) -> "TierPlan":
     """The auto-configuration plan for these settings (configure's, and ``plan``'s what-if in other modes)."""
@@ -164,7 +202,15 @@ def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: M
         from autoconfig.model.ssm import refuse_state_caching
 
         refuse_state_caching(info.kv.state, model)
-    return plan_tiers(host, info, props.settings, cpu_kvcache_space_gib=cpu_kvcache_space_from_env(env))
+    from autoconfig.plan.tier_labels import option_labels, relabel, relabel_plan
+    from autoconfig.plan.types import PlanError
+
+    labels = option_labels(props.options)  # messages name the option, variable or flag as the user gave it
+    try:
+        plan = plan_tiers(host, info, props.settings, cpu_kvcache_space_gib=cpu_kvcache_space_from_env(env))
+    except PlanError as err:
+        raise PlanError(relabel(str(err), labels)) from None
+    return relabel_plan(plan, labels)
 
 
 def _check_blend_model(props: ResolvedProperties, mdir: Path, env: Mapping[str, str],
@@ -225,10 +271,17 @@ def _yaml_text(plan: "TierPlan") -> str:
 def _check_user_config(path: Path, where: str) -> None:
     from lmi_cache.config.cache_config import load_config
 
+    check_yaml_path(path, where)
+    load_config(str(path), env={})  # raises ConfigError naming the file and key
+
+
+def check_yaml_path(path: Path, where: str) -> None:
+    """The user's YAML must be a file: a directory or a missing path says which."""
+    if path.is_dir():
+        raise ConfigureError(f"{where}: {path} is a directory, not an LMCache YAML file; name the file")
     if not path.is_file():
         raise ConfigureError(f"{where}: {path} does not exist; fix the path "
                              "(relative paths are resolved against the model directory)")
-    load_config(str(path), env={})  # raises ConfigError naming the file and key
 
 
 def check_runtime_dir(out: Path) -> None:

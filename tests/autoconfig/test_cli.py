@@ -189,4 +189,4 @@ def test_plan_tier_overrides_are_honoured_and_checked(tmp_path: Path) -> None:
     assert data["tiers"]["cpu"]["bytes_per_rank"] == 50 << 30
     assert data["tiers"]["disk"]["enabled"] is False
     assert data["lmcache_config"]["max_local_cpu_size"] == 50
-    _assert_one_line_error(_run(base + ["--cpu-size-gib", "100000"]), "lmcache_max_local_cpu_size")
+    _assert_one_line_error(_run(base + ["--cpu-size-gib", "100000"]), "--cpu-size-gib=100000.0 GiB per rank does not fit")  # the flag as typed
