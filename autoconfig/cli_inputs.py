@@ -42,7 +42,7 @@ class HostSource:
 
     def __post_init__(self) -> None:
         if self.host_file and self.instance_type:
-            raise click.UsageError("use --host or --instance-type, not both")
+            raise click.UsageError("use --host-snapshot or --instance-type, not both")
 
     @property
     def live(self) -> bool:
@@ -77,11 +77,31 @@ class HostSource:
         return probe_host()
 
 
-def host_options(func: Any) -> Any:
-    """``--host FILE`` / ``--instance-type NAME``: the same on every command."""
+SNAPSHOT_FLAG = "--host-snapshot"
+
+
+def _old_snapshot_flag(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    """``--host FILE``: the snapshot, with one deprecation line (``--host-snapshot`` wins when both are given)."""
+    if value is None or ctx.resilient_parsing:
+        return
+    click.echo(f"lmi-cache: warning: --host FILE is deprecated (serve passes --host to vLLM); use "
+               f"{SNAPSHOT_FLAG} {value}", err=True)
+    if ctx.params.get("host_file") is None:
+        ctx.params["host_file"] = value
+
+
+def host_options(func: Any, *, old_spelling: bool = True) -> Any:
+    """``--host-snapshot FILE`` / ``--instance-type NAME``: the same on every command.
+
+    ``old_spelling``: ``--host FILE`` still names a snapshot, with a deprecation line (not on
+    ``serve``, where ``--host`` is vLLM's listen address).
+    """
     func = click.option("--instance-type", help="Use a SageMaker instance type's host (what-if) instead of "
                         "probing this machine.")(func)
-    func = click.option("--host", "host_file", type=click.Path(dir_okay=False),
+    if old_spelling:
+        func = click.option("--host", "old_host_file", type=click.Path(dir_okay=False), hidden=True,
+                            expose_value=False, callback=_old_snapshot_flag)(func)
+    func = click.option(SNAPSHOT_FLAG, "host_file", type=click.Path(dir_okay=False),
                         help="Host snapshot JSON (from 'lmi-cache probe --json') instead of probing.")(func)
     return func
 

@@ -105,15 +105,17 @@ def prepare_launch(
     dry_run: bool = False,
     cli: Mapping[str, tuple[str, str]] | None = None,
     check_output: bool = True,
+    bind: tuple[str | None, int | None] = (None, None),
 ) -> ServeLaunch:
     """Check everything and build the vLLM command; raise a UserError naming the first problem.
 
     With ``dry_run`` nothing is written (the runtime directory is only checked, unless
-    ``check_output`` is false); ``cli``: plan's setting flags, above the properties.
+    ``check_output`` is false); ``cli``: plan's setting flags, above the properties; ``bind``: serve's
+    ``--host`` / ``--port`` for vLLM (None: 0.0.0.0 and SAGEMAKER_BIND_TO_PORT or 8080).
     """
     env = dict(os.environ if env is None else env)
     mdir = Path(model_dir) if model_dir is not None else Path(DEFAULT_MODEL_DIR)
-    port = server_port(env)
+    port = bind[1] or server_port(env)
     if host is None:
         host = probe() if probe is not None else _probe_this_host()
     props = resolve_fitted(mdir, env, len(host.gpus), cli)  # LMI's TP "max" fitted to the model's heads
@@ -132,15 +134,17 @@ def prepare_launch(
         checked = model  # what the checks and the plan read config.json from
         if is_s3(model):
             model, checked = materialize_s3_model(model, props.options["model_id"].where, out, dry_run, scratch)
-        launch = _launch(props, mapped, mdir, model, checked, out, env, host, port, python, (dry_run, check_output),
+        launch = _launch(props, mapped, mdir, model, checked, out, env, host, (bind[0] or "0.0.0.0", port), python,
+                         (dry_run, check_output),
                          cache_on, env_findings)
     return launch
 
 
 def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: str, checked: str, out: Path,
-            env: dict[str, str], host: "HostSnapshot", port: int, python: str, run: tuple[bool, bool],
+            env: dict[str, str], host: "HostSnapshot", address: tuple[str, int], python: str, run: tuple[bool, bool],
             cache_on: bool, env_findings: list[str]) -> ServeLaunch:
     dry_run, check_output = run
+    bind_host, port = address
     check_start(props, checked, host, env)  # what vLLM would refuse, before any file is written
     findings: list[str] = []
     tiers = None
@@ -153,7 +157,7 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
                        check_output=check_output, mapped=mapped)
     # After configure: it refuses a runtime directory another user controls before anything is made in it.
     metrics_env = multiproc_env(env, out, port, cache_on=cache_on, prepare=not dry_run)  # lmi_cache.metrics.settings
-    argv = [python, "-m", VLLM_SERVER_MODULE, "--host", "0.0.0.0", "--port", str(port), "--model", model]
+    argv = [python, "-m", VLLM_SERVER_MODULE, "--host", bind_host, "--port", str(port), "--model", model]
     if secret_files:
         argv += ["--config", str(result.output_dir / SECRETS_FILE)]
     argv += result.vllm_args  # configure's vllm_args.json: the connector, the settings and every other option
@@ -175,7 +179,7 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
         overridden, tiers = check_user_config(props, checked, host, env, planned=result.plan)
         findings += [f for f in overridden if f not in findings]
     auto_plan = _auto_comparison(props, mdir, host, env, checked) if dry_run and result.mode != "auto" else None
-    summary = serve_summary(props, result.mode, model, port, mapped.notes, result.messages, findings, env_set,
+    summary = serve_summary(props, result.mode, model, address, mapped.notes, result.messages, findings, env_set,
                             (result.plan or tiers, auto_plan), env)  # auto: planned values, overrides beside them
     summary[-1:-1] = front.summary
     return ServeLaunch(argv, {**env, **env_set}, env_set, result.mode, summary, props, result.plan, tiers, auto_plan,
@@ -214,7 +218,7 @@ def secrets_for_vllm(mapped: MappedArgs, props: ResolvedProperties) -> tuple[dic
 
 
 def load_host_file(path: str) -> "HostSnapshot":
-    """A ``probe --json`` snapshot instead of this machine (dry-run what-ifs, tests): the one ``--host`` reader."""
+    """A ``probe --json`` snapshot instead of this machine (dry-run what-ifs, tests): the one ``--host-snapshot`` reader."""
     from autoconfig.probe.snapshot import load_snapshot_file
 
     return load_snapshot_file(path)
@@ -244,9 +248,9 @@ def cpu_backend_env(env: Mapping[str, str], env_set: Mapping[str, str], host: "H
 
 
 def run_serve(model_dir: str | None, dry_run: bool, host: "HostSnapshot | None" = None,
-              echo: Callable[[str], None] = print) -> int:
+              echo: Callable[[str], None] = print, bind: tuple[str | None, int | None] = (None, None)) -> int:
     """The CLI body: print the summary, then run vLLM until it ends (or, with dry_run, print the command)."""
-    launch = prepare_launch(model_dir, host=host, dry_run=dry_run)
+    launch = prepare_launch(model_dir, host=host, dry_run=dry_run, bind=bind)
     for line in launch.summary:
         echo(f"lmi-cache serve: {line}")
     if dry_run:

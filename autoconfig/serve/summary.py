@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 GIB = 1 << 30
 
 
-def serve_summary(props: ResolvedProperties, mode: str, model: str, port: int, mapped_notes: list[str],
+def serve_summary(props: ResolvedProperties, mode: str, model: str, address: tuple[str, int], mapped_notes: list[str],
                   messages: list[str], findings: list[str], env_set: Mapping[str, str],
                   plans: "tuple[TierPlan | None, TierPlan | None]", env: Mapping[str, str]) -> list[str]:
     """``plans``: the tiers that will run, and what auto-configuration would size instead (None: not shown)."""
@@ -38,7 +38,7 @@ def serve_summary(props: ResolvedProperties, mode: str, model: str, port: int, m
     lines += [m for m in messages if m.startswith("warning:")]
     lines += [f"config check: {f}" for f in findings]
     lines += [f"env {k}={'***' if is_secret_env(k) else v}" for k, v in sorted(env_set.items())]
-    lines.append(f"vLLM OpenAI server on 0.0.0.0:{port} (/ping, /invocations)")
+    lines.append(f"vLLM OpenAI server on {address[0]}:{address[1]} (/ping, /invocations)")
     return lines
 
 

