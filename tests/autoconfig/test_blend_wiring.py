@@ -177,7 +177,7 @@ def test_bad_values_and_check_layers_past_the_model(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"blend_check_layers: layer 40 does not exist .*28 layers"):
         _launch(tmp_path, "option.lmcache_auto_config=true\noption.lmcache_enable_blending=true\n"
                           "option.lmcache_blend_check_layers=40\n")
-    with pytest.raises(UserError, match=r"serving.properties: option.lmcache_enable_blending: .*'maybe'"):
+    with pytest.raises(UserError, match=r"serving.properties:\d+: option.lmcache_enable_blending: .*'maybe'"):
         _launch(tmp_path, "option.lmcache_auto_config=true\noption.lmcache_enable_blending=maybe\n")
     mdir = _model_dir(tmp_path, "option.lmcache_config_file=lmcache.yaml\n")
     (mdir / "lmcache.yaml").write_text("chunk_size: 256\nenable_blending: true\nblend_min_tokens: -1\n")

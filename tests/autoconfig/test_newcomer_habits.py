@@ -63,3 +63,49 @@ def test_a_snapshot_is_given_with_host_snapshot_and_the_old_spelling_says_so(tmp
     assert f"--host FILE is deprecated (serve passes --host to vLLM); use --host-snapshot {SNAPSHOT}" in planned.stderr
     assert planned.stdout == run(["plan", "--model-dir", str(mdir), "--host-snapshot", str(SNAPSHOT)],
                                  tmp_path).stdout
+
+
+def test_a_serving_properties_that_is_not_a_file_is_an_error(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path)
+    props = mdir / "serving.properties"
+    props.unlink()
+    props.mkdir()
+    args = ["serve", "--dry-run", "--model-dir", str(mdir), *SMALL]
+    assert error_line(run(args, tmp_path)).startswith(f"{props}: is a directory, not a properties file")
+    props.rmdir()
+    props.symlink_to(props)  # a loop
+    assert error_line(run(args, tmp_path)).startswith(f"{props}: a symbolic link that leads to no file")
+    assert error_line(run(["plan", "--model-dir", str(mdir), *SMALL], tmp_path)).startswith(f"{props}: a symbolic")
+
+
+def test_a_key_written_twice_in_serving_properties_names_both_lines(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.max_model_len=4096\noption.lmcache_auto_config=true\noption.max_model_len=8192\n")
+    result = run(["serve", "--dry-run", "--model-dir", str(mdir), *SMALL], tmp_path)
+    assert result.exit_code == 0, result.output
+    assert (f"note: {mdir / 'serving.properties'}: line 3: option.max_model_len is also set on line 1; line 3's value "
+            "is used") in result.stdout
+    assert "max_model_len=8192" in result.stdout
+
+
+def test_a_disk_directory_with_a_zero_disk_size_is_said(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.max_model_len=8192\noption.lmcache_auto_config=true\n"
+                               "option.lmcache_local_disk=/tmp/kv\noption.lmcache_max_local_disk_size=0\n")
+    result = run(["serve", "--dry-run", "--model-dir", str(mdir), *SMALL], tmp_path)
+    assert result.exit_code == 0, result.output
+    props = mdir / "serving.properties"
+    assert (f"warning: {props}:3: option.lmcache_local_disk=/tmp/kv is not used: {props}:4: "
+            "option.lmcache_max_local_disk_size=0 turns the disk tier off") in result.stdout
+
+
+def test_an_lmi_variable_the_file_overrides_is_noted(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.max_model_len=8192\noption.tensor_parallel_degree=1\n")
+    result = run(["serve", "--dry-run", "--model-dir", str(mdir), *SMALL], tmp_path, TENSOR_PARALLEL_DEGREE="4")
+    assert result.exit_code == 0, result.output
+    assert (f"note: {mdir / 'serving.properties'}:2: option.tensor_parallel_degree overrides environment variable "
+            "TENSOR_PARALLEL_DEGREE") in result.stdout
+
+
+def test_a_bad_option_value_names_the_file_and_line(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "# settings\noption.max_model_len=8192\noption.gpu_memory_utilization=lots\n")
+    line = error_line(run(["plan", "--model-dir", str(mdir), *SMALL], tmp_path))
+    assert line.startswith(f"{mdir / 'serving.properties'}:3: option.gpu_memory_utilization='lots'"), line

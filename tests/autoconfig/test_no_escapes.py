@@ -98,5 +98,5 @@ def test_a_property_that_overrides_an_option_variable_says_so(tmp_path: Path) ->
                        OPTION_MAX_MODEL_LEN="4096")
     assert result.exit_code == 0, result.output
     said = [ln for ln in result.stdout.splitlines() if " overrides " in ln]
-    assert said == [f"lmi-cache serve: note: {mdir / 'serving.properties'}: option.max_model_len overrides "
+    assert said == [f"lmi-cache serve: note: {mdir / 'serving.properties'}:1: option.max_model_len overrides "
                     "environment variable OPTION_MAX_MODEL_LEN"]
