@@ -156,8 +156,7 @@ def model_weights(model_dir: Path, env: Mapping[str, str], cli: Mapping[str, tup
     """For an instance type: the model's weight bytes (0 when config.json cannot be read yet)."""
 
     def weights(gpus: int) -> int:
-        from autoconfig.serve.configure import resolve_fitted
-        from autoconfig.model.source import hub_access_from_env, load_model_info
+        from autoconfig.serve.configure import model_info, resolve_fitted
         from autoconfig.model.s3 import is_s3
         from lmi_cache.errors import UserError
 
@@ -166,9 +165,7 @@ def model_weights(model_dir: Path, env: Mapping[str, str], cli: Mapping[str, tup
             model = props.model_id or (str(model_dir) if (model_dir / "config.json").is_file() else None)
             if model is None or is_s3(model):
                 return 0
-            hf_home, allow_network = hub_access_from_env(env)
-            return load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                                   hf_home=hf_home, allow_network=allow_network).weights_bytes
+            return model_info(props, model, env).weights_bytes
         except UserError:
             return 0  # the command itself reports the bad setting, with its own message
 

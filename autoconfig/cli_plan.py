@@ -90,8 +90,7 @@ def _shell(launch: "ServeLaunch") -> str:
 def run_validate(config: str | None, model_dir: str | None, flags: Mapping[str, Any], source: HostSource,
                  echo: Callable[[str], None] = click.echo) -> int:
     """Findings for the YAML (CONFIG, or the one the settings name); 1 when any is an error."""
-    from autoconfig.serve.configure import DEFAULT_MODEL_DIR, NO_MODEL_DIR, resolve_fitted
-    from autoconfig.model.source import hub_access_from_env, load_model_info
+    from autoconfig.serve.configure import DEFAULT_MODEL_DIR, NO_MODEL_DIR, model_info, resolve_fitted
     from autoconfig.validate import blend_findings, validate_config
 
     cli = cli_settings(flags)
@@ -107,9 +106,7 @@ def run_validate(config: str | None, model_dir: str | None, flags: Mapping[str, 
     if model is None:
         where = model_dir or DEFAULT_MODEL_DIR
         raise click.UsageError(f"no model: give --model, or a --model-dir with config.json ({where} has none)")
-    hf_home, allow_network = hub_access_from_env(env)
-    info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                           hf_home=hf_home, allow_network=allow_network)
+    info = model_info(props, model, env)
     findings = blend_findings(path, info) + start_findings(info, props, env) + validate_config(
         path, info, props.settings, host, check_local_paths=source.live)
     findings += env_findings(env)

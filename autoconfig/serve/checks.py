@@ -80,7 +80,7 @@ def check_user_config(
     Errors fail (one line, the setting as the user gave it); returns the warnings and the
     tiers that will run (None when config.json cannot be read now).
     """
-    from autoconfig.model.source import hub_access_from_env, load_model_info
+    from autoconfig.serve.configure import model_info
     from autoconfig.validate import checked_tiers
 
     path = props.config_file if planned is None else Path("the planned LMCache YAML")
@@ -89,9 +89,7 @@ def check_user_config(
 
         check_yaml_path(path, props.config_where)
     try:
-        hf_home, allow_network = hub_access_from_env(env)
-        info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                               hf_home=hf_home, allow_network=allow_network)
+        info = model_info(props, model, env)
     except UserError as err:
         # The YAML's keys are still checked by configure; only the size checks need config.json.
         return [f"sizes in {path or 'LMCACHE_* variables'} not checked against the host: {err}"], None
@@ -129,13 +127,11 @@ def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
 
 def check_start(props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str]) -> None:
     """What vLLM will refuse (autoconfig.plan.start_checks), in every cache mode, when config.json can be read now."""
-    from autoconfig.model.source import hub_access_from_env, load_model_info
     from autoconfig.plan.start_checks import check_startable
+    from autoconfig.serve.configure import model_info
 
     try:
-        hf_home, allow_network = hub_access_from_env(env)
-        info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                               hf_home=hf_home, allow_network=allow_network)
+        info = model_info(props, model, env)
     except UserError:
         return  # configure reports an unreadable model where it needs one; vLLM does otherwise
     check_startable(info, props.settings, host, env, {n: o.where for n, o in props.options.items()})
@@ -157,14 +153,13 @@ def largest_fitting_tp(num_gpus: int, heads: tuple[int, int]) -> int:
 
 def model_heads(props: ResolvedProperties, model_dir: Path, env: Mapping[str, str]) -> tuple[int, int] | None:
     """(attention heads, KV heads) of the model when its config.json can be read now, else None."""
-    from autoconfig.model.source import hub_access_from_env, load_model_info
+    from autoconfig.serve.configure import model_info
 
     model = props.model_id or (str(model_dir) if (model_dir / "config.json").is_file() else None)
     if model is None or is_s3(model):
         return None
     try:
-        hf_home, allow_network = hub_access_from_env(env)
-        info = load_model_info(model, hf_home=hf_home, allow_network=allow_network)
+        info = model_info(props, model, env, typed=False)
     except UserError:
         return None  # the plan or vLLM reports an unreadable model; only the TP choice needs it here
     if info.kv.num_attention_heads is None:

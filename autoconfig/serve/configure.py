@@ -33,6 +33,7 @@ from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
     from autoconfig.lmi.to_vllm import MappedArgs
+    from autoconfig.model.source import ModelInfo
     from autoconfig.probe.snapshot import HostSnapshot
     from autoconfig.plan.types import TierPlan
 
@@ -185,19 +186,34 @@ def engine_args(props: ResolvedProperties, args: list[str], mapped: "MappedArgs"
     return out + mapped.argv(skip=SETTINGS_ARGS | frozenset(names[a] for a in args if a in names))
 
 
+def model_info(props: ResolvedProperties, model: str, env: Mapping[str, str], *, typed: bool = True) -> "ModelInfo":
+    """config.json of ``model`` as every check reads it; an unreadable model named where the settings set it.
+
+    ``typed``: with the settings' dtype and kv_cache_dtype (False: the geometry alone).
+    """
+    from autoconfig.model.source import hub_access_from_env, load_model_info
+
+    hf_home, allow_network = hub_access_from_env(env)
+    dtypes = {"kv_cache_dtype": props.settings.kv_cache_dtype, "dtype": props.settings.dtype} if typed else {}
+    try:
+        return load_model_info(model, hf_home=hf_home, allow_network=allow_network, **dtypes)
+    except UserError as err:
+        opt = props.options.get("model_id")
+        if opt is None or model != props.model_id or str(err).startswith(opt.where):
+            raise
+        raise type(err)(f"{opt.where}={model}: {str(err).removeprefix(model + ': ')}") from None
+
+
 def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str],
              model_override: str | None = None) -> "TierPlan":
     """The auto-configuration plan for these settings (configure's, and ``plan``'s what-if in other modes)."""
-    from autoconfig.model.source import hub_access_from_env, load_model_info
     from autoconfig.plan.planner import plan_tiers
 
     model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
     if model is None:
         raise ConfigureError(f"no model: {mdir} has no config.json and option.model_id / HF_MODEL_ID is unset; "
                              "set one of them or pass --model-dir")
-    hf_home, allow_network = hub_access_from_env(env)
-    info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                           hf_home=hf_home, allow_network=allow_network)
+    info = model_info(props, model, env)
     if info.kv.state is not None and props.settings.engine != "lmi_cache":
         from autoconfig.model.ssm import refuse_state_caching
 
@@ -216,16 +232,13 @@ def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: M
 def _check_blend_model(props: ResolvedProperties, mdir: Path, env: Mapping[str, str],
                        model_override: str | None) -> None:
     """With the user's YAML blending: refuse a model the blender does not cover now, when config.json is at hand."""
-    from autoconfig.model.source import hub_access_from_env, load_model_info
     from autoconfig.plan.blend import check_blend_model
     from autoconfig.model.s3 import is_s3
 
     model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
     if model is None or is_s3(model):
         return  # the blending connector checks the model when vLLM starts it
-    hf_home, allow_network = hub_access_from_env(env)
-    info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                           hf_home=hf_home, allow_network=allow_network)
+    info = model_info(props, model, env)
     check_blend_model(props.settings, info.config, info.name, info.kv.layout.num_layers)
 
 
@@ -238,12 +251,24 @@ def resolve_fitted(mdir: Path, env: Mapping[str, str], num_gpus: int,
     from autoconfig.serve.checks import largest_fitting_tp, model_heads
 
     directory = mdir if mdir.is_dir() else None
-    props = resolve_properties(directory, env, gpu_count=num_gpus, cli=cli)
+    props = _model_here(resolve_properties(directory, env, gpu_count=num_gpus, cli=cli), mdir)
     heads = model_heads(props, mdir, env) if props.tp_is_max and props.settings.tp > 1 else None
     if heads is None:
         return props
-    return resolve_properties(directory, env, gpu_count=num_gpus, fit_max_tp=lambda n: largest_fitting_tp(n, heads),
-                              cli=cli)
+    return _model_here(resolve_properties(directory, env, gpu_count=num_gpus,
+                                          fit_max_tp=lambda n: largest_fitting_tp(n, heads), cli=cli), mdir)
+
+
+def _model_here(props: ResolvedProperties, mdir: Path) -> ResolvedProperties:
+    """option.model_id naming a path that is not here (the container's /opt/ml/model on a laptop) while the
+    model directory holds config.json: the model is that directory, with a note."""
+    opt = props.options.get("model_id")
+    if opt is None or props.model_id is None or not props.model_id.startswith("/") or Path(props.model_id).exists() \
+            or not (mdir / "config.json").is_file():
+        return props
+    note = (f"{opt.where}={props.model_id} does not exist here; the model is {mdir}, which holds config.json "
+            f"(in the container {props.model_id} is where SageMaker puts the model)")
+    return replace(props, model_id=str(mdir), notes=[*props.notes, note])
 
 
 def cpu_kvcache_space_from_env(env: Mapping[str, str]) -> int | None:

@@ -109,3 +109,17 @@ def test_a_bad_option_value_names_the_file_and_line(tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "# settings\noption.max_model_len=8192\noption.gpu_memory_utilization=lots\n")
     line = error_line(run(["plan", "--model-dir", str(mdir), *SMALL], tmp_path))
     assert line.startswith(f"{mdir / 'serving.properties'}:3: option.gpu_memory_utilization='lots'"), line
+
+
+def test_the_containers_model_path_plans_from_the_model_directory_here(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.model_id=/opt/ml/model\noption.max_model_len=8192\n"
+                               "option.lmcache_auto_config=true\n")
+    props = mdir / "serving.properties"
+    note = (f"{props}:1: option.model_id=/opt/ml/model does not exist here; the model is {mdir}, which holds "
+            "config.json")
+    for args in (["plan"], ["serve", "--dry-run"]):
+        result = run([*args, "--model-dir", str(mdir), *SMALL], tmp_path)
+        assert result.exit_code == 0 and note in result.stdout, result.output
+    (mdir / "config.json").unlink()
+    line = error_line(run(["plan", "--model-dir", str(mdir), *SMALL], tmp_path))
+    assert line.startswith(f"{props}:1: option.model_id=/opt/ml/model: no such file or directory"), line
