@@ -194,9 +194,10 @@ def model_info(props: ResolvedProperties, model: str, env: Mapping[str, str], *,
     from autoconfig.model.source import hub_access_from_env, load_model_info
 
     hf_home, allow_network = hub_access_from_env(env)
-    dtypes = {"kv_cache_dtype": props.settings.kv_cache_dtype, "dtype": props.settings.dtype} if typed else {}
+    kv_cache_dtype, dtype = (props.settings.kv_cache_dtype, props.settings.dtype) if typed else ("auto", "auto")
     try:
-        return load_model_info(model, hf_home=hf_home, allow_network=allow_network, **dtypes)
+        return load_model_info(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, hf_home=hf_home,
+                               allow_network=allow_network)
     except UserError as err:
         opt = props.options.get("model_id")
         if opt is None or model != props.model_id or str(err).startswith(opt.where):
