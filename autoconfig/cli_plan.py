@@ -99,22 +99,23 @@ def run_validate(config: str | None, model_dir: str | None, flags: Mapping[str, 
     host = source.load(model_weights(mdir, env, cli))
     props = resolve_fitted(mdir, env, len(host.gpus), cli)
     path = config or (str(props.config_file) if props.config_file is not None else env.get("LMCACHE_CONFIG_FILE"))
-    if not path:
+    if not path and not props.env_only:
         raise click.UsageError("give the LMCache YAML to check (CONFIG), or a --model-dir whose settings name "
-                               "one (option.lmcache_config_file or LMCACHE_CONFIG_FILE)")
+                               "one (option.lmcache_config_file or LMCACHE_CONFIG_FILE), or set LMCACHE_* variables")
     model = props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
     if model is None:
         where = model_dir or DEFAULT_MODEL_DIR
         raise click.UsageError(f"no model: give --model, or a --model-dir with config.json ({where} has none)")
     info = model_info(props, model, env)
-    findings = blend_findings(path, info) + start_findings(info, props, env) + validate_config(
-        path, info, props.settings, host, check_local_paths=source.live)
-    findings += env_findings(env)
+    findings = (blend_findings(path, info) if path else []) + start_findings(info, props, env)
+    findings += validate_config(path or None, info, props.settings, host, check_local_paths=source.live, env=env)
+    findings += env_findings(env, over_file=bool(path))
     findings.sort(key=lambda f: f.level != "error")
     for finding in findings:
         echo(str(finding))
     errors = sum(f.level == "error" for f in findings)
-    echo(f"{path}: {errors} error(s), {len(findings) - errors} warning(s) (host from {source.label})")
+    echo(f"{path or 'LMCACHE_* variables'}: {errors} error(s), {len(findings) - errors} warning(s) "
+         f"(host from {source.label})")
     return 1 if errors else 0
 
 
@@ -132,8 +133,11 @@ def start_findings(info: Any, props: Any, env: Mapping[str, str]) -> list["Findi
     return []
 
 
-def env_findings(env: Mapping[str, str]) -> list["Finding"]:
-    """The LMCACHE_* variables the server reads on top of the file: a bad value is an error, overrides a warning."""
+def env_findings(env: Mapping[str, str], over_file: bool = True) -> list["Finding"]:
+    """The LMCACHE_* variables the server reads on top of the file: a bad value is an error, overrides a warning.
+
+    ``over_file``: a YAML is checked (without one, the variables override nothing).
+    """
     from autoconfig.validate import Finding
     from lmi_cache.config.cache_config import CONFIG_FILE_ENV, env_override_names, load_config
     from lmi_cache.errors import ConfigError
@@ -146,7 +150,7 @@ def env_findings(env: Mapping[str, str]) -> list["Finding"]:
     except ConfigError as err:
         return [Finding("error", "environment", str(err))]
     found = [Finding("warning", "environment", w) for w in warnings]
-    overrides = env_override_names(lmcache_env)
+    overrides = env_override_names(lmcache_env) if over_file else []
     if overrides:
         found.append(Finding("warning", "environment", f"{', '.join(overrides)} override the file (the environment "
                              "wins over the YAML, as in LMCache)"))

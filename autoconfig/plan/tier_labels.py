@@ -70,10 +70,11 @@ def lmcache_labels(data: Mapping[str, Any] | None, source: str, env: Mapping[str
 
 def overrides_of(cfg: "CacheConfig") -> TierOverrides:
     """The tiers an LMCache config asks for, as planner overrides (the planner checks them against the host)."""
+    disk_on = bool(cfg.local_disk) and cfg.max_local_disk_size > 0  # LMCache's reader says when one half is missing
     return TierOverrides(
         cpu_size_gib=cfg.max_local_cpu_size if cfg.local_cpu else 0.0,
-        disk_size_gib=cfg.max_local_disk_size if cfg.local_disk else 0.0,
-        disk_path=cfg.local_disk[0] if cfg.local_disk else None,
+        disk_size_gib=cfg.max_local_disk_size if disk_on else 0.0,
+        disk_path=cfg.local_disk[0] if disk_on else None,
         chunk_size=cfg.chunk_size,
-        use_odirect=cfg.use_odirect if cfg.local_disk else None,
+        use_odirect=cfg.use_odirect if disk_on else None,
     )

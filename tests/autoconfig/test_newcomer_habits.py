@@ -123,3 +123,23 @@ def test_the_containers_model_path_plans_from_the_model_directory_here(tmp_path:
     (mdir / "config.json").unlink()
     line = error_line(run(["plan", "--model-dir", str(mdir), *SMALL], tmp_path))
     assert line.startswith(f"{props}:1: option.model_id=/opt/ml/model: no such file or directory"), line
+
+
+def test_validate_checks_lmcache_variables_alone(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path)
+    result = run(["validate", "--model-dir", str(mdir), *SMALL], tmp_path, LMCACHE_CHUNK_SIZE="100")
+    assert result.exit_code == 1, result.output
+    assert "environment variable LMCACHE_CHUNK_SIZE=100: must be a positive multiple" in result.stdout
+    assert "override" not in result.stdout  # no file for them to override
+    assert result.stdout.strip().endswith("LMCACHE_* variables: 1 error(s), 0 warning(s) (host from ml.g5.2xlarge)")
+
+
+def test_a_yaml_directory_named_by_the_settings_says_so(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.max_model_len=8192\noption.lmcache_config_file=conf\n")
+    (mdir / "conf").mkdir()
+    expected = f"{mdir / 'serving.properties'}:2: option.lmcache_config_file: {mdir / 'conf'} is a directory, not " \
+               "an LMCache YAML file; name the file"
+    for args in (["serve", "--dry-run"], ["plan"]):
+        assert error_line(run([*args, "--model-dir", str(mdir), *SMALL], tmp_path)) == expected
+    line = error_line(run(["validate", "--model-dir", str(mdir), *SMALL], tmp_path))
+    assert line == f"{mdir / 'conf'}: is a directory, not an LMCache YAML file; name the file"
