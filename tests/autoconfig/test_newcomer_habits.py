@@ -143,3 +143,13 @@ def test_a_yaml_directory_named_by_the_settings_says_so(tmp_path: Path) -> None:
         assert error_line(run([*args, "--model-dir", str(mdir), *SMALL], tmp_path)) == expected
     line = error_line(run(["validate", "--model-dir", str(mdir), *SMALL], tmp_path))
     assert line == f"{mdir / 'conf'}: is a directory, not an LMCache YAML file; name the file"
+
+
+def test_a_hub_id_without_a_network_fails_at_once_saying_how_to_use_a_local_directory(tmp_path: Path) -> None:
+    # Port 9 on the loopback refuses at once: the Hub is unreachable, as on a laptop offline.
+    result = run(["plan", "--model", "some-org/some-model", *SMALL], tmp_path, HF_ENDPOINT="http://127.0.0.1:9",
+                 HF_HOME=str(tmp_path / "hf"))
+    line = error_line(result)
+    assert line.startswith("--model=some-org/some-model: not in the local Hugging Face cache, and the Hub cannot be "
+                           "reached (127.0.0.1: "), line
+    assert "give a local directory with config.json instead (--model DIR" in line
