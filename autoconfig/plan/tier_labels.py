@@ -29,8 +29,15 @@ TIER_SETTINGS = {
 _NAMES = re.compile(r"\b(" + "|".join(sorted(TIER_SETTINGS, key=len, reverse=True)) + r")\b")
 
 
+# Settings whose planner messages start "<name>=<value>: ..." (the leading name is relabelled).
+LEADING_SETTINGS = ("tensor_parallel_degree", "pipeline_parallel_degree", "max_model_len", "gpu_memory_utilization")
+
+
 def relabel(message: str, labels: Mapping[str, str]) -> str:
-    """``message`` with each planner name that ``labels`` knows replaced by where the user set it."""
+    """``message`` with each tier setting that ``labels`` knows (and a leading ``<setting>=``) named as given."""
+    head = message.split("=", 1)[0]
+    if head in LEADING_SETTINGS and head in labels:
+        message = labels[head] + message[len(head):]
     return _NAMES.sub(lambda m: labels.get(m.group(1), m.group(1)), message)
 
 
@@ -50,7 +57,7 @@ def named_setting(message: str) -> str | None:
 
 def option_labels(options: Mapping[str, Any]) -> dict[str, str]:
     """Planner name -> how messages name the option (file and line, ``OPTION_*`` variable or flag)."""
-    return {name: options[name].where for name in TIER_SETTINGS if name in options}
+    return {name: options[name].where for name in (*TIER_SETTINGS, *LEADING_SETTINGS) if name in options}
 
 
 def lmcache_labels(data: Mapping[str, Any] | None, source: str, env: Mapping[str, str]) -> dict[str, str]:

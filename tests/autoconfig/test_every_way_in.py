@@ -135,3 +135,11 @@ def test_configure_writes_the_vllm_arguments_serve_passes(tmp_path: Path) -> Non
     assert argv[start:start + len(written)] == written  # serve runs exactly what configure wrote
     planned = json.loads(run(["plan", "--model-dir", str(mdir), *SMALL, "--json"], tmp_path).stdout)
     assert planned["vllm_args"] == written
+
+
+def test_a_planner_refusal_names_the_flag_as_typed(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.lmcache_auto_config=true\n")
+    line = error_line(run(["plan", "--model-dir", str(mdir), *SMALL, "--chunk-size", "100"], tmp_path))
+    assert line.startswith("--chunk-size=100: must be a positive multiple of vLLM's block size"), line
+    line = error_line(run(["plan", "--model-dir", str(mdir), *SMALL, "--disk-size-gib", "100000"], tmp_path))
+    assert line.startswith("--disk-size-gib=100000.0 GiB per rank does not fit"), line
