@@ -156,7 +156,8 @@ def model_weights(model_dir: Path, env: Mapping[str, str], cli: Mapping[str, tup
     """For an instance type: the model's weight bytes (0 when config.json cannot be read yet)."""
 
     def weights(gpus: int) -> int:
-        from autoconfig.serve.configure import model_info, resolve_fitted
+        from autoconfig.serve.configure import resolve_fitted
+        from autoconfig.serve.model_access import model_info
         from autoconfig.model.s3 import is_s3
         from lmi_cache.errors import UserError
 

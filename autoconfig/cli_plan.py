@@ -90,7 +90,8 @@ def _shell(launch: "ServeLaunch") -> str:
 def run_validate(config: str | None, model_dir: str | None, flags: Mapping[str, Any], source: HostSource,
                  echo: Callable[[str], None] = click.echo) -> int:
     """Findings for the YAML (CONFIG, or the one the settings name); 1 when any is an error."""
-    from autoconfig.serve.configure import DEFAULT_MODEL_DIR, NO_MODEL_DIR, model_info, resolve_fitted
+    from autoconfig.serve.configure import DEFAULT_MODEL_DIR, NO_MODEL_DIR, resolve_fitted
+    from autoconfig.serve.model_access import model_info
     from autoconfig.validate import blend_findings, validate_config
 
     cli = cli_settings(flags)

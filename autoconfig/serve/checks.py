@@ -80,7 +80,7 @@ def check_user_config(
     Errors fail (one line, the setting as the user gave it); returns the warnings and the
     tiers that will run (None when config.json cannot be read now).
     """
-    from autoconfig.serve.configure import model_info
+    from autoconfig.serve.model_access import model_info
     from autoconfig.validate import checked_tiers
 
     path = props.config_file if planned is None else Path("the planned LMCache YAML")
@@ -128,7 +128,7 @@ def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
 def check_start(props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str]) -> None:
     """What vLLM will refuse (autoconfig.plan.start_checks), in every cache mode, when config.json can be read now."""
     from autoconfig.plan.start_checks import check_startable
-    from autoconfig.serve.configure import model_info
+    from autoconfig.serve.model_access import model_info
 
     try:
         info = model_info(props, model, env)
@@ -153,7 +153,7 @@ def largest_fitting_tp(num_gpus: int, heads: tuple[int, int]) -> int:
 
 def model_heads(props: ResolvedProperties, model_dir: Path, env: Mapping[str, str]) -> tuple[int, int] | None:
     """(attention heads, KV heads) of the model when its config.json can be read now, else None."""
-    from autoconfig.serve.configure import model_info
+    from autoconfig.serve.model_access import model_info
 
     model = props.model_id or (str(model_dir) if (model_dir / "config.json").is_file() else None)
     if model is None or is_s3(model):

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoconfig.lmi.properties import ResolvedProperties, resolve_properties
+from autoconfig.serve.engine_args import engine_args, mapped_options
+from autoconfig.serve.model_access import model_here, model_info
 from lmi_cache.config.env import env_override_line, env_override_names
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
     from autoconfig.lmi.to_vllm import MappedArgs
-    from autoconfig.model.source import ModelInfo
     from autoconfig.probe.snapshot import HostSnapshot
     from autoconfig.plan.types import TierPlan
 
@@ -44,14 +45,6 @@ DEFAULT_OUTPUT_DIR = "/tmp/lmi-cache"
 RUNTIME_DIR_ENV = "LMI_CACHE_RUNTIME_DIR"
 OUTPUT_FILES = ("lmcache.yaml", "plan.json", "vllm_args.json", "env.json", "env.sh", "vllm_secrets.yaml")
 PRIVATE_FILES = frozenset({"vllm_secrets.yaml"})  # written 0600: they hold secrets
-
-
-# vLLM arguments derived from ServingSettings (the connector arguments carry them): the option
-# values are not rendered a second time.
-SETTINGS_ARGS = frozenset({
-    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "max_model_len",
-    "gpu_memory_utilization", "kv_cache_dtype", "dtype",
-})
 
 
 class ConfigureError(UserError):
@@ -163,48 +156,6 @@ def configure(
     return ConfigureResult(mode, out, written, props, plan, run_env, args, messages)
 
 
-def mapped_options(props: ResolvedProperties) -> "MappedArgs":
-    """The LMI options that become vLLM arguments (not the cache's, the front door's or the recipe's own)."""
-    from autoconfig.lmi.to_vllm import map_lmi_options
-    from lmi_cache.front.options import FRONT_OPTIONS
-
-    passed = {name: opt for name, opt in props.options.items()
-              if name not in props.consumed and name not in FRONT_OPTIONS}
-    return map_lmi_options({name: opt.value for name, opt in passed.items()},
-                           {name: opt.where for name, opt in passed.items()}, num_gpus=props.settings.tp)
-
-
-def engine_args(props: ResolvedProperties, args: list[str], mapped: "MappedArgs") -> list[str]:
-    """The connector and settings arguments, then every other option as serve passes it to vLLM."""
-    from autoconfig.lmi.to_vllm import flag_to_name
-
-    out = list(args)
-    if props.recipe is not None and props.settings.engine == "lmcache" and "--kv-transfer-config" in out:
-        # Upstream LMCache through LMI's recipe keeps the user's kv_transfer_config.
-        out[out.index("--kv-transfer-config") + 1] = props.recipe.upstream_json()
-    names = flag_to_name()
-    return out + mapped.argv(skip=SETTINGS_ARGS | frozenset(names[a] for a in args if a in names))
-
-
-def model_info(props: ResolvedProperties, model: str, env: Mapping[str, str], *, typed: bool = True) -> "ModelInfo":
-    """config.json of ``model`` as every check reads it; an unreadable model named where the settings set it.
-
-    ``typed``: with the settings' dtype and kv_cache_dtype (False: the geometry alone).
-    """
-    from autoconfig.model.source import hub_access_from_env, load_model_info
-
-    hf_home, allow_network = hub_access_from_env(env)
-    kv_cache_dtype, dtype = (props.settings.kv_cache_dtype, props.settings.dtype) if typed else ("auto", "auto")
-    try:
-        return load_model_info(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, hf_home=hf_home,
-                               allow_network=allow_network)
-    except UserError as err:
-        opt = props.options.get("model_id")
-        if opt is None or model != props.model_id or str(err).startswith(opt.where):
-            raise
-        raise type(err)(f"{opt.where}={model}: {str(err).removeprefix(model + ': ')}") from None
-
-
 def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str],
              model_override: str | None = None) -> "TierPlan":
     """The auto-configuration plan for these settings (configure's, and ``plan``'s what-if in other modes)."""
@@ -252,24 +203,12 @@ def resolve_fitted(mdir: Path, env: Mapping[str, str], num_gpus: int,
     from autoconfig.serve.checks import largest_fitting_tp, model_heads
 
     directory = mdir if mdir.is_dir() else None
-    props = _model_here(resolve_properties(directory, env, gpu_count=num_gpus, cli=cli), mdir)
+    props = model_here(resolve_properties(directory, env, gpu_count=num_gpus, cli=cli), mdir)
     heads = model_heads(props, mdir, env) if props.tp_is_max and props.settings.tp > 1 else None
     if heads is None:
         return props
-    return _model_here(resolve_properties(directory, env, gpu_count=num_gpus,
+    return model_here(resolve_properties(directory, env, gpu_count=num_gpus,
                                           fit_max_tp=lambda n: largest_fitting_tp(n, heads), cli=cli), mdir)
-
-
-def _model_here(props: ResolvedProperties, mdir: Path) -> ResolvedProperties:
-    """option.model_id naming a path that is not here (the container's /opt/ml/model on a laptop) while the
-    model directory holds config.json: the model is that directory, with a note."""
-    opt = props.options.get("model_id")
-    if opt is None or props.model_id is None or not props.model_id.startswith("/") or Path(props.model_id).exists() \
-            or not (mdir / "config.json").is_file():
-        return props
-    note = (f"{opt.where}={props.model_id} does not exist here; the model is {mdir}, which holds config.json "
-            f"(in the container {props.model_id} is where SageMaker puts the model)")
-    return replace(props, model_id=str(mdir), notes=[*props.notes, note])
 
 
 def cpu_kvcache_space_from_env(env: Mapping[str, str]) -> int | None:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from autoconfig.serve.configure import DEFAULT_MODEL_DIR, configure, default_output_dir, mapped_options, resolve_fitted
+from autoconfig.serve.configure import DEFAULT_MODEL_DIR, configure, default_output_dir, resolve_fitted
+from autoconfig.serve.engine_args import mapped_options
 from autoconfig.lmi.names import SECRET_OPTIONS
 from autoconfig.lmi.to_vllm import MappedArgs
 from autoconfig.lmi.properties import ResolvedProperties
