@@ -76,6 +76,10 @@ def expired_session_error(session_id: str) -> str | None:
     """
     from model_hosting_container_standards.sagemaker.sessions.manager import get_session_manager
 
+    from lmi_cache.front.session_store import was_swept
+
+    if was_swept(session_id):  # expired, and the background sweep closed it already (ids are never reused)
+        return _expired(session_id)
     manager = get_session_manager()
     if manager is None:
         return None
@@ -86,4 +90,8 @@ def expired_session_error(session_id: str) -> str | None:
         manager.close_session(session_id)
     except (ValueError, OSError):
         pass  # closed concurrently, or its folder is gone: the sweep forgets it
+    return _expired(session_id)
+
+
+def _expired(session_id: str) -> str:
     return f"Bad request: session expired: {session_id}; start a new one with {{\"requestType\": \"NEW_SESSION\"}}"
