@@ -81,7 +81,10 @@ def checked_tiers(
         findings.append(Finding("warning", "local_disk", f"{len(cfg.local_disk)} paths: sizes are checked "
                                 "against the first path's filesystem only"))
     labels = lmcache_labels(data if config_path is not None else None, source, lmcache_env)
-    sized, plan = _plan_findings(model, settings, host, overrides_of(cfg), labels)
+    from autoconfig.serve.configure import cpu_kvcache_space_from_env
+
+    space_gib = cpu_kvcache_space_from_env(env or {})  # vLLM's CPU KV pool, as the planner of serve sizes it
+    sized, plan = _plan_findings(model, replace(settings, overrides=overrides_of(cfg)), host, labels, space_gib)
     findings += sized
     if check_local_paths:
         for path in cfg.local_disk:
@@ -159,7 +162,7 @@ def _key_typos(data: Mapping[str, Any], path: str) -> list[Finding]:
 
 
 def _plan_findings(model: PlanModel | ModelInfoLike, settings: ServingSettings, host: HostSnapshot,
-                   overrides: TierOverrides, labels: dict[str, str]) -> tuple[list[Finding], "TierPlan | None"]:
+                   labels: dict[str, str], space_gib: int | None) -> tuple[list[Finding], "TierPlan | None"]:
     """Plan with the config's sizes as overrides; each PlanError names one setting: drop it and retry.
 
     The plan comes back when every override was taken as given (the tiers the server runs).
@@ -167,9 +170,10 @@ def _plan_findings(model: PlanModel | ModelInfoLike, settings: ServingSettings, 
     from autoconfig.plan.planner import plan_tiers
 
     out: list[Finding] = []
+    overrides = settings.overrides
     for _ in range(len(TIER_SETTINGS) + 1):
         try:
-            plan = plan_tiers(host, model, replace(settings, overrides=overrides))
+            plan = plan_tiers(host, model, replace(settings, overrides=overrides), cpu_kvcache_space_gib=space_gib)
         except PlanError as err:
             message = str(err)
             hit = named_setting(message)
