@@ -100,7 +100,7 @@ def main() -> None:
 
 @main.command()
 @host_options
-@click.option("--json", "as_json", is_flag=True, help="Print the host snapshot JSON (the --host format).")
+@click.option("--json", "as_json", is_flag=True, help="Print the host snapshot JSON (the --host-snapshot format).")
 def probe(host_file: str | None, instance_type: str | None, as_json: bool) -> None:
     """Probe GPUs, memory (cgroup, memlock, /dev/shm) and local disks (or show an instance type's)."""
     snapshot = HostSource(host_file, instance_type).load()

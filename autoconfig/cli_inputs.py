@@ -42,7 +42,7 @@ class HostSource:
 
     def __post_init__(self) -> None:
         if self.host_file and self.instance_type:
-            raise click.UsageError("use --host or --instance-type, not both")
+            raise click.UsageError("use --host-snapshot or --instance-type, not both")
 
     @property
     def live(self) -> bool:
@@ -77,11 +77,31 @@ class HostSource:
         return probe_host()
 
 
-def host_options(func: Any) -> Any:
-    """``--host FILE`` / ``--instance-type NAME``: the same on every command."""
+SNAPSHOT_FLAG = "--host-snapshot"
+
+
+def _old_snapshot_flag(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    """``--host FILE``: the snapshot, with one deprecation line (``--host-snapshot`` wins when both are given)."""
+    if value is None or ctx.resilient_parsing:
+        return
+    click.echo(f"lmi-cache: warning: --host FILE is deprecated (serve passes --host to vLLM); use "
+               f"{SNAPSHOT_FLAG} {value}", err=True)
+    if ctx.params.get("host_file") is None:
+        ctx.params["host_file"] = value
+
+
+def host_options(func: Any, *, old_spelling: bool = True) -> Any:
+    """``--host-snapshot FILE`` / ``--instance-type NAME``: the same on every command.
+
+    ``old_spelling``: ``--host FILE`` still names a snapshot, with a deprecation line (not on
+    ``serve``, where ``--host`` is vLLM's listen address).
+    """
     func = click.option("--instance-type", help="Use a SageMaker instance type's host (what-if) instead of "
                         "probing this machine.")(func)
-    func = click.option("--host", "host_file", type=click.Path(dir_okay=False),
+    if old_spelling:
+        func = click.option("--host", "old_host_file", type=click.Path(dir_okay=False), hidden=True,
+                            expose_value=False, callback=_old_snapshot_flag)(func)
+    func = click.option(SNAPSHOT_FLAG, "host_file", type=click.Path(dir_okay=False),
                         help="Host snapshot JSON (from 'lmi-cache probe --json') instead of probing.")(func)
     return func
 
@@ -137,7 +157,7 @@ def model_weights(model_dir: Path, env: Mapping[str, str], cli: Mapping[str, tup
 
     def weights(gpus: int) -> int:
         from autoconfig.serve.configure import resolve_fitted
-        from autoconfig.model.source import hub_access_from_env, load_model_info
+        from autoconfig.serve.model_access import model_info
         from autoconfig.model.s3 import is_s3
         from lmi_cache.errors import UserError
 
@@ -146,9 +166,7 @@ def model_weights(model_dir: Path, env: Mapping[str, str], cli: Mapping[str, tup
             model = props.model_id or (str(model_dir) if (model_dir / "config.json").is_file() else None)
             if model is None or is_s3(model):
                 return 0
-            hf_home, allow_network = hub_access_from_env(env)
-            return load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                                   hf_home=hf_home, allow_network=allow_network).weights_bytes
+            return model_info(props, model, env).weights_bytes
         except UserError:
             return 0  # the command itself reports the bad setting, with its own message
 

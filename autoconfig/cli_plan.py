@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -21,10 +22,11 @@ if TYPE_CHECKING:
     from autoconfig.serve.launch import ServeLaunch
     from autoconfig.validate import Finding
 
-# How plan says what serve does with the cache, per mode.
+# How plan says what serve does with the cache, per mode (every mode the settings resolution gives).
 _MODE_TEXT = {
     "auto": "auto-configured as planned above",
-    "file": "from {file} (the plan above shows what auto-configuration would size instead)",
+    "file": "from {file}, with the tiers above (checked against the host)",
+    "env": "from LMCACHE_* variables, with the tiers above (checked against the host)",
     "off": "off (the plan above shows what option.lmcache_auto_config=true would size)",
 }
 
@@ -49,13 +51,20 @@ def run_plan(model_dir: str | None, flags: Mapping[str, Any], source: HostSource
     host = source.load(model_weights(mdir, env, cli))
     launch = prepare_launch(mdir, env, host=host, dry_run=True, cli=cli, check_output=False)
     assert launch.props is not None
-    plan = launch.plan or plan_for(launch.props, mdir, host, env)
+    # The tiers serve will run, whichever way in sets them; with the cache off, what auto-config would size.
+    plan = launch.tiers or launch.plan or plan_for(launch.props, mdir, host, env)
+    plan = replace(plan, vllm_args=launch.engine_args)  # configure's vllm_args.json: what serve passes to vLLM
     if source.live and plan.disk.enabled and plan.disk.path:
         _refuse_unsafe_dir(plan.disk.path)
     cache = _MODE_TEXT[launch.mode].format(file=launch.props.config_file)
+    if launch.mode in ("file", "env") and launch.tiers is None:
+        cache += "; sizes not checked: the model's config.json cannot be read now"
     notes = launch.props.notes
+    compare = launch.auto_plan if launch.mode in ("file", "env") else None
     if as_json:
-        serve = {"cache_mode": launch.mode, "cache": cache, "notes": notes, "vllm_args": launch.vllm_args()}
+        serve: dict[str, Any] = {"cache_mode": launch.mode, "cache": cache, "notes": notes, "vllm_args": launch.vllm_args()}
+        if compare is not None:
+            serve["auto_config_would_size"] = {"tiers": compare.to_dict()["tiers"], "chunk_size": compare.chunk_size}
         echo(json.dumps({**plan.to_dict(), "serve": serve}, indent=2))
         return
     from autoconfig.render.plan_text import format_plan
@@ -63,6 +72,10 @@ def run_plan(model_dir: str | None, flags: Mapping[str, Any], source: HostSource
     echo(format_plan(plan, source.label), nl=False)
     echo("\nServe with these settings ('lmi-cache serve --dry-run' resolves them the same way):")
     echo(f"  cache: {cache}")
+    if compare is not None:
+        from autoconfig.serve.summary import planned_parts
+
+        echo(f"  auto-configuration would size instead: {'; '.join(planned_parts(compare))}")
     for note in notes:
         echo(f"  note: {note}")
     echo(f"  vLLM arguments: {_shell(launch)}")
@@ -78,7 +91,7 @@ def run_validate(config: str | None, model_dir: str | None, flags: Mapping[str, 
                  echo: Callable[[str], None] = click.echo) -> int:
     """Findings for the YAML (CONFIG, or the one the settings name); 1 when any is an error."""
     from autoconfig.serve.configure import DEFAULT_MODEL_DIR, NO_MODEL_DIR, resolve_fitted
-    from autoconfig.model.source import hub_access_from_env, load_model_info
+    from autoconfig.serve.model_access import model_info
     from autoconfig.validate import blend_findings, validate_config
 
     cli = cli_settings(flags)
@@ -87,24 +100,23 @@ def run_validate(config: str | None, model_dir: str | None, flags: Mapping[str, 
     host = source.load(model_weights(mdir, env, cli))
     props = resolve_fitted(mdir, env, len(host.gpus), cli)
     path = config or (str(props.config_file) if props.config_file is not None else env.get("LMCACHE_CONFIG_FILE"))
-    if not path:
+    if not path and not props.env_only:
         raise click.UsageError("give the LMCache YAML to check (CONFIG), or a --model-dir whose settings name "
-                               "one (option.lmcache_config_file or LMCACHE_CONFIG_FILE)")
+                               "one (option.lmcache_config_file or LMCACHE_CONFIG_FILE), or set LMCACHE_* variables")
     model = props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
     if model is None:
         where = model_dir or DEFAULT_MODEL_DIR
         raise click.UsageError(f"no model: give --model, or a --model-dir with config.json ({where} has none)")
-    hf_home, allow_network = hub_access_from_env(env)
-    info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                           hf_home=hf_home, allow_network=allow_network)
-    findings = blend_findings(path, info) + start_findings(info, props, env) + validate_config(
-        path, info, props.settings, host, check_local_paths=source.live)
-    findings += env_findings(env)
+    info = model_info(props, model, env)
+    findings = (blend_findings(path, info) if path else []) + start_findings(info, props, env)
+    findings += validate_config(path or None, info, props.settings, host, check_local_paths=source.live, env=env)
+    findings += env_findings(env, over_file=bool(path))
     findings.sort(key=lambda f: f.level != "error")
     for finding in findings:
         echo(str(finding))
     errors = sum(f.level == "error" for f in findings)
-    echo(f"{path}: {errors} error(s), {len(findings) - errors} warning(s) (host from {source.label})")
+    echo(f"{path or 'LMCACHE_* variables'}: {errors} error(s), {len(findings) - errors} warning(s) "
+         f"(host from {source.label})")
     return 1 if errors else 0
 
 
@@ -122,8 +134,11 @@ def start_findings(info: Any, props: Any, env: Mapping[str, str]) -> list["Findi
     return []
 
 
-def env_findings(env: Mapping[str, str]) -> list["Finding"]:
-    """The LMCACHE_* variables the server reads on top of the file: a bad value is an error, overrides a warning."""
+def env_findings(env: Mapping[str, str], over_file: bool = True) -> list["Finding"]:
+    """The LMCACHE_* variables the server reads on top of the file: a bad value is an error, overrides a warning.
+
+    ``over_file``: a YAML is checked (without one, the variables override nothing).
+    """
     from autoconfig.validate import Finding
     from lmi_cache.config.cache_config import CONFIG_FILE_ENV, env_override_names, load_config
     from lmi_cache.errors import ConfigError
@@ -136,7 +151,7 @@ def env_findings(env: Mapping[str, str]) -> list["Finding"]:
     except ConfigError as err:
         return [Finding("error", "environment", str(err))]
     found = [Finding("warning", "environment", w) for w in warnings]
-    overrides = env_override_names(lmcache_env)
+    overrides = env_override_names(lmcache_env) if over_file else []
     if overrides:
         found.append(Finding("warning", "environment", f"{', '.join(overrides)} override the file (the environment "
                              "wins over the YAML, as in LMCache)"))

@@ -10,10 +10,21 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
 from autoconfig.cli_inputs import host_options
+
+
+def _listen_address(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """vLLM's --host; a snapshot file there is the old spelling of --host-snapshot."""
+    if value is not None and (value.endswith(".json") or Path(value).is_file()):
+        raise click.BadParameter(f"{value[:80]!r} is a file: --host is the address vLLM listens on (as in vLLM); "
+                                 f"give a host snapshot with --host-snapshot {value[:80]}")
+    if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+        raise click.BadParameter(f"{value[:80]!r} is not an address to listen on")
+    return value
 
 
 @click.command()
@@ -22,10 +33,14 @@ from autoconfig.cli_inputs import host_options
 @click.argument("sagemaker_arg", required=False, metavar="[serve]", type=click.Choice(["serve"]))
 @click.option("--model-dir", type=click.Path(file_okay=False),
               help="Model directory with serving.properties and/or the model (default /opt/ml/model).")
-@host_options
+@lambda func: host_options(func, old_spelling=False)
+@click.option("--host", "bind_host", callback=_listen_address,
+              help="Address vLLM listens on (vLLM's --host; default 0.0.0.0).")
+@click.option("--port", "bind_port", type=click.IntRange(1, 65535),
+              help="Port vLLM listens on (vLLM's --port; default $SAGEMAKER_BIND_TO_PORT or 8080).")
 @click.option("--dry-run", is_flag=True, help="Print the summary and the vLLM command instead of starting it.")
 def serve(sagemaker_arg: str | None, model_dir: str | None, host_file: str | None, instance_type: str | None,
-          dry_run: bool) -> None:
+          bind_host: str | None, bind_port: int | None, dry_run: bool) -> None:
     """Container entrypoint: configure the KV cache, then run vLLM's OpenAI server on :8080."""
     import os
     from pathlib import Path
@@ -38,7 +53,7 @@ def serve(sagemaker_arg: str | None, model_dir: str | None, host_file: str | Non
     host = None
     if not source.live:
         host = source.load(model_weights(Path(model_dir or DEFAULT_MODEL_DIR), os.environ, {}))
-    status = run_serve(model_dir, dry_run, host=host, echo=click.echo)
+    status = run_serve(model_dir, dry_run, host=host, echo=click.echo, bind=(bind_host, bind_port))
     if status:
         sys.exit(status)
 

@@ -1,10 +1,13 @@
 """Check a hand-written LMCache YAML against a host and a model (``lmi-cache validate``).
 
-Run by the CLI process. Findings cover key typos (with a did-you-mean hint),
-bad values, sizes that cannot fit RAM or disk times the ranks on this host, and
-disk paths that are missing or not writable. The size checks reuse the planner:
-the config's sizes become planner overrides, which the planner checks.
-Environment ``LMCACHE_*`` overrides are not applied: the file is checked alone.
+Run by the CLI process (``validate``) and at container start (``serve``, for a
+user's YAML or ``LMCACHE_*`` variables alone). Findings cover key typos (with a
+did-you-mean hint), bad values (every one of them, not the first), sizes that
+cannot fit RAM or disk times the ranks on this host, and disk paths that are
+missing or not writable. The size checks reuse the planner: the settings the
+server will read (the file with ``LMCACHE_<KEY>`` variables on top, LMCache's
+rule) become planner overrides, which the planner checks; each message names
+the file key or the variable that set the value.
 """
 from __future__ import annotations
 
@@ -14,17 +17,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoconfig.probe.snapshot import HostSnapshot
-from autoconfig.plan.types import ModelInfoLike, PlanError, PlanModel
+from autoconfig.plan.types import ModelInfoLike, PlanError, PlanModel, TierPlan
 from autoconfig.plan.settings import ServingSettings, TierOverrides
+from autoconfig.plan.tier_labels import TIER_SETTINGS, lmcache_labels, named_setting, overrides_of, relabel, relabel_plan
 from lmi_cache.errors import ConfigError, UserError
-
-# Planner override name -> the LMCache key it stands for in the file.
-_OVERRIDE_KEYS = {
-    "lmcache_chunk_size": ("chunk_size", "chunk_size"),
-    "lmcache_max_local_cpu_size": ("max_local_cpu_size", "cpu_size_gib"),
-    "lmcache_max_local_disk_size": ("max_local_disk_size", "disk_size_gib"),
-    "lmcache_local_disk": ("local_disk", "disk_path"),
-}
 
 
 class ValidateInputError(UserError):
@@ -41,41 +37,79 @@ class Finding:
         return f"{self.level.upper():<7} {self.key}: {self.message}"
 
 
-def validate_config(
-    config_path: str,
+def validate_config(config_path: str | None, model: PlanModel | ModelInfoLike, settings: ServingSettings,
+                    host: HostSnapshot, **options: Any) -> list[Finding]:
+    """All findings for ``config_path``, errors first (``checked_tiers`` without the plan; same options)."""
+    return checked_tiers(config_path, model, settings, host, **options)[0]
+
+
+def checked_tiers(
+    config_path: str | None,
     model: PlanModel | ModelInfoLike,
     settings: ServingSettings,
     host: HostSnapshot,
     *,
     check_local_paths: bool = True,
-) -> list[Finding]:
-    """All findings for ``config_path``; errors first. ``check_local_paths``: the host is this machine."""
-    from lmi_cache.config.cache_config import config_from_dict
+    env: Mapping[str, str] | None = None,
+    planned: Mapping[str, Any] | None = None,
+) -> tuple[list[Finding], "TierPlan | None"]:
+    """The findings for ``config_path`` (None: ``LMCACHE_*`` alone) with ``env``'s ``LMCACHE_<KEY>`` on top,
+    errors first, and the tiers the server will run (None when any finding is an error).
 
-    data = _read(config_path)
-    findings = _key_typos(data, config_path)
+    ``check_local_paths``: the host is this machine. ``planned``: auto-configuration's LMCache
+    mapping, read in place of a file (``config_path`` names it).
+    """
+    from lmi_cache.config.cache_config import config_with_env
+
+    data = dict(planned) if planned is not None else _read(config_path) if config_path is not None else {}
+    source = config_path or "environment"
+    findings = _key_typos(data, source)
     known = {k: v for k, v in data.items() if not any(f.key == k for f in findings)}
+    findings += _value_errors(known, source)
+    known = {k: v for k, v in known.items() if not any(f.key == k for f in findings)}
+    lmcache_env = {k: v for k, v in (env or {}).items() if k.startswith("LMCACHE_")}
     try:
-        cfg, notes = config_from_dict(known, config_path)
-    except ConfigError as err:
-        findings.append(Finding("error", _key_in(str(err), known) or "value", str(err)))
-        return _sorted(findings)
+        cfg, notes = config_with_env(known if config_path is not None else None, lmcache_env, source)
+    except ConfigError as err:  # a bad variable: reported by the caller's environment check; check the file alone
+        if not lmcache_env:
+            findings.append(Finding("error", _key_in(str(err), known) or "value", str(err)))
+            return _sorted(findings), None
+        lmcache_env = {}
+        cfg, notes = config_with_env(known if config_path is not None else None, {}, source)
     findings += [Finding("warning", _key_in(n, known) or "config", n) for n in notes]
-    overrides = TierOverrides(
-        cpu_size_gib=cfg.max_local_cpu_size if cfg.local_cpu else 0.0,
-        disk_size_gib=cfg.max_local_disk_size if cfg.local_disk else 0.0,
-        disk_path=cfg.local_disk[0] if cfg.local_disk else None,
-        chunk_size=cfg.chunk_size,
-        use_odirect=cfg.use_odirect if cfg.local_disk else None,
-    )
     if len(cfg.local_disk) > 1:
         findings.append(Finding("warning", "local_disk", f"{len(cfg.local_disk)} paths: sizes are checked "
                                 "against the first path's filesystem only"))
-    findings += _plan_findings(model, settings, host, overrides)
+    labels = lmcache_labels(data if config_path is not None else None, source, lmcache_env)
+    from autoconfig.serve.configure import cpu_kvcache_space_from_env
+
+    space_gib = cpu_kvcache_space_from_env(env or {})  # vLLM's CPU KV pool, as the planner of serve sizes it
+    sized, plan = _plan_findings(model, replace(settings, overrides=overrides_of(cfg)), host, labels, space_gib)
+    findings += sized
     if check_local_paths:
         for path in cfg.local_disk:
             findings += _path_findings(path)
-    return _sorted(findings)
+    errors = any(f.level == "error" for f in findings)
+    return _sorted(findings), None if errors else plan
+
+
+def _value_errors(data: Mapping[str, Any], source: str) -> list[Finding]:
+    """Each key whose value LMCache's reader refuses: one finding per key, so one run shows them all."""
+    from lmi_cache.config.cache_config import config_from_dict
+
+    out = []
+    for key, value in data.items():
+        try:
+            config_from_dict({key: value}, source)
+        except ConfigError as err:
+            out.append(Finding("error", key, str(err)))
+    if out:
+        return out
+    try:  # keys that are only wrong together (a remote URL and its extra_config)
+        config_from_dict(data, source)
+    except ConfigError as err:
+        out.append(Finding("error", _key_in(str(err), data) or "value", str(err)))
+    return out
 
 
 def blend_findings(config_path: str, model: PlanModel | ModelInfoLike) -> list[Finding]:
@@ -128,32 +162,35 @@ def _key_typos(data: Mapping[str, Any], path: str) -> list[Finding]:
 
 
 def _plan_findings(model: PlanModel | ModelInfoLike, settings: ServingSettings, host: HostSnapshot,
-                   overrides: TierOverrides) -> list[Finding]:
-    """Plan with the file's sizes as overrides; each PlanError names one key: drop it and retry."""
+                   labels: dict[str, str], space_gib: int | None) -> tuple[list[Finding], "TierPlan | None"]:
+    """Plan with the config's sizes as overrides; each PlanError names one setting: drop it and retry.
+
+    The plan comes back when every override was taken as given (the tiers the server runs).
+    """
     from autoconfig.plan.planner import plan_tiers
 
     out: list[Finding] = []
-    for _ in range(len(_OVERRIDE_KEYS) + 1):
+    overrides = settings.overrides
+    for _ in range(len(TIER_SETTINGS) + 1):
         try:
-            plan = plan_tiers(host, model, replace(settings, overrides=overrides))
+            plan = plan_tiers(host, model, replace(settings, overrides=overrides), cpu_kvcache_space_gib=space_gib)
         except PlanError as err:
             message = str(err)
-            hit = next((name for name in _OVERRIDE_KEYS if name in message), None)
+            hit = named_setting(message)
             if hit is None:
                 out.append(Finding("error", "settings", message))
-                return out
-            key, field_name = _OVERRIDE_KEYS[hit]
-            out.append(Finding("error", key, message.replace(hit, key)))
+                return out, None
+            key, field_name = TIER_SETTINGS[hit]
+            out.append(Finding("error", key, relabel(message, labels)))
             overrides = replace(overrides, **{field_name: None})
             if field_name == "disk_path":
                 overrides = replace(overrides, disk_size_gib=None)
             continue
         for warning in plan.warnings:
-            hit = next((name for name in _OVERRIDE_KEYS if name in warning), None)
-            key = _OVERRIDE_KEYS[hit][0] if hit else "settings"
-            out.append(Finding("warning", key, warning.replace(hit, key) if hit else warning))
-        return out
-    return out
+            hit = named_setting(warning)
+            out.append(Finding("warning", TIER_SETTINGS[hit][0] if hit else "settings", relabel(warning, labels)))
+        return out, None if any(f.level == "error" for f in out) else relabel_plan(plan, labels)
+    return out, None
 
 
 def _path_findings(path: str) -> list[Finding]:

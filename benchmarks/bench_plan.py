@@ -52,7 +52,7 @@ def main() -> None:
     base = [*_command(), "plan", "--model", opts.model]
     cases = {
         "probe (this machine)": base,
-        "snapshot (--host, 8 GPUs, --tp 8)": [*base, "--tp", "8", "--host", str(SNAPSHOT), "--json"],
+        "snapshot (--host-snapshot, 8 GPUs, --tp 8)": [*base, "--tp", "8", "--host-snapshot", str(SNAPSHOT), "--json"],
     }
     _time_runs(base, 2)  # warm the page cache and .pyc files
     worst = 0.0

@@ -22,11 +22,27 @@ class PropertiesSyntaxError(UserError):
 
 def parse_properties(text: str, source: str = "<properties>") -> dict[str, str]:
     """Parse properties text; later keys win, as in Java."""
+    return parse_properties_lines(text, source)[0]
+
+
+def parse_properties_lines(text: str, source: str = "<properties>") -> tuple[dict[str, str], dict[str, int], list[str]]:
+    """(key -> value, key -> line number, one warning per key written twice); later keys win, as in Java.
+
+    A repeated key is easy to miss (the first value is the one a reader sees): each gets a line
+    naming the file and both line numbers.
+    """
     result: dict[str, str] = {}
+    lines: dict[str, int] = {}
+    repeats: list[str] = []
     for line_no, logical in _logical_lines(text):
-        key, value = _split(logical)
-        result[_unescape(key, source, line_no)] = _unescape(value, source, line_no)
-    return result
+        raw_key, raw_value = _split(logical)
+        key = _unescape(raw_key, source, line_no)
+        if key in lines:
+            repeats.append(f"{source}: line {line_no}: {key} is also set on line {lines[key]}; line {line_no}'s "
+                           "value is used (the last one wins, as in LMI); remove the other line")
+        result[key] = _unescape(raw_value, source, line_no)
+        lines[key] = line_no
+    return result, lines, repeats
 
 
 def _logical_lines(text: str) -> list[tuple[int, str]]:

@@ -37,7 +37,7 @@ from typing import Callable, Mapping, TypeVar
 
 from autoconfig.lmi.blend_options import resolve_blend
 from autoconfig.lmi.cache_ways import cache_source
-from autoconfig.lmi.java_properties import parse_properties
+from autoconfig.lmi.java_properties import parse_properties_lines
 from autoconfig.lmi.names import SIMPLIFIED_ENV, masked
 from autoconfig.lmi.recipe import LmcacheRecipe, find_recipe
 from autoconfig.lmi.option_values import (
@@ -74,15 +74,16 @@ class RawOption:
     value: str
     key: str  # as written: "option.tensor_parallel_degree" or "OPTION_TENSOR_PARALLEL_DEGREE"
     source: str  # the serving.properties path, or "environment"
+    line: int | None = None  # its line in serving.properties
 
     @property
     def where(self) -> str:
-        """How an error message names this option."""
+        """How an error message names this option: the variable, the flag, or the file and line."""
         if self.source == ENV_SOURCE:
             return f"environment variable {self.key}"
         if self.source == CLI_SOURCE:
             return self.key
-        return f"{self.source}: {self.key}"
+        return f"{self.source}:{self.line}: {self.key}" if self.line else f"{self.source}: {self.key}"
 
 
 @dataclass(frozen=True)
@@ -116,12 +117,13 @@ class ResolvedProperties:
 
 def collect_options(file_props: Mapping[str, str], source: str, env: Mapping[str, str],
                     cli: Mapping[str, tuple[str, str]] | None = None,
-                    notes: list[str] | None = None) -> dict[str, RawOption]:
+                    notes: list[str] | None = None, lines: Mapping[str, int] | None = None) -> dict[str, RawOption]:
     """Merge ``OPTION_*`` env, ``option.*`` from the file, then command-line flags; later wins.
 
     The file beats the environment (LMI's rule); a flag (``cli``: the flag as
     written -> (option name, value), e.g. ``{"--tp": ("tensor_parallel_degree", "4")}``,
-    see ``autoconfig.cli_inputs``) beats both. Each override is noted once in ``notes``.
+    see ``autoconfig.cli_inputs``) beats both. Each override is noted once in ``notes``;
+    ``lines``: each file key's line, for messages.
     """
     merged: dict[str, RawOption] = {}
     for key, value in env.items():
@@ -137,7 +139,7 @@ def collect_options(file_props: Mapping[str, str], source: str, env: Mapping[str
     for raw_name, key, value, where in layers:
         name = canonical_name(raw_name)
         old = merged.get(name)
-        merged[name] = RawOption(name, value, key, where)
+        merged[name] = RawOption(name, value, key, where, (lines or {}).get(key) if where == source else None)
         if old is not None and notes is not None and old.source != where:
             notes.append(f"{merged[name].where} overrides {old.where}")
     return merged
@@ -159,22 +161,24 @@ def resolve_properties(
     """
     env = dict(os.environ if env is None else env)
     mdir = Path(model_dir) if model_dir is not None else None
-    path = mdir / PROPERTIES_FILE if mdir is not None and (mdir / PROPERTIES_FILE).is_file() else None
+    path = _properties_file(mdir)
     file_props: dict[str, str] = {}
+    lines: dict[str, int] = {}
+    repeats: list[str] = []
     if path is not None:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise PropertiesError(f"{path}: cannot read ({err.__class__.__name__}: {err}); fix its permissions/encoding")
-        file_props = parse_properties(text, str(path))
-    notes = check_server_keys(file_props, str(path))
+        file_props, lines, repeats = parse_properties_lines(text, str(path))
+    notes = repeats + check_server_keys(file_props, str(path))
     starts = lmi_devices(file_props, str(path), gpu_count)
     host_gpus = gpu_count or 0
     if starts is not None:
         # Each listed device starts one LMI worker; "max" then means the GPUs up to the next worker's.
         gpu_count = min(b - a for a, b in zip(starts, starts[1:] + [host_gpus]))
-    options = collect_options(file_props, str(path), env, cli, notes)
-    _apply_env_defaults(options, env)
+    options = collect_options(file_props, str(path), env, cli, notes, lines)
+    _apply_env_defaults(options, env, notes)
     get = _Getter(options)
 
     pp = get.value("pipeline_parallel_degree", positive_int, 1)
@@ -240,11 +244,35 @@ def _has_surrogate(text: str) -> bool:
     return any("\ud800" <= c <= "\udfff" for c in text)
 
 
-def _apply_env_defaults(options: dict[str, RawOption], env: Mapping[str, str]) -> None:
-    """LMI's simplified variables (HF_MODEL_ID, TENSOR_PARALLEL_DEGREE, SM_NUM_GPUS, ...) fill options only when unset."""
+def _properties_file(mdir: Path | None) -> Path | None:
+    """``<mdir>/serving.properties`` when it is a file; a directory or a link to nowhere is an error, not "none"."""
+    if mdir is None:
+        return None
+    path = mdir / PROPERTIES_FILE
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise PropertiesError(f"{path}: is a directory, not a properties file; remove it or put the settings in a "
+                              "file of that name")
+    if path.is_symlink():  # exists() follows the link: false for a loop or a missing target
+        raise PropertiesError(f"{path}: a symbolic link that leads to no file (a loop or a missing target); "
+                              "point it at the properties file or remove it")
+    return None
+
+
+def _apply_env_defaults(options: dict[str, RawOption], env: Mapping[str, str], notes: list[str]) -> None:
+    """LMI's simplified variables (HF_MODEL_ID, TENSOR_PARALLEL_DEGREE, SM_NUM_GPUS, ...) fill options only when unset.
+
+    One that an option overrides is noted, as an overridden ``OPTION_*`` variable is.
+    """
     for var, name in SIMPLIFIED_ENV:
-        if name not in options and env.get(var, "").strip():
+        if not env.get(var, "").strip():
+            continue
+        if name not in options:
             options[name] = RawOption(name, env[var].strip(), var, ENV_SOURCE)
+        elif var != "SM_NUM_GPUS" and options[name].source != ENV_SOURCE and \
+                env[var].strip() != options[name].value.strip():  # SM_NUM_GPUS: SageMaker's count, not a choice
+            notes.append(f"{options[name].where} overrides environment variable {var}")
 
 
 class _Getter:

@@ -142,6 +142,11 @@ def _download_config(model_id: str, hf_home: str | None) -> Path:
     except ImportError:
         raise ModelNotFoundError(f"{model_id}: not cached locally and huggingface_hub is not installed; "
                                  "pip install huggingface_hub or pass the model's directory") from None
+    unreachable = _hub_unreachable()
+    if unreachable:  # fail in seconds, not after the hub client's minute of retries
+        raise ModelNotFoundError(f"{model_id}: not in the local Hugging Face cache, and the Hub cannot be reached "
+                                 f"({unreachable}); give a local directory with config.json instead (--model DIR, "
+                                 "--model-dir DIR or option.model_id=DIR), or set HF_HOME to a cache that holds it")
     try:
         cache_dir = str(hf_hub_cache_dir(hf_home)) if hf_home else None
         return Path(hf_hub_download(repo_id=model_id, filename="config.json", cache_dir=cache_dir))
@@ -149,6 +154,24 @@ def _download_config(model_id: str, hf_home: str | None) -> Path:
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ModelNotFoundError(f"{model_id}: could not fetch config.json from the Hugging Face Hub "
                                  f"({first_line}); check the id and HF_TOKEN, or pass a local directory") from None
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub (``HF_ENDPOINT``, default huggingface.co) cannot be reached now, from one short TCP connect."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = url.hostname or "huggingface.co"
+    try:
+        port = url.port or (80 if url.scheme == "http" else 443)
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except (OSError, ValueError) as err:
+        return f"{host}: {getattr(err, 'strerror', None) or err or type(err).__name__}"
+    return None
 
 
 MAX_CONFIG_BYTES = 64 << 20  # config.json files are kilobytes; the largest safetensors indexes a few MiB

@@ -113,6 +113,9 @@ def disk_tier(host: HostSnapshot, s: ServingSettings, gpu: GpuPlan, cpu: CpuTier
     off = DiskTierPlan(False, None, None, 0, 0, False, 0)
     if ov.disk_size_gib is not None and gib_floor_bytes(int(ov.disk_size_gib * GIB)) == 0:
         why.append("tiers.disk = off: lmcache_max_local_disk_size=0")
+        if ov.disk_path:  # said, not dropped silently: the user named a directory that nothing will use
+            warn.append(f"lmcache_local_disk={ov.disk_path} is not used: lmcache_max_local_disk_size=0 turns the "
+                        "disk tier off; give a size, or remove the directory setting")
         return off
     if ov.disk_path:
         path = normalize_disk_path(ov.disk_path)

@@ -1,7 +1,7 @@
 """Host probing: the only part of autoconfig that reads the live machine (CLI process).
 
 ``probe_host()`` gathers GPUs, memory, disks and CPUs into a HostSnapshot,
-whose JSON form is the contract ``plan --host`` reads back. Each part takes
+whose JSON form is the contract ``plan --host-snapshot`` reads back. Each part takes
 its root paths as parameters so tests drive it with fake trees.
 """
 from __future__ import annotations

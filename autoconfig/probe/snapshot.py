@@ -1,7 +1,7 @@
 """Host snapshot types: what the probe finds, and what ``--host FILE`` reads.
 
 The JSON form is a public contract (``lmi-cache probe --json`` prints it, and
-``plan --host`` / ``validate --host`` read it back). Pure data, no I/O here
+``plan --host-snapshot`` / ``validate --host-snapshot`` read it back). Pure data, no I/O here
 except parsing a dict that came from a file named by the caller.
 """
 from __future__ import annotations
@@ -107,18 +107,18 @@ def load_snapshot_file(path: str) -> HostSnapshot:
         with open(path, "rb") as handle:
             raw = handle.read(_MAX_FILE_BYTES + 1)
     except OSError as err:
-        raise SnapshotError(f"--host {path}: cannot read ({err.strerror or err})") from None
+        raise SnapshotError(f"--host-snapshot {path}: cannot read ({err.strerror or err})") from None
     if len(raw) > _MAX_FILE_BYTES:
-        raise SnapshotError(f"--host {path}: larger than {_MAX_FILE_BYTES >> 20} MiB; use 'lmi-cache probe --json'")
+        raise SnapshotError(f"--host-snapshot {path}: larger than {_MAX_FILE_BYTES >> 20} MiB; use 'lmi-cache probe --json'")
     try:
         data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except UnicodeDecodeError:
-        raise SnapshotError(f"--host {path}: not UTF-8 text; use 'lmi-cache probe --json'") from None
+        raise SnapshotError(f"--host-snapshot {path}: not UTF-8 text; use 'lmi-cache probe --json'") from None
     except json.JSONDecodeError as err:
-        raise SnapshotError(f"--host {path}: not valid JSON (line {err.lineno} column {err.colno}: {err.msg}); "
+        raise SnapshotError(f"--host-snapshot {path}: not valid JSON (line {err.lineno} column {err.colno}: {err.msg}); "
                             "use 'lmi-cache probe --json'") from None
     except (ValueError, RecursionError):
-        raise SnapshotError(f"--host {path}: not a host snapshot (NaN/Infinity, an over-long number or too deep "
+        raise SnapshotError(f"--host-snapshot {path}: not a host snapshot (NaN/Infinity, an over-long number or too deep "
                             "nesting); use 'lmi-cache probe --json'") from None
     return HostSnapshot.from_dict(data, path)
 

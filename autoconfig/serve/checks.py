@@ -15,6 +15,7 @@ from autoconfig.model.s3 import is_s3
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
+    from autoconfig.plan.types import TierPlan
     from autoconfig.probe.snapshot import HostSnapshot
 
 PORT_ENV = "SAGEMAKER_BIND_TO_PORT"
@@ -70,30 +71,37 @@ def check_parallelism(props: ResolvedProperties, host: "HostSnapshot") -> None:
 
 
 def check_user_config(
-    props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str]
-) -> list[str]:
-    """Validate option.lmcache_config_file against this host; errors fail, warnings are returned."""
-    from autoconfig.model.source import hub_access_from_env, load_model_info
-    from autoconfig.validate import validate_config
+    props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str],
+    planned: "TierPlan | None" = None,
+) -> tuple[list[str], "TierPlan | None"]:
+    """The user's YAML and/or ``LMCACHE_*`` variables as the server reads them, checked against this host.
 
-    assert props.config_file is not None
-    where = props.config_where
-    if not props.config_file.is_file():
-        raise ServeError(f"{where}: {props.config_file} does not exist; fix the path "
-                         "(relative paths are resolved against the model directory)")
+    ``planned``: auto-configuration's plan, whose YAML ``LMCACHE_<KEY>`` variables override.
+    Errors fail (one line, the setting as the user gave it); returns the warnings and the
+    tiers that will run (None when config.json cannot be read now).
+    """
+    from autoconfig.serve.model_access import model_info
+    from autoconfig.validate import checked_tiers
+
+    path = props.config_file if planned is None else Path("the planned LMCache YAML")
+    if path is not None and planned is None:
+        from autoconfig.serve.configure import check_yaml_path
+
+        check_yaml_path(path, props.config_where)
     try:
-        hf_home, allow_network = hub_access_from_env(env)
-        info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                               hf_home=hf_home, allow_network=allow_network)
+        info = model_info(props, model, env)
     except UserError as err:
         # The YAML's keys are still checked by configure; only the size checks need config.json.
-        return [f"sizes in {props.config_file} not checked against the host: {err}"]
-    findings = validate_config(str(props.config_file), info, props.settings, host)
+        return [f"sizes in {path or 'LMCACHE_* variables'} not checked against the host: {err}"], None
+    findings, plan = checked_tiers(str(path) if path is not None else None, info, props.settings, host, env=env,
+                                   planned=planned.lmcache_config if planned is not None else None)
     errors = [f for f in findings if f.level == "error"]
     if errors:
-        more = f" (+{len(errors) - 1} more: run 'lmi-cache validate {props.config_file}')" if len(errors) > 1 else ""
-        raise ServeError(f"{where}: {errors[0].key}: {errors[0].message}{more}")
-    return [str(f) for f in findings]
+        command = "lmi-cache validate" + (f" {path}" if props.config_file is not None else " --model-dir DIR")
+        more = f" (+{len(errors) - 1} more: run '{command}')" if len(errors) > 1 else ""
+        named = errors[0].message.startswith("environment variable") or props.config_file is None
+        raise ServeError(f"{'' if named else props.config_where + ': '}{errors[0].message}{more}")
+    return [str(f) for f in findings], plan
 
 
 def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
@@ -119,13 +127,11 @@ def lmcache_env_findings(env: Mapping[str, str], cache_on: bool) -> list[str]:
 
 def check_start(props: ResolvedProperties, model: str, host: "HostSnapshot", env: Mapping[str, str]) -> None:
     """What vLLM will refuse (autoconfig.plan.start_checks), in every cache mode, when config.json can be read now."""
-    from autoconfig.model.source import hub_access_from_env, load_model_info
     from autoconfig.plan.start_checks import check_startable
+    from autoconfig.serve.model_access import model_info
 
     try:
-        hf_home, allow_network = hub_access_from_env(env)
-        info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                               hf_home=hf_home, allow_network=allow_network)
+        info = model_info(props, model, env)
     except UserError:
         return  # configure reports an unreadable model where it needs one; vLLM does otherwise
     check_startable(info, props.settings, host, env, {n: o.where for n, o in props.options.items()})
@@ -147,14 +153,13 @@ def largest_fitting_tp(num_gpus: int, heads: tuple[int, int]) -> int:
 
 def model_heads(props: ResolvedProperties, model_dir: Path, env: Mapping[str, str]) -> tuple[int, int] | None:
     """(attention heads, KV heads) of the model when its config.json can be read now, else None."""
-    from autoconfig.model.source import hub_access_from_env, load_model_info
+    from autoconfig.serve.model_access import model_info
 
     model = props.model_id or (str(model_dir) if (model_dir / "config.json").is_file() else None)
     if model is None or is_s3(model):
         return None
     try:
-        hf_home, allow_network = hub_access_from_env(env)
-        info = load_model_info(model, hf_home=hf_home, allow_network=allow_network)
+        info = model_info(props, model, env, typed=False)
     except UserError:
         return None  # the plan or vLLM reports an unreadable model; only the TP choice needs it here
     if info.kv.num_attention_heads is None:

@@ -23,15 +23,18 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoconfig.lmi.properties import ResolvedProperties, resolve_properties
+from autoconfig.serve.engine_args import engine_args, mapped_options
+from autoconfig.serve.model_access import model_here, model_info
 from lmi_cache.config.env import env_override_line, env_override_names
 from lmi_cache.errors import UserError
 
 if TYPE_CHECKING:
+    from autoconfig.lmi.to_vllm import MappedArgs
     from autoconfig.probe.snapshot import HostSnapshot
     from autoconfig.plan.types import TierPlan
 
@@ -76,6 +79,7 @@ def configure(
     model: str | None = None,
     resolved: ResolvedProperties | None = None,
     check_output: bool = True,
+    mapped: "MappedArgs | None" = None,
 ) -> ConfigureResult:
     """Resolve properties, probe (unless ``host`` is given), plan and write the files.
 
@@ -83,7 +87,9 @@ def configure(
     others; ``write=False`` checks the directory and writes nothing; ``model``
     replaces option.model_id where config.json is read (an S3 model's local copy);
     ``resolved`` is serve's own resolution of the same properties (with its TP fit);
-    ``check_output=False`` (``plan``, with ``write=False``) skips the runtime directory check.
+    ``check_output=False`` (``plan``, with ``write=False``) skips the runtime directory check;
+    ``mapped``: serve's mapping of the other LMI options (computed here when not given).
+    vllm_args.json holds every vLLM argument serve passes after ``--model`` except the front door's.
     """
     from autoconfig.render.vllm_args import vllm_args as render_args
 
@@ -105,7 +111,6 @@ def configure(
         plan = plan_for(props, mdir, host, env, model)
         yaml_path = out / "lmcache.yaml"
         files["lmcache.yaml"] = _yaml_text(plan)
-        files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
         run_env = {"LMCACHE_CONFIG_FILE": str(yaml_path), **plan.env}
         args = list(plan.vllm_args)
         messages += [f"warning: {w}" for w in plan.warnings]
@@ -127,6 +132,10 @@ def configure(
         args = render_args(None, props.settings)[2:]
         mode = "off"
         messages.append("LMCache off: set option.lmcache_auto_config=true or option.lmcache_config_file")
+    args = engine_args(props, args, mapped or mapped_options(props))
+    if plan is not None:
+        plan = replace(plan, vllm_args=args)
+        files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
     overrides = env_override_names(env) if mode in ("auto", "file") else []
     if overrides:  # LMCache's rule, which the engine follows: LMCACHE_<KEY> beats the YAML
         messages.append(f"warning: {env_override_line(overrides)}")
@@ -150,36 +159,38 @@ def configure(
 def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str],
              model_override: str | None = None) -> "TierPlan":
     """The auto-configuration plan for these settings (configure's, and ``plan``'s what-if in other modes)."""
-    from autoconfig.model.source import hub_access_from_env, load_model_info
     from autoconfig.plan.planner import plan_tiers
 
     model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
     if model is None:
         raise ConfigureError(f"no model: {mdir} has no config.json and option.model_id / HF_MODEL_ID is unset; "
                              "set one of them or pass --model-dir")
-    hf_home, allow_network = hub_access_from_env(env)
-    info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                           hf_home=hf_home, allow_network=allow_network)
+    info = model_info(props, model, env)
     if info.kv.state is not None and props.settings.engine != "lmi_cache":
         from autoconfig.model.ssm import refuse_state_caching
 
         refuse_state_caching(info.kv.state, model)
-    return plan_tiers(host, info, props.settings, cpu_kvcache_space_gib=cpu_kvcache_space_from_env(env))
+    from autoconfig.plan.tier_labels import option_labels, relabel, relabel_plan
+    from autoconfig.plan.types import PlanError
+
+    labels = option_labels(props.options)  # messages name the option, variable or flag as the user gave it
+    try:
+        plan = plan_tiers(host, info, props.settings, cpu_kvcache_space_gib=cpu_kvcache_space_from_env(env))
+    except PlanError as err:
+        raise PlanError(relabel(str(err), labels)) from None
+    return relabel_plan(plan, labels)
 
 
 def _check_blend_model(props: ResolvedProperties, mdir: Path, env: Mapping[str, str],
                        model_override: str | None) -> None:
     """With the user's YAML blending: refuse a model the blender does not cover now, when config.json is at hand."""
-    from autoconfig.model.source import hub_access_from_env, load_model_info
     from autoconfig.plan.blend import check_blend_model
     from autoconfig.model.s3 import is_s3
 
     model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
     if model is None or is_s3(model):
         return  # the blending connector checks the model when vLLM starts it
-    hf_home, allow_network = hub_access_from_env(env)
-    info = load_model_info(model, kv_cache_dtype=props.settings.kv_cache_dtype, dtype=props.settings.dtype,
-                           hf_home=hf_home, allow_network=allow_network)
+    info = model_info(props, model, env)
     check_blend_model(props.settings, info.config, info.name, info.kv.layout.num_layers)
 
 
@@ -192,12 +203,12 @@ def resolve_fitted(mdir: Path, env: Mapping[str, str], num_gpus: int,
     from autoconfig.serve.checks import largest_fitting_tp, model_heads
 
     directory = mdir if mdir.is_dir() else None
-    props = resolve_properties(directory, env, gpu_count=num_gpus, cli=cli)
+    props = model_here(resolve_properties(directory, env, gpu_count=num_gpus, cli=cli), mdir)
     heads = model_heads(props, mdir, env) if props.tp_is_max and props.settings.tp > 1 else None
     if heads is None:
         return props
-    return resolve_properties(directory, env, gpu_count=num_gpus, fit_max_tp=lambda n: largest_fitting_tp(n, heads),
-                              cli=cli)
+    return model_here(resolve_properties(directory, env, gpu_count=num_gpus,
+                                          fit_max_tp=lambda n: largest_fitting_tp(n, heads), cli=cli), mdir)
 
 
 def cpu_kvcache_space_from_env(env: Mapping[str, str]) -> int | None:
@@ -225,10 +236,17 @@ def _yaml_text(plan: "TierPlan") -> str:
 def _check_user_config(path: Path, where: str) -> None:
     from lmi_cache.config.cache_config import load_config
 
+    check_yaml_path(path, where)
+    load_config(str(path), env={})  # raises ConfigError naming the file and key
+
+
+def check_yaml_path(path: Path, where: str) -> None:
+    """The user's YAML must be a file: a directory or a missing path says which."""
+    if path.is_dir():
+        raise ConfigureError(f"{where}: {path} is a directory, not an LMCache YAML file; name the file")
     if not path.is_file():
         raise ConfigureError(f"{where}: {path} does not exist; fix the path "
                              "(relative paths are resolved against the model directory)")
-    load_config(str(path), env={})  # raises ConfigError naming the file and key
 
 
 def check_runtime_dir(out: Path) -> None:

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoconfig.serve.configure import DEFAULT_MODEL_DIR, configure, default_output_dir, resolve_fitted
+from autoconfig.serve.engine_args import mapped_options
 from autoconfig.lmi.names import SECRET_OPTIONS
-from autoconfig.lmi.to_vllm import MappedArgs, flag_to_name, map_lmi_options
+from autoconfig.lmi.to_vllm import MappedArgs
 from autoconfig.lmi.properties import ResolvedProperties
 from autoconfig.model.s3 import is_s3, materialize_s3_model
 from autoconfig.serve.summary import serve_summary
@@ -37,7 +38,8 @@ from autoconfig.serve.checks import (
     model_argument,
     server_port,
 )
-from lmi_cache.front.options import FRONT_OPTIONS, front_launch
+from lmi_cache.config.env import env_override_names
+from lmi_cache.front.options import front_launch
 from lmi_cache.metrics.settings import multiproc_env
 
 if TYPE_CHECKING:
@@ -48,12 +50,6 @@ __all__ = ["DEFAULT_PORT", "PORT_ENV", "ServeError", "ServeLaunch", "load_host_f
            "run_launch", "run_serve"]
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-# vLLM arguments that serve derives from ServingSettings through configure's
-# vllm_args.json: the option values are not rendered a second time.
-SETTINGS_ARGS = frozenset({
-    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "max_model_len",
-    "gpu_memory_utilization", "kv_cache_dtype", "dtype",
-})
 # vLLM arguments that install a KV connector of their own.
 CONNECTOR_ARGS = frozenset({"kv_transfer_config", "kv_offloading_size"})
 GIB = 1 << 30
@@ -76,6 +72,11 @@ class ServeLaunch:
     summary: list[str] = field(default_factory=list)
     props: ResolvedProperties | None = None  # the settings as resolved (plan prints them)
     plan: "TierPlan | None" = None  # the tier plan (auto mode)
+    # The tiers the server will run: the plan in auto mode; the user's YAML / LMCACHE_* as checked
+    # against the host otherwise (None: off, or config.json not readable now).
+    tiers: "TierPlan | None" = None
+    auto_plan: "TierPlan | None" = None  # what auto-configuration would size (a dry run of another mode)
+    engine_args: list[str] = field(default_factory=list)  # configure's vllm_args.json
 
     def vllm_args(self) -> list[str]:
         """vLLM's arguments: the command after ``python -m <server module>``."""
@@ -105,25 +106,21 @@ def prepare_launch(
     dry_run: bool = False,
     cli: Mapping[str, tuple[str, str]] | None = None,
     check_output: bool = True,
+    bind: tuple[str | None, int | None] = (None, None),
 ) -> ServeLaunch:
     """Check everything and build the vLLM command; raise a UserError naming the first problem.
 
     With ``dry_run`` nothing is written (the runtime directory is only checked, unless
-    ``check_output`` is false); ``cli``: plan's setting flags, above the properties.
+    ``check_output`` is false); ``cli``: plan's setting flags, above the properties; ``bind``: serve's
+    ``--host`` / ``--port`` for vLLM (None: 0.0.0.0 and SAGEMAKER_BIND_TO_PORT or 8080).
     """
     env = dict(os.environ if env is None else env)
     mdir = Path(model_dir) if model_dir is not None else Path(DEFAULT_MODEL_DIR)
-    port = server_port(env)
+    port = bind[1] or server_port(env)
     if host is None:
         host = probe() if probe is not None else _probe_this_host()
     props = resolve_fitted(mdir, env, len(host.gpus), cli)  # LMI's TP "max" fitted to the model's heads
-    passed = {name: opt for name, opt in props.options.items()
-              if name not in props.consumed and name not in FRONT_OPTIONS}
-    mapped = map_lmi_options(
-        {name: opt.value for name, opt in passed.items()},
-        {name: opt.where for name, opt in passed.items()},
-        num_gpus=props.settings.tp,
-    )
+    mapped = mapped_options(props)
     cache_on = props.cache_on
     conflicting = sorted(CONNECTOR_ARGS & set(mapped.values)) if cache_on else []
     if conflicting:
@@ -138,31 +135,33 @@ def prepare_launch(
         checked = model  # what the checks and the plan read config.json from
         if is_s3(model):
             model, checked = materialize_s3_model(model, props.options["model_id"].where, out, dry_run, scratch)
-        launch = _launch(props, mapped, mdir, model, checked, out, env, host, port, python, (dry_run, check_output),
+        launch = _launch(props, mapped, mdir, model, checked, out, env, host, (bind[0] or "0.0.0.0", port), python,
+                         (dry_run, check_output),
                          cache_on, env_findings)
     return launch
 
 
 def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: str, checked: str, out: Path,
-            env: dict[str, str], host: "HostSnapshot", port: int, python: str, run: tuple[bool, bool],
+            env: dict[str, str], host: "HostSnapshot", address: tuple[str, int], python: str, run: tuple[bool, bool],
             cache_on: bool, env_findings: list[str]) -> ServeLaunch:
     dry_run, check_output = run
+    bind_host, port = address
     check_start(props, checked, host, env)  # what vLLM would refuse, before any file is written
     findings: list[str] = []
-    if props.config_file is not None:
-        findings = check_user_config(props, checked, host, env)
+    tiers = None
+    if props.config_file is not None or props.env_only:
+        findings, tiers = check_user_config(props, checked, host, env)
     findings += env_findings
     secret_env, secret_files = secrets_for_vllm(mapped, props)
     result = configure(mdir, out, env, host=host, write=not dry_run, extra_files=secret_files,
                        model=checked if is_s3(props.model_id or "") else None, resolved=props,
-                       check_output=check_output)
+                       check_output=check_output, mapped=mapped)
     # After configure: it refuses a runtime directory another user controls before anything is made in it.
     metrics_env = multiproc_env(env, out, port, cache_on=cache_on, prepare=not dry_run)  # lmi_cache.metrics.settings
-    argv = [python, "-m", VLLM_SERVER_MODULE, "--host", "0.0.0.0", "--port", str(port), "--model", model]
+    argv = [python, "-m", VLLM_SERVER_MODULE, "--host", bind_host, "--port", str(port), "--model", model]
     if secret_files:
         argv += ["--config", str(result.output_dir / SECRETS_FILE)]
-    argv += _upstream_recipe(props, result.vllm_args)
-    argv += mapped.argv(skip=SETTINGS_ARGS | _dests(result.vllm_args))
+    argv += result.vllm_args  # configure's vllm_args.json: the connector, the settings and every other option
     front = front_launch({n: o.value for n, o in props.options.items()}, mdir if mdir.is_dir() else None,
                          {n: o.where for n, o in props.options.items()}, Path(model) if Path(model).is_dir() else None,
                          prepare=not dry_run)  # a dry run leaves the sessions folder as it is
@@ -176,10 +175,28 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
     env_set.update(metrics_env)
     if not host.gpus:
         env_set.update(cpu_backend_env(env, env_set, host))
-    summary = serve_summary(props, result.mode, model, port, mapped.notes, result.messages, findings, env_set,
-                            result.plan, env)
+    tiers = result.plan or tiers
+    if result.plan is not None and env_override_names(env):  # LMCACHE_<KEY> replaces planned values: check them
+        overridden, tiers = check_user_config(props, checked, host, env, planned=result.plan)
+        findings += [f for f in overridden if f not in findings]
+    auto_plan = _auto_comparison(props, mdir, host, env, checked) if dry_run and result.mode != "auto" else None
+    summary = serve_summary(props, result.mode, model, address, mapped.notes, result.messages, findings, env_set,
+                            (result.plan or tiers, auto_plan), env)  # auto: planned values, overrides beside them
     summary[-1:-1] = front.summary
-    return ServeLaunch(argv, {**env, **env_set}, env_set, result.mode, summary, props, result.plan)
+    return ServeLaunch(argv, {**env, **env_set}, env_set, result.mode, summary, props, result.plan, tiers, auto_plan,
+                       result.vllm_args)
+
+
+def _auto_comparison(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str],
+                     model: str) -> "TierPlan | None":
+    """What auto-configuration would size for these settings, shown beside the user's tiers (None: cannot plan)."""
+    from autoconfig.serve.configure import plan_for
+    from lmi_cache.errors import UserError
+
+    try:
+        return plan_for(props, mdir, host, env, model if is_s3(props.model_id or "") else None)
+    except UserError:
+        return None
 
 
 def secrets_for_vllm(mapped: MappedArgs, props: ResolvedProperties) -> tuple[dict[str, str], dict[str, str]]:
@@ -201,17 +218,8 @@ def secrets_for_vllm(mapped: MappedArgs, props: ResolvedProperties) -> tuple[dic
     return env, files
 
 
-def _upstream_recipe(props: ResolvedProperties, args: list[str]) -> list[str]:
-    """configure's arguments; upstream LMCache through LMI's recipe keeps the user's kv_transfer_config."""
-    if props.recipe is None or props.settings.engine != "lmcache" or "--kv-transfer-config" not in args:
-        return list(args)
-    out = list(args)
-    out[out.index("--kv-transfer-config") + 1] = props.recipe.upstream_json()
-    return out
-
-
 def load_host_file(path: str) -> "HostSnapshot":
-    """A ``probe --json`` snapshot instead of this machine (dry-run what-ifs, tests): the one ``--host`` reader."""
+    """A ``probe --json`` snapshot instead of this machine (dry-run what-ifs, tests): the one ``--host-snapshot`` reader."""
     from autoconfig.probe.snapshot import load_snapshot_file
 
     return load_snapshot_file(path)
@@ -240,15 +248,10 @@ def cpu_backend_env(env: Mapping[str, str], env_set: Mapping[str, str], host: "H
     return {"VLLM_CPU_KVCACHE_SPACE": str(max(1, min(CPU_KVCACHE_DEFAULT_GIB, usable_gib // 4)))}
 
 
-def _dests(args: list[str]) -> frozenset[str]:
-    names = flag_to_name()
-    return frozenset(names[a] for a in args if a in names)
-
-
 def run_serve(model_dir: str | None, dry_run: bool, host: "HostSnapshot | None" = None,
-              echo: Callable[[str], None] = print) -> int:
+              echo: Callable[[str], None] = print, bind: tuple[str | None, int | None] = (None, None)) -> int:
     """The CLI body: print the summary, then run vLLM until it ends (or, with dry_run, print the command)."""
-    launch = prepare_launch(model_dir, host=host, dry_run=dry_run)
+    launch = prepare_launch(model_dir, host=host, dry_run=dry_run, bind=bind)
     for line in launch.summary:
         echo(f"lmi-cache serve: {line}")
     if dry_run:

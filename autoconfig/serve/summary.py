@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 GIB = 1 << 30
 
 
-def serve_summary(props: ResolvedProperties, mode: str, model: str, port: int, mapped_notes: list[str],
-                  messages: list[str], findings: list[str], env_set: Mapping[str, str], plan: "TierPlan | None",
-                  env: Mapping[str, str]) -> list[str]:
+def serve_summary(props: ResolvedProperties, mode: str, model: str, address: tuple[str, int], mapped_notes: list[str],
+                  messages: list[str], findings: list[str], env_set: Mapping[str, str],
+                  plans: "tuple[TierPlan | None, TierPlan | None]", env: Mapping[str, str]) -> list[str]:
+    """``plans``: the tiers that will run, and what auto-configuration would size instead (None: not shown)."""
     s = props.settings
     lines = [f"model: {model}",
              f"parallel: tp={s.tp} pp={s.pp} dp={s.dp}; max_model_len={s.max_model_len or 'model default'}; "
@@ -31,11 +32,13 @@ def serve_summary(props: ResolvedProperties, mode: str, model: str, port: int, m
     lines += [f"note: {key}={value} in {props.properties_path}: " + (SERVER_KEYS_USED[key] if key in SERVER_KEYS_USED
               else "ignored: this container always runs vLLM's OpenAI server")
               for key, value in sorted(props.other_properties.items())]
-    lines += cache_lines(mode, props, plan, env)
+    lines += cache_lines(mode, props, plans[0], env)
+    if plans[1] is not None:
+        lines.append(f"cache: auto-configuration would size instead: {'; '.join(planned_parts(plans[1]))}")
     lines += [m for m in messages if m.startswith("warning:")]
     lines += [f"config check: {f}" for f in findings]
     lines += [f"env {k}={'***' if is_secret_env(k) else v}" for k, v in sorted(env_set.items())]
-    lines.append(f"vLLM OpenAI server on 0.0.0.0:{port} (/ping, /invocations)")
+    lines.append(f"vLLM OpenAI server on {address[0]}:{address[1]} (/ping, /invocations)")
     return lines
 
 
@@ -52,14 +55,17 @@ def _tier_line(mode: str, props: ResolvedProperties, plan: "TierPlan | None", en
     from lmi_cache.config.cache_config import config_with_env
     from lmi_cache.config.env import env_override_names
 
-    if mode == "file":
-        return f"cache: LMCache config from {props.config_file} (checked against this host)"
     if mode == "off":
         return "cache: off (set option.lmcache_auto_config=true or option.lmcache_config_file to enable)"
-    if mode == "env" or plan is None:
+    if mode in ("file", "env"):
+        parts = planned_parts(plan) if plan is not None else _parts(_user_config(props, env))
+        checked = "" if plan is not None else "; sizes not checked: config.json not readable now"
+        where = f"LMCache config from {props.config_file}" if mode == "file" else "from LMCACHE_* variables"
+        return f"cache: {where} ({'; '.join(parts)}{checked})"
+    if plan is None:
         cfg, _ = config_with_env(None, env, "environment")
         return f"cache: from LMCACHE_* variables ({'; '.join(_parts(cfg))})"
-    parts = _planned_parts(plan)
+    parts = planned_parts(plan)
     if env_override_names(env):
         cfg, _ = config_with_env(plan.lmcache_config, env, "the planned YAML")
         for i, (names, mine) in enumerate(zip(_PART_VARS, _parts(cfg))):
@@ -69,7 +75,15 @@ def _tier_line(mode: str, props: ResolvedProperties, plan: "TierPlan | None", en
     return f"cache: auto-configured ({'; '.join(parts)})"
 
 
-def _planned_parts(plan: "TierPlan") -> list[str]:
+def _user_config(props: ResolvedProperties, env: Mapping[str, str]) -> "CacheConfig":
+    """The user's YAML (if any) with LMCACHE_* on top, as the engine reads it (already checked by configure)."""
+    from lmi_cache.config.cache_config import config_with_env, read_yaml_mapping
+
+    data = read_yaml_mapping(str(props.config_file)) if props.config_file is not None else None
+    return config_with_env(data, env, str(props.config_file or "environment"))[0]
+
+
+def planned_parts(plan: "TierPlan") -> list[str]:
     cpu, disk = plan.cpu, plan.disk
     return [f"CPU tier {cpu.bytes_per_rank / GIB:.2f} GiB/rank" if cpu.enabled else "CPU tier off",
             f"disk tier {disk.bytes_per_rank / GIB:.2f} GiB/rank at {disk.path}" if disk.enabled else "disk tier off",

@@ -51,6 +51,8 @@ def read_yaml_mapping(path: str) -> Mapping[str, Any]:
             raw = handle.read(MAX_CONFIG_FILE_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file; fix {CONFIG_FILE_ENV} or the path given") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not an LMCache YAML file; name the file") from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config file ({err.strerror or err}); check the path") from None
     if len(raw) > MAX_CONFIG_FILE_BYTES:

@@ -134,7 +134,8 @@ class LmiFrontMiddleware:
         data = await parse_json(body)
         if not isinstance(data, dict):
             raise ClientError(400, "the body must be a JSON object (LMI's {\"inputs\": ...} or an OpenAI request)")
-        headers, session_id = normalize_request_headers(list(scope["headers"]))
+        creating = data.get("requestType") == "NEW_SESSION"
+        headers, session_id = normalize_request_headers(list(scope["headers"]), creating)
         if "requestType" in data:
             await self._session_verb(data, session_id, send)
             return None

@@ -10,7 +10,9 @@ NEW_SESSION. In vLLM's API server process the front middleware answers
 NEW_SESSION and CLOSE itself through ``SessionGate``: creation is refused
 with 429 past a cap on open sessions, writes the expiry atomically, and does
 not sweep all sessions under the library's lock; a daemon thread sweeps
-expired sessions instead. Sessions live in the library's ``SessionManager``
+expired sessions instead, and remembers the ids it closed (bounded), so a
+request naming one is told its session expired rather than "not found",
+whenever the sweep ran. Sessions live in the library's ``SessionManager``
 (``model_hosting_container_standards.sagemaker.sessions.manager``), whose
 registry vLLM's ``/invocations`` validates ids against.
 """
@@ -23,6 +25,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,24 @@ from lmi_cache.front.guard import ClientError
 logger = logging.getLogger("lmi_cache.front")
 EXPIRY_FILE = ".expiration_ts"  # the library's name for a session's expiry file
 DEFAULT_MAX_SESSIONS = 10_000
+
+
+# Ids the sweep closed as expired, newest last, at most this many (a set of short strings).
+_SWEPT: "OrderedDict[str, None]" = OrderedDict()
+_SWEPT_LOCK = threading.Lock()
+
+
+def _remember_swept(session_id: str) -> None:
+    with _SWEPT_LOCK:
+        _SWEPT[session_id] = None
+        while len(_SWEPT) > DEFAULT_MAX_SESSIONS:
+            _SWEPT.popitem(last=False)
+
+
+def was_swept(session_id: str) -> bool:
+    """Whether the background sweep closed ``session_id`` because it expired."""
+    with _SWEPT_LOCK:
+        return session_id in _SWEPT
 
 
 class SessionsFolderError(ValueError):
@@ -183,6 +204,7 @@ def sweep_expired(manager: Any, now: float | None = None) -> int:
     for session_id in due:
         try:
             manager.close_session(session_id)
+            _remember_swept(session_id)
         except ValueError:
             continue  # closed meanwhile
         except OSError as err:  # not a folder, or gone: forget it rather than fail every sweep

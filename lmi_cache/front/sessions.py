@@ -14,8 +14,12 @@ djl-serving ``serving/docs/stateful_sessions.md``:
   ``; Expires=...`` suffix that clients copy from the answer;
 - a request naming an expired session is refused (the library would close it
   and serve the request as if it had no session);
-- an id that is empty, ``NEW_SESSION`` (which the library reads as "no
-  session") or not an id's shape is refused with 400 before anything reads it.
+- SageMaker's own create request (``InvokeEndpoint(SessionId="NEW_SESSION")``
+  with the ``{"requestType": "NEW_SESSION"}`` payload) arrives with the header
+  ``X-Amzn-SageMaker-Session-Id: NEW_SESSION``: the header is ignored on a
+  create request, as the library does; on any other request ``NEW_SESSION``
+  means "no session" (the library's reading) and the request is served without one;
+- an id that is empty or not an id's shape is refused with 400 before anything reads it.
 """
 from __future__ import annotations
 
@@ -36,22 +40,29 @@ def _bare(value: bytes) -> bytes:
     return value.split(b";", 1)[0].strip()
 
 
-def normalize_request_headers(headers: Headers) -> tuple[Headers, str | None]:
+NEW_SESSION = b"NEW_SESSION"  # SageMaker's SessionId for "open one"; on other requests: no session
+
+
+def normalize_request_headers(headers: Headers, creating: bool = False) -> tuple[Headers, str | None]:
     """One ``x-amzn-sagemaker-session-id`` header holding the bare, checked id (or none); returns it too.
 
     A client's own ``X-Session-ID`` is dropped: vLLM gets the validated id or none.
+    ``creating``: the body is ``{"requestType": "NEW_SESSION"}``, whose session header (SageMaker
+    sends ``NEW_SESSION``) names no session to check. A header ``NEW_SESSION`` is "no session".
     Raises ClientError 400 for an id that is empty or not an id.
     """
     session = next((v for k, v in headers if k == SESSION_HEADER), None)
     if session is None:
         session = next((v for k, v in headers if k == NEW_SESSION_HEADER), None)
     kept = [(k, v) for k, v in headers if k not in (SESSION_HEADER, NEW_SESSION_HEADER, VLLM_SESSION_HEADER)]
-    if session is None:
+    if session is None or creating:
         return kept, None
     bare = _bare(session)
+    if bare == NEW_SESSION:
+        return kept, None
     if not bare:
         raise ClientError(400, "empty session id; send the id from NEW_SESSION's answer or no session header")
-    if bare == b"NEW_SESSION" or not _SESSION_ID.fullmatch(bare):
+    if not _SESSION_ID.fullmatch(bare):
         raise ClientError(400, "malformed session id; send the id from NEW_SESSION's answer")
     kept.append((SESSION_HEADER, bare))
     kept.append((VLLM_SESSION_HEADER, bare))
@@ -65,6 +76,10 @@ def expired_session_error(session_id: str) -> str | None:
     """
     from model_hosting_container_standards.sagemaker.sessions.manager import get_session_manager
 
+    from lmi_cache.front.session_store import was_swept
+
+    if was_swept(session_id):  # expired, and the background sweep closed it already (ids are never reused)
+        return _expired(session_id)
     manager = get_session_manager()
     if manager is None:
         return None
@@ -75,4 +90,8 @@ def expired_session_error(session_id: str) -> str | None:
         manager.close_session(session_id)
     except (ValueError, OSError):
         pass  # closed concurrently, or its folder is gone: the sweep forgets it
+    return _expired(session_id)
+
+
+def _expired(session_id: str) -> str:
     return f"Bad request: session expired: {session_id}; start a new one with {{\"requestType\": \"NEW_SESSION\"}}"

@@ -177,7 +177,7 @@ def test_bad_values_and_check_layers_past_the_model(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"blend_check_layers: layer 40 does not exist .*28 layers"):
         _launch(tmp_path, "option.lmcache_auto_config=true\noption.lmcache_enable_blending=true\n"
                           "option.lmcache_blend_check_layers=40\n")
-    with pytest.raises(UserError, match=r"serving.properties: option.lmcache_enable_blending: .*'maybe'"):
+    with pytest.raises(UserError, match=r"serving.properties:\d+: option.lmcache_enable_blending: .*'maybe'"):
         _launch(tmp_path, "option.lmcache_auto_config=true\noption.lmcache_enable_blending=maybe\n")
     mdir = _model_dir(tmp_path, "option.lmcache_config_file=lmcache.yaml\n")
     (mdir / "lmcache.yaml").write_text("chunk_size: 256\nenable_blending: true\nblend_min_tokens: -1\n")
@@ -205,16 +205,16 @@ def test_engine_lmcache_refuses_the_lmi_option_and_passes_lmcache_settings_throu
 def test_plan_explains_blending_and_refuses_engine_lmcache_with_it() -> None:
     host = str(REPO / "tests" / "fixtures" / "hosts" / "a100x8_nvme_cgroup.json")
     model = str(MODELS / "llama-3.1-8b-instruct")
-    result = _cli(["plan", "--model", model, "--host", host, "--enable-blending", "--blend-recompute-ratios", "0.3"])
+    result = _cli(["plan", "--model", model, "--host-snapshot", host, "--enable-blending", "--blend-recompute-ratios", "0.3"])
     assert result.exit_code == 0, result.output
     (line,) = [ln for ln in result.output.splitlines() if "blending = on" in ln]
     assert "--enable-blending" in line and "30%" in line and "model_type 'llama' is covered" in line
     assert "LmiCacheConnector blends" in line
-    plain = _cli(["plan", "--model", model, "--host", host])
+    plain = _cli(["plan", "--model", model, "--host-snapshot", host])
     assert "blending" not in plain.output and "LmiCacheConnector" in plain.output
-    refused = _cli(["plan", "--model", model, "--host", host, "--enable-blending", "--engine", "lmcache"])
+    refused = _cli(["plan", "--model", model, "--host-snapshot", host, "--enable-blending", "--engine", "lmcache"])
     assert refused.exit_code == 2 and "--engine lmcache" in refused.output
-    gemma = _cli(["plan", "--model", str(MODELS / "gemma-2-9b-it"), "--host", host, "--enable-blending"])
+    gemma = _cli(["plan", "--model", str(MODELS / "gemma-2-9b-it"), "--host-snapshot", host, "--enable-blending"])
     assert gemma.exit_code == 2 and "--enable-blending=true: " in gemma.output and "model_type 'gemma2'" in gemma.output
 
 
@@ -245,10 +245,10 @@ def test_validate_names_blending_on_an_uncovered_model(tmp_path: Path) -> None:
     host = str(REPO / "tests" / "fixtures" / "hosts" / "a100x8_nvme_cgroup.json")
     config = tmp_path / "lmcache.yaml"
     config.write_text("chunk_size: 256\nmax_local_cpu_size: 5\nenable_blending: true\n")
-    bad = _cli(["validate", str(config), "--model", str(MODELS / "gemma-2-9b-it"), "--host", host])
+    bad = _cli(["validate", str(config), "--model", str(MODELS / "gemma-2-9b-it"), "--host-snapshot", host])
     assert bad.exit_code == 1
     assert any(ln.startswith("ERROR   enable_blending:") and "model_type 'gemma2'" in ln for ln in bad.output.splitlines())
-    good = _cli(["validate", str(config), "--model", str(MODELS / "qwen2.5-7b-instruct"), "--host", host])
+    good = _cli(["validate", str(config), "--model", str(MODELS / "qwen2.5-7b-instruct"), "--host-snapshot", host])
     assert good.exit_code == 0, good.output
 
 

@@ -44,14 +44,14 @@ def _golden(name: str, text: str) -> None:
 
 GOLDEN_CASES = [
     ("plan_qwen72b_tp8_a100x8", ["--model", f"{MODELS}/qwen2.5-72b-instruct", "--tp", "8",
-                                 "--host", f"{HOSTS}/a100x8_nvme_cgroup.json"]),
+                                 "--host-snapshot", f"{HOSTS}/a100x8_nvme_cgroup.json"]),
     ("plan_llama8b_a10g_memlock", ["--model", f"{MODELS}/llama-3.1-8b-instruct", "--max-model-len", "16384",
-                                   "--host", f"{HOSTS}/a10g_container_memlock.json"]),
+                                   "--host-snapshot", f"{HOSTS}/a10g_container_memlock.json"]),
     ("plan_qwen05b_cpu_only", ["--model", f"{MODELS}/qwen2.5-0.5b-instruct", "--max-model-len", "8192",
-                               "--host", f"{HOSTS}/cpu_only_rotational.json"]),
+                               "--host-snapshot", f"{HOSTS}/cpu_only_rotational.json"]),
     ("plan_llama70b_tp4_dp2_fp8", ["--model", f"{MODELS}/llama-3.3-70b-instruct", "--tp", "4", "--dp", "2",
                                    "--kv-cache-dtype", "fp8", "--engine", "lmcache",
-                                   "--host", f"{HOSTS}/a100x8_nvme_cgroup.json"]),
+                                   "--host-snapshot", f"{HOSTS}/a100x8_nvme_cgroup.json"]),
 ]
 
 
@@ -91,34 +91,34 @@ def _assert_one_line_error(result, *needles: str) -> None:
 
 
 def test_missing_model_is_one_line_exit_2() -> None:
-    _assert_one_line_error(_run(["plan", "--model", "/no/such/model", "--host", f"{HOSTS}/cpu_only_rotational.json"]),
+    _assert_one_line_error(_run(["plan", "--model", "/no/such/model", "--host-snapshot", f"{HOSTS}/cpu_only_rotational.json"]),
                            "/no/such/model")
 
 
 def test_snapshot_missing_field_names_file_and_key() -> None:
-    _assert_one_line_error(_run(["plan", "--model", f"{MODELS}/qwen3-8b", "--host", f"{HOSTS}/bad_missing_available.json"]),
+    _assert_one_line_error(_run(["plan", "--model", f"{MODELS}/qwen3-8b", "--host-snapshot", f"{HOSTS}/bad_missing_available.json"]),
                            "bad_missing_available.json", "memory.available_bytes")
 
 
 def test_snapshot_not_json(tmp_path: Path) -> None:
     bad = tmp_path / "host.json"
     bad.write_text("{not json")
-    _assert_one_line_error(_run(["plan", "--model", f"{MODELS}/qwen3-8b", "--host", str(bad)]), str(bad))
+    _assert_one_line_error(_run(["plan", "--model", f"{MODELS}/qwen3-8b", "--host-snapshot", str(bad)]), str(bad))
 
 
 def test_tp_beyond_gpus_is_one_line_exit_2() -> None:
     _assert_one_line_error(_run(["plan", "--model", f"{MODELS}/qwen3-8b", "--tp", "16",
-                                 "--host", f"{HOSTS}/a100x8_nvme_cgroup.json"]), "--tp=16", "needs 16 GPUs")
+                                 "--host-snapshot", f"{HOSTS}/a100x8_nvme_cgroup.json"]), "--tp=16", "needs 16 GPUs")
 
 
 def test_hybrid_model_for_upstream_lmcache_is_refused() -> None:
-    result = _run(["plan", "--model", f"{MODELS}/jamba-v0.1", "--host", f"{HOSTS}/a100x8_nvme_cgroup.json",
+    result = _run(["plan", "--model", f"{MODELS}/jamba-v0.1", "--host-snapshot", f"{HOSTS}/a100x8_nvme_cgroup.json",
                    "--engine", "lmcache"])
     _assert_one_line_error(result)
 
 
 def test_host_and_instance_type_together_is_a_usage_error() -> None:
-    result = _run(["plan", "--model", f"{MODELS}/qwen3-8b", "--host", f"{HOSTS}/cpu_only_rotational.json",
+    result = _run(["plan", "--model", f"{MODELS}/qwen3-8b", "--host-snapshot", f"{HOSTS}/cpu_only_rotational.json",
                    "--instance-type", "ml.g5.xlarge"])
     assert result.exit_code == 2 and "not both" in result.stderr
 
@@ -153,7 +153,7 @@ def test_validate_exit_codes(tmp_path: Path) -> None:
     good.write_text("chunk_size: 256\nmax_local_cpu_size: 20\n")
     bad = tmp_path / "bad.yaml"
     bad.write_text("chunk_size: 256\nmax_local_cpu_sizee: 20\n")
-    common = ["--model", f"{MODELS}/llama-3.1-8b-instruct", "--host", f"{HOSTS}/a100x8_nvme_cgroup.json"]
+    common = ["--model", f"{MODELS}/llama-3.1-8b-instruct", "--host-snapshot", f"{HOSTS}/a100x8_nvme_cgroup.json"]
     ok = _run(["validate", str(good), *common])
     assert ok.exit_code == 0 and "0 error(s)" in ok.stdout
     ko = _run(["validate", str(bad), *common])
@@ -189,4 +189,4 @@ def test_plan_tier_overrides_are_honoured_and_checked(tmp_path: Path) -> None:
     assert data["tiers"]["cpu"]["bytes_per_rank"] == 50 << 30
     assert data["tiers"]["disk"]["enabled"] is False
     assert data["lmcache_config"]["max_local_cpu_size"] == 50
-    _assert_one_line_error(_run(base + ["--cpu-size-gib", "100000"]), "lmcache_max_local_cpu_size")
+    _assert_one_line_error(_run(base + ["--cpu-size-gib", "100000"]), "--cpu-size-gib=100000.0 GiB per rank does not fit")  # the flag as typed

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from autoconfig.model.kv import ModelConfigError
+from autoconfig.model import source
 from autoconfig.model.source import (
     ModelNotFoundError,
     estimate_num_params,
@@ -129,6 +130,7 @@ def test_network_fetches_only_config(tmp_path: Path, monkeypatch: pytest.MonkeyP
         return str(downloaded)
 
     monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(hf_hub_download=hf_hub_download))
+    monkeypatch.setattr(source, "_hub_unreachable", lambda: None)  # the Hub answers (faked)
     info = load_model_info("org/remote", allow_network=True)
     assert calls == [{"repo_id": "org/remote", "filename": "config.json", "cache_dir": None}]
     assert info.config_path == str(downloaded) and info.weights_source.startswith("estimated from config")
@@ -141,9 +143,22 @@ def test_network_error_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         raise OSError("401 Client Error\nmore details")
 
     monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(hf_hub_download=hf_hub_download))
+    monkeypatch.setattr(source, "_hub_unreachable", lambda: None)
     with pytest.raises(ModelNotFoundError, match="401 Client Error") as err:
         load_model_info("org/gated", allow_network=True)
     assert "\n" not in str(err.value)
+
+
+def test_an_unreachable_hub_is_found_by_one_short_connect(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{listener.getsockname()[1]}")
+        assert source._hub_unreachable() is None
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert (source._hub_unreachable() or "").startswith("127.0.0.1: ")
 
 
 # --- weights size ---

@@ -36,27 +36,27 @@ def model_dir(tmp_path: Path, properties: str) -> Path:
                                   "option.lmcache_auto_config=true\noption.lmcache_local_disk=/x\\udfff"])
 def test_a_lone_surrogate_escape_in_serving_properties(line: str, tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, line + "\n")
-    result, took = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host", str(HOST)], tmp_path)
+    result, took = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host-snapshot", str(HOST)], tmp_path)
     one_line_error(result, "serving.properties", "without its other half")
     assert took < 1.0
 
 
 def test_a_surrogate_pair_escape_is_one_character(tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "option.max_model_len=8192\noption.served_model_name=m\\ud83d\\ude00\n")
-    result, _ = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host", str(HOST)], tmp_path)
+    result, _ = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host-snapshot", str(HOST)], tmp_path)
     assert result.exit_code == 0, result.output
     assert "m\U0001f600" in result.stdout
 
 
 def test_an_option_variable_that_is_not_utf8(tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "option.max_model_len=8192\n")
-    result, _ = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host", str(HOST)], tmp_path,
+    result, _ = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host-snapshot", str(HOST)], tmp_path,
                        OPTION_SERVED_MODEL_NAME="bad\udcff")
     one_line_error(result, "environment variable OPTION_SERVED_MODEL_NAME", "not UTF-8")
 
 
-@pytest.mark.parametrize("command", [["validate", "{yaml}", "--model", str(MODEL), "--host", str(HOST)],
-                                     ["serve", "--dry-run", "--model-dir", "{mdir}", "--host", str(HOST)]],
+@pytest.mark.parametrize("command", [["validate", "{yaml}", "--model", str(MODEL), "--host-snapshot", str(HOST)],
+                                     ["serve", "--dry-run", "--model-dir", "{mdir}", "--host-snapshot", str(HOST)]],
                          ids=["validate", "serve"])
 def test_an_alias_bomb_in_extra_config(command: list[str], tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "option.max_model_len=8192\noption.lmcache_config_file=lmcache.yaml\n")
@@ -69,7 +69,7 @@ def test_an_alias_bomb_in_extra_config(command: list[str], tmp_path: Path) -> No
 
 @pytest.mark.parametrize("flag", ["--model", "--model-dir"])
 def test_an_over_long_path(flag: str, tmp_path: Path) -> None:
-    result, took = invoke(["plan", f"{flag}={'a' * 300}", "--host", str(HOST)], tmp_path)
+    result, took = invoke(["plan", f"{flag}={'a' * 300}", "--host-snapshot", str(HOST)], tmp_path)
     one_line_error(result, "longer than the system")
     assert took < 1.0
 
@@ -77,7 +77,7 @@ def test_an_over_long_path(flag: str, tmp_path: Path) -> None:
 def test_a_duplicate_yaml_key_names_the_line(tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "option.max_model_len=8192\noption.lmcache_config_file=lmcache.yaml\n")
     (mdir / "lmcache.yaml").write_text("chunk_size: 256\nmax_local_cpu_size: 4\nchunk_size: 512\n")
-    result, _ = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host", str(HOST)], tmp_path)
+    result, _ = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host-snapshot", str(HOST)], tmp_path)
     one_line_error(result, "line 3: key 'chunk_size' is already set on line 1")
 
 
@@ -94,9 +94,9 @@ def test_a_mistyped_flag_or_command_is_one_line_with_a_suggestion(args: list[str
 
 def test_a_property_that_overrides_an_option_variable_says_so(tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "option.max_model_len=8192\n")
-    result, _ = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host", str(HOST)], tmp_path,
+    result, _ = invoke(["serve", "--dry-run", "--model-dir", str(mdir), "--host-snapshot", str(HOST)], tmp_path,
                        OPTION_MAX_MODEL_LEN="4096")
     assert result.exit_code == 0, result.output
     said = [ln for ln in result.stdout.splitlines() if " overrides " in ln]
-    assert said == [f"lmi-cache serve: note: {mdir / 'serving.properties'}: option.max_model_len overrides "
+    assert said == [f"lmi-cache serve: note: {mdir / 'serving.properties'}:1: option.max_model_len overrides "
                     "environment variable OPTION_MAX_MODEL_LEN"]

@@ -88,8 +88,11 @@ def test_plan_and_serve_dry_run_agree(example: str, instance_type: str, tmp_path
     assert plan["serve"]["vllm_args"] == facts["vllm_args"]
     if plan["serve"]["cache_mode"] == "auto":
         assert facts["cache"] == tier_text(plan)
+    elif plan["serve"]["cache_mode"] == "file":  # the user's YAML: both show the tiers it runs
+        assert facts["cache"].startswith("LMCache config from")
+        assert facts["cache"].endswith(tier_text(plan).split(" ", 1)[1]), (facts["cache"], tier_text(plan))
     else:
-        assert facts["cache"].startswith("LMCache config from" if plan["serve"]["cache_mode"] == "file" else "off")
+        assert facts["cache"].startswith("off")
 
 
 def test_examples_cover_refusals_and_starts(tmp_path: Path) -> None:
@@ -145,9 +148,9 @@ def test_probe_writes_an_instance_types_snapshot_that_plan_reads(tmp_path: Path)
     snap.write_text(probed.stdout)
     assert len(json.loads(probed.stdout)["gpus"]) == 4
     model = ["--model", str(MODELS / "llama-3.1-8b-instruct"), "--max-model-len", "8192", "--json"]
-    from_file = json.loads(cli(["plan", *model, "--host", str(snap)], tmp_path).stdout)
+    from_file = json.loads(cli(["plan", *model, "--host-snapshot", str(snap)], tmp_path).stdout)
     assert from_file["parallel"]["tp"] == 4
-    text = cli(["probe", "--host", str(snap)], tmp_path)
+    text = cli(["probe", "--host-snapshot", str(snap)], tmp_path)
     assert text.exit_code == 0 and text.stdout.startswith("GPUs: 4")
 
 
@@ -160,8 +163,8 @@ def test_every_command_takes_the_same_host_sources() -> None:
 
 
 def test_host_and_instance_type_together_is_one_line(tmp_path: Path) -> None:
-    result = cli(["serve", "--dry-run", "--host", "x.json", "--instance-type", "ml.g6e.xlarge"], tmp_path)
-    assert result.exit_code == 2 and "use --host or --instance-type, not both" in result.stderr
+    result = cli(["serve", "--dry-run", "--host-snapshot", "x.json", "--instance-type", "ml.g6e.xlarge"], tmp_path)
+    assert result.exit_code == 2 and "use --host-snapshot or --instance-type, not both" in result.stderr
 
 
 def test_configure_for_an_instance_type(tmp_path: Path) -> None:

@@ -125,7 +125,7 @@ def test_tiers_count_one_state_per_chunk_and_chunks_outweigh_their_state() -> No
 
 @pytest.mark.parametrize("model", ["qwen3-next-80b-a3b-instruct", "jamba-v0.1"])
 def test_plan_asks_vllm_for_a_state_at_every_chunk_boundary(model: str) -> None:
-    result = _run(["plan", "--model", f"{MODELS}/{model}", "--host", f"{HOSTS}/a100x8_nvme_cgroup.json", "--tp", "4",
+    result = _run(["plan", "--model", f"{MODELS}/{model}", "--host-snapshot", f"{HOSTS}/a100x8_nvme_cgroup.json", "--tp", "4",
                    "--json"])
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
@@ -151,7 +151,7 @@ def test_cpu_backend_mamba2_prefills_one_block_per_step() -> None:
 
 @pytest.mark.parametrize("model", ["qwen3-next-80b-a3b-instruct", "jamba-v0.1"])
 def test_plan_for_upstream_lmcache_refuses_in_one_line(model: str) -> None:
-    result = _run(["plan", "--model", f"{MODELS}/{model}", "--host", f"{HOSTS}/a100x8_nvme_cgroup.json",
+    result = _run(["plan", "--model", f"{MODELS}/{model}", "--host-snapshot", f"{HOSTS}/a100x8_nvme_cgroup.json",
                    "--engine", "lmcache"])
     assert result.exit_code == 2
     assert len(result.output.strip().splitlines()) == 1

@@ -18,11 +18,11 @@ from autoconfig.model.kv import hybrid_group_layers
 
 # (golden name, model fixture, extra arguments, layers, windowed layers, layers per hybrid group)
 CASES = [
-    ("plan_gpt_oss_20b_a10g", "gpt-oss-20b", ["--max-model-len", "16384", "--host", f"{HOSTS}/a10g_container_memlock.json"],
+    ("plan_gpt_oss_20b_a10g", "gpt-oss-20b", ["--max-model-len", "16384", "--host-snapshot", f"{HOSTS}/a10g_container_memlock.json"],
      24, 12, 12),
-    ("plan_gemma2_9b_a10g", "gemma-2-9b-it", ["--max-model-len", "4096", "--host", f"{HOSTS}/a10g_container_memlock.json"],
+    ("plan_gemma2_9b_a10g", "gemma-2-9b-it", ["--max-model-len", "4096", "--host-snapshot", f"{HOSTS}/a10g_container_memlock.json"],
      42, 21, 21),
-    ("plan_gemma3_27b_tp2_a100x8", "gemma-3-27b-it", ["--tp", "2", "--host", f"{HOSTS}/a100x8_nvme_cgroup.json"],
+    ("plan_gemma3_27b_tp2_a100x8", "gemma-3-27b-it", ["--tp", "2", "--host-snapshot", f"{HOSTS}/a100x8_nvme_cgroup.json"],
      62, 52, 10),
 ]
 

@@ -123,7 +123,7 @@ def _cli(args: list[str]):
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e308", "-1", "abc"])
 def test_size_flags_refuse_non_finite_values(value: str) -> None:
     result = _cli(["plan", "--model", str(REPO / "tests/fixtures/hf_configs/qwen2.5-0.5b-instruct"),
-                   "--host", str(REPO / "tests/fixtures/hosts/a100x8_nvme_cgroup.json"), "--cpu-size-gib", value])
+                   "--host-snapshot", str(REPO / "tests/fixtures/hosts/a100x8_nvme_cgroup.json"), "--cpu-size-gib", value])
     assert result.exit_code == 2 and "--cpu-size-gib" in result.output and "Traceback" not in result.output
 
 
@@ -155,7 +155,7 @@ def test_validate_takes_max_model_len(tmp_path: Path) -> None:
     config = tmp_path / "lmcache.yaml"
     config.write_text("chunk_size: 256\nmax_local_cpu_size: 1\n")
     args = ["validate", str(config), "--model", str(REPO / "tests/fixtures/hf_configs/qwen2.5-0.5b-instruct"),
-            "--host", str(REPO / "tests/fixtures/hosts/a100x8_nvme_cgroup.json")]
+            "--host-snapshot", str(REPO / "tests/fixtures/hosts/a100x8_nvme_cgroup.json")]
     too_long = _cli(args + ["--max-model-len", "100000000"])
     # checked against the length vLLM will be given: no KV cache holds one such sequence
     assert too_long.exit_code == 1 and "max_model_len=100000000: the GPU KV cache holds" in too_long.output
@@ -218,5 +218,5 @@ def test_serve_refuses_non_finite_and_unparseable_json_options(tmp_path: Path, l
     mdir = _model_dir(tmp_path, line + "\n")
     env = {"LMI_CACHE_RUNTIME_DIR": str(tmp_path / "runtime")}
     result = CliRunner().invoke(main, ["serve", "--dry-run", "--model-dir", str(mdir),
-                                       "--host", str(REPO / "tests/fixtures/hosts/a100x8_nvme_cgroup.json")], env=env)
+                                       "--host-snapshot", str(REPO / "tests/fixtures/hosts/a100x8_nvme_cgroup.json")], env=env)
     assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output

@@ -43,7 +43,7 @@ def run_serve(tmp_path: Path, properties: str, num_gpus: int = 1, env: dict[str,
     (mdir / "serving.properties").write_text(properties)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SM_", "HF_MODEL"))}
     full_env.update({"LMI_CACHE_RUNTIME_DIR": str(tmp_path / "rt"), "PYTHONPATH": str(REPO), **(env or {})})
-    return subprocess.run(serve_cmd("--model-dir", str(mdir), "--host", str(host_json(tmp_path, num_gpus)),
+    return subprocess.run(serve_cmd("--model-dir", str(mdir), "--host-snapshot", str(host_json(tmp_path, num_gpus)),
                                     "--dry-run"),
                           capture_output=True, text=True, env=full_env, timeout=60, cwd=tmp_path)
 

@@ -75,7 +75,7 @@ def test_pp_above_the_layers_is_refused(tmp_path: Path) -> None:
     snap = json.loads(CliRunner().invoke(main, ["probe", "--instance-type", "ml.p4d.24xlarge", "--json"]).stdout)
     snap["gpus"] = [dict(snap["gpus"][0], index=i) for i in range(32)]
     host.write_text(json.dumps(snap))
-    one_line_error(run(["serve", "--dry-run", "--host", str(host)], mdir, tmp_path), "pipeline_parallel_degree=32",
+    one_line_error(run(["serve", "--dry-run", "--host-snapshot", str(host)], mdir, tmp_path), "pipeline_parallel_degree=32",
             "24 layers")
 
 

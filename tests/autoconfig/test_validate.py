@@ -85,3 +85,30 @@ def test_unreadable_yaml_is_a_user_error(tmp_path: Path, text: str) -> None:
 def test_missing_file_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(ValidateInputError, match="no such file"):
         validate_config(str(tmp_path / "nope.yaml"), LLAMA8B, ServingSettings(), HOST)
+
+
+def test_every_finding_of_a_file_comes_in_one_run(tmp_path: Path) -> None:
+    """Bad values, a size vLLM cannot use, a typo and the warnings: one run, not one run per fix."""
+    findings = _check(tmp_path, "chunk_size: 100\nmax_local_cpu_size: abc\nmax_local_disk_size: -1\n"
+                                "local_disk: file:///nvme/kv/\ncache_polcy: LRU\nremote_url: lm://localhost:65432\n")
+    assert {f.key for f in _errors(findings)} == {"max_local_cpu_size", "max_local_disk_size", "chunk_size"}
+    warnings = [f for f in findings if f.level == "warning"]
+    assert {f.key for f in warnings} >= {"cache_polcy", "local_disk", "remote_url"}
+    assert sum("max_local_disk_size is 0" in f.message or "is not used" in f.message for f in warnings) == 1
+
+
+def test_lmcache_variables_are_applied_over_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "lmcache.yaml"
+    path.write_text("max_local_cpu_size: 300\n")  # 2 ranks x 300 > 400 GiB
+    env = {"LMCACHE_MAX_LOCAL_CPU_SIZE": "20"}
+    assert _errors(validate_config(str(path), LLAMA8B, ServingSettings(tp=2), HOST, check_local_paths=False,
+                                   env=env)) == []
+    errors = _errors(validate_config(str(path), LLAMA8B, ServingSettings(tp=2), HOST, check_local_paths=False,
+                                     env={"LMCACHE_MAX_LOCAL_CPU_SIZE": "900"}))
+    assert [f.message.split("=", 1)[0] for f in errors] == ["environment variable LMCACHE_MAX_LOCAL_CPU_SIZE"]
+
+
+def test_a_yaml_that_is_a_directory_says_so(tmp_path: Path) -> None:
+    (tmp_path / "lmcache.yaml").mkdir()
+    with pytest.raises(ValidateInputError, match="is a directory, not an LMCache YAML file"):
+        validate_config(str(tmp_path / "lmcache.yaml"), LLAMA8B, ServingSettings(), HOST)

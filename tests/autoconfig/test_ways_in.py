@@ -48,7 +48,7 @@ def test_lmcache_config_file_alone_turns_the_cache_on(tmp_path: Path) -> None:
     result = serve(mdir, tmp_path, LMCACHE_CONFIG_FILE=str(mdir / "lmcache.yaml"))
     assert result.exit_code == 0, result.output
     assert connector(result) == "LmiCacheConnector"
-    assert cache_line(result) == f"LMCache config from {mdir / 'lmcache.yaml'} (checked against this host)"
+    assert cache_line(result) == f"LMCache config from {mdir / 'lmcache.yaml'} (CPU tier 4.00 GiB/rank; disk tier off; chunk 256 tokens)"
     assert "note: cache on: environment variable LMCACHE_CONFIG_FILE" in result.stdout
 
 

@@ -5,7 +5,7 @@ vLLM's prefix cache off) plus LoRA on, a short session expiry, and an
 ``adapters/`` folder with two tiny random PEFT adapters and a broken one.
 Checks: each LMI request shape, streamed and not, gives the OpenAI path's
 greedy tokens; bad parameters are a 400; sessions are created, used, closed
-and expire; adapters load on first use, change the output, never share KV;
+and expire, also with the headers boto3's ``invoke_endpoint(SessionId=...)`` sends; adapters load on first use, change the output, never share KV;
 the broken adapter is refused with 424; an adapter's own formatters
 (``model.py``, option.enable_adapter_formatters=true) rewrite its requests and
 answers, a formatter that raises is a 424, a model.py that fails to import
@@ -248,6 +248,39 @@ def test_a_session_is_created_used_and_closed(server: Server) -> None:
     assert after.status == 400 and "session not found" in after.json()["error"]
 
 
+def boto3_invoke_headers(session_id: str) -> dict[str, str]:
+    """The headers boto3's ``invoke_endpoint(SessionId=...)`` sends (captured before sending; no network)."""
+    import boto3
+    from botocore.awsrequest import AWSResponse
+
+    sent: dict[str, str] = {}
+    client = boto3.client("sagemaker-runtime", region_name="us-east-1", aws_access_key_id="test",
+                          aws_secret_access_key="test", endpoint_url="http://127.0.0.1:9")
+
+    def capture(request: Any, **_: Any) -> AWSResponse:
+        sent.update({k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()})
+        return AWSResponse(request.url, 200, {}, None)
+
+    client.meta.events.register("before-send.sagemaker-runtime.InvokeEndpoint", capture)
+    client.invoke_endpoint(EndpointName="e", Body=b"{}", ContentType="application/json", SessionId=session_id)
+    # What SageMaker forwards to the container: the request's own headers, not the signature or the transport's.
+    return {k: v for k, v in sent.items() if k.lower() not in ("authorization", "content-length", "host")}
+
+
+def test_sagemakers_session_flow_with_boto3s_headers(server: Server) -> None:
+    create = boto3_invoke_headers("NEW_SESSION")
+    assert create["X-Amzn-SageMaker-Session-Id"] == "NEW_SESSION"
+    created = call(f"{server.url}/invocations", {"requestType": "NEW_SESSION"}, create)
+    assert created.status == 200, created.body[:300]
+    session_id = created.headers["x-amzn-sagemaker-new-session-id"].split(";")[0]
+    payload = {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 2}}
+    assert call(f"{server.url}/invocations", payload, boto3_invoke_headers(session_id)).status == 200
+    plain = call(f"{server.url}/invocations", payload, create)  # NEW_SESSION on a plain request: no session
+    assert plain.status == 200 and "x-amzn-sagemaker-new-session-id" not in plain.headers
+    closed = call(f"{server.url}/invocations", {"requestType": "CLOSE"}, boto3_invoke_headers(session_id))
+    assert closed.status == 200 and closed.headers["x-amzn-sagemaker-closed-session-id"] == session_id
+
+
 def test_an_unknown_session_is_refused(server: Server) -> None:
     reply = call(f"{server.url}/invocations", {"inputs": "x"}, {"X-Amzn-SageMaker-Session-Id": "no-such-session"})
     assert reply.status == 400 and "session not found" in reply.json()["error"]
@@ -369,7 +402,6 @@ def test_client_mistakes_are_4xx_with_a_request_id_and_no_traceback(server: Serv
         ("/invocations", b'[{"inputs": "x"}]', {}, 400),
         ("/invocations", b'{"inputs": "x", "parameters": {"temperature": NaN}}', {}, 400),
         ("/invocations", b'{"requestType": "CLOSE"}', {}, 400),
-        ("/invocations", b'{"inputs": "x"}', {"X-Amzn-SageMaker-Session-Id": "NEW_SESSION"}, 400),
         ("/invocations", b'{"inputs": "x"}', {"X-Amzn-SageMaker-Session-Id": "../../etc"}, 400),
         ("/v1/completions", b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", {}, 400),
     ]

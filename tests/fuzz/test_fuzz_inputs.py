@@ -60,7 +60,7 @@ def config_files(draw: st.DrawFn) -> bytes:
 def test_fuzz_config_json(raw: bytes, tp: str, host_file: str) -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         Path(model_dir, "config.json").write_bytes(raw)
-        result = run_cli(["plan", "--model", model_dir, "--tp", tp, "--host", str(HOSTS / host_file), "--json"])
+        result = run_cli(["plan", "--model", model_dir, "--tp", tp, "--host-snapshot", str(HOSTS / host_file), "--json"])
     count("config.json", f"exit {result.exit_code}")
     assert_clean_exit(result, (0, 2))
     if result.exit_code == 0:
@@ -133,7 +133,7 @@ def test_fuzz_host_snapshot(snapshot: tuple[dict[str, Any], bytes], tp: str, dis
     with tempfile.TemporaryDirectory() as tmp:
         host_file = Path(tmp, "host.json")
         host_file.write_bytes(raw)
-        args = ["plan", "--model", str(MODELS / "qwen2.5-0.5b-instruct"), "--tp", tp, "--host", str(host_file), "--json"]
+        args = ["plan", "--model", str(MODELS / "qwen2.5-0.5b-instruct"), "--tp", tp, "--host-snapshot", str(host_file), "--json"]
         result = run_cli(args + (["--disk-size-gib", disk_size] if disk_size else []))
     count("host snapshot", f"exit {result.exit_code}")
     assert_clean_exit(result, (0, 2))
@@ -183,7 +183,7 @@ def test_fuzz_serving_properties(lines: list[str], auto: bool, env: dict[str, st
         Path(model_dir, "serving.properties").write_text(text, encoding="utf-8", errors="surrogateescape")
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "LMCACHE_", "HF_", "SM_"))}
         with mock.patch.dict(os.environ, {**clean, **env, "LMI_CACHE_RUNTIME_DIR": runtime}, clear=True):
-            result = run_cli(["serve", "--dry-run", "--model-dir", model_dir, "--host", str(HOSTS / host_file)])
+            result = run_cli(["serve", "--dry-run", "--model-dir", model_dir, "--host-snapshot", str(HOSTS / host_file)])
         written = sorted(p.name for p in Path(runtime).iterdir())
     count("serving.properties", f"exit {result.exit_code}")
     assert_clean_exit(result, (0, 2))
@@ -250,7 +250,7 @@ def test_fuzz_validate_cli(raw: bytes, tp: str, host_file: str) -> None:
         path = Path(tmp, "lmcache.yaml")
         path.write_bytes(raw)
         result = run_cli(["validate", str(path), "--model", str(MODELS / "llama-3.1-8b-instruct"), "--tp", tp,
-                          "--host", str(HOSTS / host_file)])
+                          "--host-snapshot", str(HOSTS / host_file)])
     count("validate CLI", f"exit {result.exit_code}")
     assert_clean_exit(result, (0, 1, 2))
 
@@ -280,14 +280,14 @@ def plan_argv(draw: st.DrawFn) -> tuple[list[str], str | None]:
     host_file = None
     if draw(st.booleans()):
         host_file = draw(st.sampled_from(HOST_FILES))
-        args += ["--host", str(HOSTS / host_file)]
+        args += ["--host-snapshot", str(HOSTS / host_file)]
     for flag in draw(st.lists(st.sampled_from(sorted(FLAG_VALUES)), max_size=5, unique=True)):
         if flag == "--instance-type" and host_file is not None:
             continue
         args += [flag, draw(st.sampled_from(FLAG_VALUES[flag]))]
     if host_file is None and "--instance-type" not in args:
         host_file = "a100x8_nvme_cgroup.json"
-        args += ["--host", str(HOSTS / host_file)]
+        args += ["--host-snapshot", str(HOSTS / host_file)]
     return args + ["--json"], host_file
 
 

@@ -174,3 +174,33 @@ def test_a_new_session_answer_carries_both_session_headers_and_close_names_the_s
     assert headers[b"x-amzn-sagemaker-session-id"] == value and headers[b"x-amzn-sagemaker-new-session-id"] == value
     status, headers, _ = run(front, {"requestType": "CLOSE"}, {"X-Amzn-SageMaker-Session-Id": value.decode()})
     assert status == 200 and headers[b"x-amzn-sagemaker-closed-session-id"] == b"s1" and sessions.closed == ["s1"]
+
+
+# SageMaker's InvokeEndpoint(SessionId="NEW_SESSION") forwards this header with the create payload.
+SAGEMAKER_NEW_SESSION = {"X-Amzn-SageMaker-Session-Id": "NEW_SESSION"}
+
+
+def test_sagemakers_create_request_with_the_new_session_header_opens_a_session() -> None:
+    stub = StubApp(body=COMPLETION)
+    sessions = FakeSessions()
+    front = LmiFrontMiddleware(stub, adapters={}, sessions=sessions)
+    status, headers, body = run(front, {"requestType": "NEW_SESSION"}, SAGEMAKER_NEW_SESSION)
+    assert status == 200 and body == b"Session s1 created" and stub.calls == 0
+    assert headers[b"x-amzn-sagemaker-new-session-id"] == b"s1; Expires=2030-01-01T00:00:00Z"
+    status, headers, _ = run(front, {"requestType": "CLOSE"}, {"X-Amzn-SageMaker-Session-Id": "s1"})
+    assert status == 200 and headers[b"x-amzn-sagemaker-closed-session-id"] == b"s1" and sessions.closed == ["s1"]
+
+
+def test_a_plain_request_with_the_new_session_header_is_served_without_a_session() -> None:
+    stub = StubApp(body=COMPLETION)
+    front = LmiFrontMiddleware(stub, adapters={}, sessions=FakeSessions())
+    status, _, _ = run(front, {"prompt": "Q"}, SAGEMAKER_NEW_SESSION)
+    assert status == 200 and stub.calls == 1
+    assert b"x-session-id" not in stub.seen_headers and b"x-amzn-sagemaker-session-id" not in stub.seen_headers
+
+
+def test_close_with_the_new_session_header_still_asks_for_the_id() -> None:
+    stub = StubApp(body=COMPLETION)
+    status, _, body = run(LmiFrontMiddleware(stub, adapters={}, sessions=FakeSessions()), {"requestType": "CLOSE"},
+                          SAGEMAKER_NEW_SESSION)
+    assert status == 400 and b"CLOSE needs the session id" in body and stub.calls == 0

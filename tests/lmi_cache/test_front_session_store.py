@@ -110,3 +110,19 @@ def test_close_of_an_unknown_session_is_a_400(tmp_path: Path) -> None:
     with pytest.raises(ClientError) as info:
         gate.close("nope")
     assert info.value.status == 400 and "session not found" in info.value.reason
+
+
+def test_a_session_the_sweep_closed_is_still_answered_as_expired(tmp_path: Path) -> None:
+    """Whenever the sweep ran, a request naming an expired session is told so, not "session not found"."""
+    from lmi_cache.front.sessions import expired_session_error
+
+    store = manager(tmp_path / "s", expiration_s=60)
+    gate = SessionGate(manager=store)
+    old, _ = gate.create()
+    live, _ = gate.create()
+    store.sessions[old].expiration_ts = time.time() - 1
+    assert sweep_expired(store) == 1 and old not in store.sessions
+    assert (expired_session_error(old) or "").startswith(f"Bad request: session expired: {old};")
+    assert expired_session_error(live) is None
+    gate.close(live)  # closed by the client: not expired
+    assert expired_session_error(live) is None

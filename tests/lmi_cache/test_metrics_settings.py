@@ -99,7 +99,7 @@ def run_serve(tmp_path: Path, properties: str, env: dict[str, str] | None = None
                 if not k.startswith(("OPTION_", "SM_", "HF_MODEL", "LMI_CACHE_", "PROMETHEUS_"))}
     full_env.update({"LMI_CACHE_RUNTIME_DIR": str(tmp_path / "rt"), "PYTHONPATH": str(REPO), **(env or {})})
     return subprocess.run([sys.executable, "-m", "autoconfig.cli_serve", "serve", "--model-dir", str(mdir),
-                           "--host", str(host), "--dry-run"],
+                           "--host-snapshot", str(host), "--dry-run"],
                           capture_output=True, text=True, env=full_env, timeout=120, cwd=tmp_path)
 
 

@@ -1,0 +1,145 @@
+"""LMCACHE_* variables, an LMCache YAML, option.*/OPTION_* and flags are checked once, with the same messages.
+
+``serve --dry-run`` and ``plan`` refuse a tier that does not fit the host whichever way in set it, show
+the tiers that will run (and what auto-configuration would size instead), and ``configure`` writes the
+vLLM arguments serve passes.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from autoconfig.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "tests" / "fixtures" / "hf_configs" / "llama-3.1-8b-instruct"
+SMALL = ["--instance-type", "ml.g5.2xlarge"]  # 32 GiB of RAM, one A10G
+FIT = "GiB per rank does not fit: at most"
+
+
+def model_dir(tmp_path: Path, properties: str = "", yaml: str | None = None) -> Path:
+    mdir = tmp_path / "model"
+    mdir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(MODEL / "config.json", mdir / "config.json")
+    (mdir / "serving.properties").write_text("option.max_model_len=8192\n" + properties)
+    if yaml is not None:
+        (mdir / "lmcache.yaml").write_text(yaml)
+    return mdir
+
+
+def run(args: list[str], tmp_path: Path, **env: str) -> Result:
+    return CliRunner().invoke(main, args, env={"LMI_CACHE_RUNTIME_DIR": str(tmp_path / "runtime"), **env})
+
+
+def dry_run(mdir: Path, tmp_path: Path, **env: str) -> Result:
+    return run(["serve", "--dry-run", "--model-dir", str(mdir), *SMALL], tmp_path, **env)
+
+
+def error_line(result: Result) -> str:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lmi-cache: error: "), result.stderr
+    return lines[0][len("lmi-cache: error: "):]
+
+
+@pytest.mark.parametrize("command", ["serve", "plan"])
+def test_a_cpu_tier_too_big_for_the_host_is_refused_whichever_way_in(command: str, tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, yaml="chunk_size: 256\nmax_local_cpu_size: 5000\n")
+    args = (["serve", "--dry-run"] if command == "serve" else ["plan"]) + ["--model-dir", str(mdir), *SMALL]
+    ways = {
+        "environment variable LMCACHE_MAX_LOCAL_CPU_SIZE": {"LMCACHE_MAX_LOCAL_CPU_SIZE": "5000"},
+        "environment variable OPTION_LMCACHE_MAX_LOCAL_CPU_SIZE": {"OPTION_LMCACHE_AUTO_CONFIG": "true",
+                                                                  "OPTION_LMCACHE_MAX_LOCAL_CPU_SIZE": "5000"},
+        f"{mdir / 'lmcache.yaml'}: max_local_cpu_size": {"OPTION_LMCACHE_CONFIG_FILE": "lmcache.yaml"},
+    }
+    tails = set()
+    for name, env in ways.items():
+        line = error_line(run(args, tmp_path, **env))
+        assert f"{name}=5000" in line and FIT in line, line
+        tails.add(line.split(FIT, 1)[1])
+    assert len(tails) == 1, tails  # the same check, the same message after the name
+
+
+@pytest.mark.parametrize("command", ["serve", "plan"])
+def test_a_chunk_size_vllm_cannot_use_is_refused_whichever_way_in(command: str, tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path)
+    args = (["serve", "--dry-run"] if command == "serve" else ["plan"]) + ["--model-dir", str(mdir), *SMALL]
+    env_line = error_line(run(args, tmp_path, LMCACHE_CHUNK_SIZE="100"))
+    option_line = error_line(run(args, tmp_path, OPTION_LMCACHE_AUTO_CONFIG="true", OPTION_LMCACHE_CHUNK_SIZE="100"))
+    assert env_line == "environment variable LMCACHE_CHUNK_SIZE=100: must be a positive multiple of vLLM's block " \
+                       "size 16 on this backend"
+    assert option_line == env_line.replace("LMCACHE_CHUNK_SIZE", "OPTION_LMCACHE_CHUNK_SIZE")
+
+
+def test_a_yaml_value_an_lmcache_variable_overrides_is_not_refused(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.lmcache_config_file=lmcache.yaml\n", "chunk_size: 256\nmax_local_cpu_size: 40\n")
+    result = dry_run(mdir, tmp_path, LMCACHE_MAX_LOCAL_CPU_SIZE="20")
+    assert result.exit_code == 0, result.output
+    assert f"cache: LMCache config from {mdir / 'lmcache.yaml'} (CPU tier 20.00 GiB/rank;" in result.stdout
+    assert "max_local_cpu_size=40" in error_line(dry_run(mdir, tmp_path))  # without the variable: refused
+
+
+def test_an_lmcache_variable_over_the_planned_yaml_is_checked(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.lmcache_auto_config=true\n")
+    line = error_line(dry_run(mdir, tmp_path, LMCACHE_MAX_LOCAL_CPU_SIZE="5000"))
+    assert line.startswith("environment variable LMCACHE_MAX_LOCAL_CPU_SIZE=5000") and FIT in line
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_plan_with_lmcache_variables_alone_shows_their_tiers(as_json: bool, tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path)
+    result = run(["plan", "--model-dir", str(mdir), *SMALL] + (["--json"] if as_json else []), tmp_path,
+                 LMCACHE_CHUNK_SIZE="512", LMCACHE_MAX_LOCAL_CPU_SIZE="3")
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    if not as_json:
+        assert "cache: from LMCACHE_* variables, with the tiers above" in result.stdout
+        assert "auto-configuration would size instead: CPU tier" in result.stdout
+        return
+    plan = json.loads(result.stdout)
+    assert plan["serve"]["cache_mode"] == "env" and plan["chunk_size"] == 512
+    assert plan["tiers"]["cpu"]["bytes_per_rank"] == 3 << 30 and not plan["tiers"]["disk"]["enabled"]
+    assert plan["serve"]["auto_config_would_size"]["chunk_size"] == 256
+
+
+def test_plan_and_serve_show_the_users_yaml_tiers_and_the_auto_comparison(tmp_path: Path) -> None:
+    yaml = "chunk_size: 512\nmax_local_cpu_size: 6\n"
+    mdir = model_dir(tmp_path, "option.lmcache_config_file=lmcache.yaml\n", yaml)
+    plan = json.loads(run(["plan", "--model-dir", str(mdir), *SMALL, "--json"], tmp_path).stdout)
+    assert plan["chunk_size"] == 512 and plan["tiers"]["cpu"]["bytes_per_rank"] == 6 << 30
+    served = dry_run(mdir, tmp_path)
+    assert "cache: LMCache config from" in served.stdout and "(CPU tier 6.00 GiB/rank; disk tier off; chunk 512 " \
+        "tokens)" in served.stdout
+    auto = plan["serve"]["auto_config_would_size"]
+    assert f"auto-configuration would size instead: CPU tier {auto['tiers']['cpu']['bytes_per_rank'] / (1 << 30):.2f}" \
+        in served.stdout
+
+
+def test_configure_writes_the_vllm_arguments_serve_passes(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.lmcache_auto_config=true\noption.max_num_seqs=32\n"
+                               "option.trust_remote_code=true\n")
+    out = tmp_path / "out"
+    result = run(["configure", "--model-dir", str(mdir), "--output-dir", str(out), *SMALL], tmp_path)
+    assert result.exit_code == 0, result.output
+    written = json.loads((out / "vllm_args.json").read_text())
+    assert written[written.index("--max-num-seqs") + 1] == "32" and "--trust-remote-code" in written
+    assert json.loads((out / "plan.json").read_text())["vllm_args"] == written
+    served = dry_run(mdir, tmp_path)
+    argv = shlex.split(next(ln for ln in served.stdout.splitlines() if ln.startswith("exec: "))[6:])
+    start = argv.index("--model") + 2
+    assert argv[start:start + len(written)] == written  # serve runs exactly what configure wrote
+    planned = json.loads(run(["plan", "--model-dir", str(mdir), *SMALL, "--json"], tmp_path).stdout)
+    assert planned["vllm_args"] == written
+
+
+def test_a_planner_refusal_names_the_flag_as_typed(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.lmcache_auto_config=true\n")
+    line = error_line(run(["plan", "--model-dir", str(mdir), *SMALL, "--chunk-size", "100"], tmp_path))
+    assert line.startswith("--chunk-size=100: must be a positive multiple of vLLM's block size"), line
+    line = error_line(run(["plan", "--model-dir", str(mdir), *SMALL, "--disk-size-gib", "100000"], tmp_path))
+    assert line.startswith("--disk-size-gib=100000.0 GiB per rank does not fit"), line
