@@ -17,7 +17,8 @@ in every process on every machine:
 * prompt embeddings: a hash of the chunk's embedding rows (and, for a prompt
   mixing ids and embeddings, of which positions are ids);
 * the LoRA adapter: its name and a hash of its files' content (``AdapterIdentities``),
-  so an adapter replaced in place under the same name is a miss;
+  so an adapter replaced in place under the same name is a miss (and not
+  cached at all while vLLM may still compute with the old files);
 * ``cache_salt``: in the request's seed.
 
 The model, its weights, KV dtype, layout, rank and KV cache group are in the
@@ -129,30 +130,44 @@ def _as_bytes_array(value: Any) -> np.ndarray:
 
 @dataclass
 class AdapterIdentities:
-    """LoRA adapter -> "name@content-hash", each adapter's files hashed once per version.
+    """LoRA adapter -> "name@content-hash": the weights vLLM computes with, as far as the files tell.
 
-    The version is every file's (name, size, mtime) in the adapter's directory:
-    checked per request (a few ``stat`` calls), hashed only when it changes. An
-    adapter whose path is not a local directory or file (vLLM resolved it some
-    other way) is named by its name and path, as vLLM's own block hash does.
+    vLLM reads an adapter's files when it loads the adapter under an id
+    (``lora_int_id``) and keeps those weights while the id is in use; a reload
+    (a new id, a new process) reads the files again. So an adapter is hashed the
+    first time its (path, id) is seen, and that hash names it while its files
+    stay as they were: every file's (name, size, mtime), checked per request (a
+    few ``stat`` calls), never hashed again. Files changed under an id already
+    seen leave it unknown which weights vLLM computes with: ``identity`` is None
+    (such requests get no keys) until the adapter is loaded under a new id. An
+    adapter whose path is not a local directory or file is named by its name and
+    path, as vLLM's own block hash does.
     """
 
-    _known: dict[str, tuple[tuple[Any, ...], str]] = field(default_factory=dict)
+    _known: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = field(default_factory=dict)
+    _changed: set[tuple[str, int]] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def identity(self, lora_request: Any) -> str:
+    def identity(self, lora_request: Any) -> str | None:
         name = str(getattr(lora_request, "lora_name", "") or "")
         path = str(getattr(lora_request, "lora_path", "") or getattr(lora_request, "path", "") or "")
         version = _version(path) if path else None
         if version is None:
             return f"{name}@path:{path}"
+        key = (path, int(getattr(lora_request, "lora_int_id", 0) or 0))
         with self._lock:
-            known = self._known.get(path)
-            if known is not None and known[0] == version:
+            known = self._known.get(key)
+        if known is not None:
+            if known[0] == version:
                 return f"{name}@{known[1]}"
+            if key not in self._changed:
+                self._changed.add(key)
+                logger.warning("lmi-cache: the files of adapter %s (%s) changed while vLLM has it loaded; its requests "
+                               "are not cached until it is loaded again", name, path)
+            return None
         content = _content_hash(path, version)
         with self._lock:
-            self._known[path] = (version, content)
+            self._known.setdefault(key, (version, content))
         logger.info("lmi-cache: adapter %s (%s) keyed by its content %s", name, path, content[:16])
         return f"{name}@{content}"
 
@@ -211,11 +226,13 @@ class KeyRule:
                            int(f.mm_position.length))
             for f in getattr(request, "mm_features", None) or ()
         )
+        adapter = self.adapters.identity(lora) if lora is not None else None
         uncacheable = None
         if items and not self.mm_ids_are_content:
             uncacheable = "vLLM names its multimodal items per request (prefix caching and its processor cache are off)"
-        return KeyInputs(tokens, self.adapters.identity(lora) if lora is not None else None,
-                         getattr(request, "cache_salt", None) or None, items, embeds, uncacheable)
+        elif lora is not None and adapter is None:
+            uncacheable = "the adapter's files changed while vLLM has it loaded"
+        return KeyInputs(tokens, adapter, getattr(request, "cache_salt", None) or None, items, embeds, uncacheable)
 
 
 def environment_trusts_mm_ids(vllm_config: Any) -> bool:

@@ -16,7 +16,8 @@ Job (JSON file, argv[1])::
 Actions in ``before``: ``clear_engine`` (drop the worker engine's contents
 behind the scheduler's back: a stale index), ``corrupt_disk`` (flip a byte in
 every file of the disk tier), ``flush`` (wait for disk and remote writes),
-``corrupt_remote`` (flip a byte in every value of the Redis at ``LMCACHE_REMOTE_URL``). ``patch``:
+``corrupt_remote`` (flip a byte in every value of the Redis at ``LMCACHE_REMOTE_URL``),
+``replace_adapter`` (copy the files of ``job["replace_adapter"]["src"]`` over those of its ``dst``). ``patch``:
 ``unknown_layout`` makes the worker's layout recogniser know no layout. A prompt's ``lora`` (or null)
 names the adapter it runs with (the job's ``llm_kwargs`` must enable LoRA).
 Output: one line ``RESULT_JSON:{...}`` on stdout.
@@ -75,6 +76,9 @@ def _action(name: str, job: dict[str, Any]) -> None:
                 data = bytearray(path.read_bytes())
                 data[len(data) // 2] ^= 0xFF
                 path.write_bytes(bytes(data))
+    elif name == "replace_adapter":  # new adapter files in place: same name, same path
+        for source in sorted(Path(job["replace_adapter"]["src"]).iterdir()):
+            (Path(job["replace_adapter"]["dst"]) / source.name).write_bytes(source.read_bytes())
     elif name == "corrupt_remote":
         import redis
 
