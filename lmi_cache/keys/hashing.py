@@ -9,8 +9,8 @@ same keys in every process on every machine.
 
 A chunk that holds more than token ids (an image's placeholders, prompt
 embeddings: ``key_inputs.KeyInputs.chunk_extra``) folds 16 more bytes into its
-link, hashed under other seeds so that such a link never equals a token-only
-one. What a key covers besides the tokens is decided in ``key_inputs``.
+link, hashed under other seeds so that such a link does not meet a token-only
+one (the input lengths alone could otherwise line up). What a key covers besides the tokens is decided in ``key_inputs``.
 
 Each key also carries a fingerprint: a second, independent chain (XXH64) over
 the same input. Stored chunks record it and loads compare it, so a digest
@@ -125,7 +125,7 @@ def _chain(data: memoryview, seed: bytes, chunk_size: int, include_partial: bool
         end = min(start + chunk_size, stop)
         body = data[start * 4 : end * 4]
         more = extra(start, end) if extra is not None else b""
-        if more:  # other seeds: a link with extra bytes never equals a token-only link of other tokens
+        if more:  # other seeds: a link with extra bytes does not meet a token-only link of other tokens
             prev = digest_of(prev + body + more, _EXTRA_DIGEST_SEED)
             fingerprint = fingerprint_of(prev_fp + body + more, _EXTRA_FINGERPRINT_SEED)
         else:
