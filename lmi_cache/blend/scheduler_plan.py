@@ -5,8 +5,9 @@ request with blendable segments (a ``blend_special_str`` separator in its
 prompt, or explicit segment ends in ``kv_transfer_params["blend_segment_ends"]``):
 
 * ``plan``: the segment keys (the deployment's ``KeySpace`` under its segment
-  variant, with the request's own ``cache_salt`` and LoRA, the segment's tokens
-  alone), which segments the tiers hold (the connector's placement directory), and ``segments.plan_blend`` after the exact prefix: vLLM's
+  variant, with the request's own ``cache_salt`` and adapter identity from
+  ``keys.key_inputs``, the segment's tokens alone; a request with multimodal
+  items or prompt embeddings is not blended), which segments the tiers hold (the connector's placement directory), and ``segments.plan_blend`` after the exact prefix: vLLM's
   own hit plus the chunks the prefix path loads. An exact prefix hit always
   wins: the blend starts where it ends, so a prompt whose prefix chunks are
   cached is served from them exactly, and only segments after them are blended.
@@ -34,6 +35,7 @@ from lmi_cache.blend.jobs import BlendConnectorMetadata, BlendJob, BlendPiece, S
 from lmi_cache.blend.segments import BlendPlan, SegmentSplit, Span, plan_blend, split_segments
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
+from lmi_cache.keys.key_inputs import KeyRule
 from lmi_cache.metrics.series import BlendSchedulerMetrics
 from lmi_cache.placement.directory import PlacementDirectory
 
@@ -126,6 +128,7 @@ class BlendScheduler:
         self.settings = settings
         self._sep = tuple(separator_ids)
         self._key_space = key_space
+        self._key_rule = KeyRule()  # the same rule as the prefix path's keys (adapter content, salt)
         self._segment_spaces: dict[str, KeySpace] = {}  # per layout tag
         self.directory = directory  # the connector's: segments are placed like every other entry
         self._states: dict[str, _BlendState] = {}
@@ -147,7 +150,12 @@ class BlendScheduler:
         return split if split.segments else None
 
     def _new_state(self, request: Any, layout_tag: str) -> _BlendState | None:
-        prompt = list(request.prompt_token_ids or [])
+        inputs = self._key_rule.inputs(request)
+        if not inputs.is_plain_text or inputs.uncacheable is not None:
+            # A segment's KV is computed from its token ids alone: an image's placeholders or prompt
+            # embeddings would be stored as text. Such requests take the exact prefix path only.
+            return None
+        prompt = list(inputs.tokens)
         try:
             split = self._split(request, prompt)
         except BlendRequestError as err:
@@ -156,13 +164,11 @@ class BlendScheduler:
             return None
         if split is None:
             return None
-        lora = getattr(request, "lora_request", None)
-        lora_name = getattr(lora, "lora_name", None) if lora is not None else None
-        salt = getattr(request, "cache_salt", None)
         space = self._segment_spaces.get(layout_tag)
         if space is None:
             space = self._segment_spaces[layout_tag] = segment_key_space(self._key_space(layout_tag))
-        keys = [space.for_request(prompt[span.start : span.end], lora_name, salt, include_partial=True).per_chunk[0]
+        keys = [space.for_request(prompt[span.start : span.end], inputs.adapter, inputs.cache_salt,
+                                  include_partial=True).per_chunk[0]
                 for span in split.segments]
         state = _BlendState(prompt, split, keys)
         params = getattr(request, "kv_transfer_params", None) or {}

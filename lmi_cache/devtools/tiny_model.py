@@ -109,7 +109,8 @@ def _corpus_files(max_files: int = 60) -> list[str]:
     return [str(p) for p in sorted(stdlib.glob("*.py"))[:max_files]]
 
 
-def _train_tokenizer(out_dir: Path, vocab_size: int) -> None:
+def _train_tokenizer(out_dir: Path, vocab_size: int, extra_special: tuple[str, ...] = ()) -> Any:
+    """Train and save the BPE tokenizer; ``extra_special`` tokens (e.g. a multimodal placeholder) come last."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -118,7 +119,7 @@ def _train_tokenizer(out_dir: Path, vocab_size: int) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train(_corpus_files(), trainer)
@@ -127,6 +128,7 @@ def _train_tokenizer(out_dir: Path, vocab_size: int) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
+    return fast
 
 
 def _write_model(out_dir: Path, spec: TinyModelSpec, seed: int) -> None:

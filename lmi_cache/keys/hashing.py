@@ -7,6 +7,11 @@ see ``model_identity``), KV dtypes, layouts, LoRA adapters or ``cache_salt``
 values never meet. Nothing depends on PYTHONHASHSEED: the same tokens give the
 same keys in every process on every machine.
 
+A chunk that holds more than token ids (an image's placeholders, prompt
+embeddings: ``key_inputs.KeyInputs.chunk_extra``) folds 16 more bytes into its
+link, hashed under other seeds so that such a link does not meet a token-only
+one (the input lengths alone could otherwise line up). What a key covers besides the tokens is decided in ``key_inputs``.
+
 Each key also carries a fingerprint: a second, independent chain (XXH64) over
 the same input. Stored chunks record it and loads compare it, so a digest
 collision turns into a counted miss instead of someone else's KV.
@@ -25,15 +30,26 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import xxhash
 
+if TYPE_CHECKING:
+    from lmi_cache.keys.key_inputs import KeyInputs
+
 # Bump when the key derivation changes: old persisted chunks then stop matching.
 # v2: the namespace holds the weights' identity. v3: one chain per request, per-rank keys derived from it.
-KEY_SCHEME_VERSION = "lmi-cache-keys-v3"
+# v4: multimodal items, prompt embeddings and the adapter's content are keyed (v3 keyed an image's
+# placeholders as text, so a v3 chunk may hold one image's KV under keys a text prompt can reach).
+KEY_SCHEME_VERSION = "lmi-cache-keys-v4"
 _FINGERPRINT_SEED = 0x6C6D692D66707631  # "lmi-fpv1": any fixed constant, never changed
+# Seeds of links that carry extra bytes besides token ids (fixed constants, never changed).
+_EXTRA_DIGEST_SEED = 0x6C6D692D78747231  # "lmi-xtr1"
+_EXTRA_FINGERPRINT_SEED = 0x6C6D692D78667031  # "lmi-xfp1"
+
+# The chunk [start, end)'s bytes besides its token ids (b"": none); see key_inputs.KeyInputs.chunk_extra.
+ChunkExtra = Callable[[int, int], bytes]
 
 
 @dataclass(frozen=True)
@@ -95,7 +111,8 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
     return memoryview(packed).cast("B")
 
 
-def _chain(data: memoryview, seed: bytes, chunk_size: int, include_partial: bool) -> list[tuple[int, int, bytes, int]]:
+def _chain(data: memoryview, seed: bytes, chunk_size: int, include_partial: bool,
+           extra: ChunkExtra | None = None) -> list[tuple[int, int, bytes, int]]:
     """(start, end, chain digest, chain fingerprint) of consecutive chunks of ``data`` (uint32 token bytes)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -107,9 +124,14 @@ def _chain(data: memoryview, seed: bytes, chunk_size: int, include_partial: bool
     for start in range(0, stop, chunk_size):
         end = min(start + chunk_size, stop)
         body = data[start * 4 : end * 4]
-        # One-shot hashes of (previous link || body): the same values as streaming, without a state object per chunk.
-        prev = digest_of(prev + body)
-        fingerprint = fingerprint_of(prev_fp + body, _FINGERPRINT_SEED)
+        more = extra(start, end) if extra is not None else b""
+        if more:  # other seeds: a link with extra bytes does not meet a token-only link of other tokens
+            prev = digest_of(prev + body + more, _EXTRA_DIGEST_SEED)
+            fingerprint = fingerprint_of(prev_fp + body + more, _EXTRA_FINGERPRINT_SEED)
+        else:
+            # One-shot hashes of (previous link || body): the same values as streaming, without a state object per chunk.
+            prev = digest_of(prev + body)
+            fingerprint = fingerprint_of(prev_fp + body, _FINGERPRINT_SEED)
         prev_fp = fingerprint.to_bytes(8, "little")
         links.append((start, end, prev, fingerprint))
     return links
@@ -189,16 +211,27 @@ class KeySpace:
         return _canonical_digest("request", fields, lora, cache_salt)
 
     def _links(self, tokens: Sequence[int] | np.ndarray, lora: str | None, cache_salt: str | None,
-               include_partial: bool) -> list[tuple[int, int, bytes, int]]:
-        return _chain(_token_bytes(tokens), self.request_seed(lora, cache_salt), self.chunk_size, include_partial)
+               include_partial: bool, extra: ChunkExtra | None = None) -> list[tuple[int, int, bytes, int]]:
+        return _chain(_token_bytes(tokens), self.request_seed(lora, cache_salt), self.chunk_size, include_partial,
+                      extra)
+
+    def for_inputs(self, inputs: KeyInputs, include_partial: bool = False) -> RequestKeys:
+        """Every rank's key of every chunk of a request's key inputs (``key_inputs``): its tokens, multimodal
+        items, embeddings, adapter and salt; no keys for a request those cannot name safely."""
+        if inputs.uncacheable is not None:
+            return RequestKeys(())
+        extra = None if inputs.is_plain_text else inputs.chunk_extra
+        return self.for_request(inputs.tokens, inputs.adapter, inputs.cache_salt, include_partial, extra)
 
     def for_request(self, tokens: Sequence[int] | np.ndarray, lora: str | None = None, cache_salt: str | None = None,
-                    include_partial: bool = False) -> RequestKeys:
-        """Every rank's key of every full chunk (and the trailing partial one if asked), hashing ``tokens`` once."""
+                    include_partial: bool = False, extra: ChunkExtra | None = None) -> RequestKeys:
+        """Every rank's key of every full chunk (and the trailing partial one if asked), hashing ``tokens`` once.
+
+        ``lora`` is the adapter's identity string; ``extra`` what each chunk holds besides its tokens."""
         seeds = self._rank_seeds
         digest_of, fingerprint_of = xxhash.xxh3_128_digest, xxhash.xxh64_intdigest
         per_chunk = []
-        for start, end, digest, fingerprint in self._links(tokens, lora, cache_salt, include_partial):
+        for start, end, digest, fingerprint in self._links(tokens, lora, cache_salt, include_partial, extra):
             fp_bytes = fingerprint.to_bytes(8, "little")
             per_chunk.append(tuple(
                 ChunkKey(digest_of(seed + digest), start, end, fingerprint_of(seed + fp_bytes, _FINGERPRINT_SEED))

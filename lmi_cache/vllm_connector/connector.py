@@ -56,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from lmi_cache.blend.settings import BlendSettings, load_blend_settings
 from lmi_cache.errors import ConfigError
 from lmi_cache.keys.hashing import KeySpace
+from lmi_cache.keys.key_inputs import KeyRule, environment_trusts_mm_ids
 from lmi_cache.keys.kv_groups import KvCacheGroup, UnsupportedKvGroups, kv_groups_of
 from lmi_cache.transfer.layouts import ExpectedGeometry
 from lmi_cache.vllm_connector.blending import BlendContext, ConnectorBlending, check_model
@@ -143,7 +144,7 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._remote_lookups: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            self._init_scheduler(block_size)
+            self._init_scheduler(block_size, KeyRule(mm_ids_are_content=environment_trusts_mm_ids(vllm_config)))
         else:
             self._init_worker(vllm_config, block_size)
         self._blending: ConnectorBlending | None = None
@@ -173,7 +174,7 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             model_identity=self._model_identity,
         )
 
-    def _init_scheduler(self, block_size: int) -> None:
+    def _init_scheduler(self, block_size: int, key_rule: KeyRule) -> None:
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             logger.info("lmi-cache: kv_load_failure_policy set to 'recompute' (a cache miss must not fail a request)")
@@ -196,7 +197,8 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         directory = build_directory(self._config, replica=self._dp_index, world_size=geometry.world_size,
                                     remote=self._open_remote_lookups(), retention=sessions is not None,
                                     metrics=metrics)
-        self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions)
+        self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions,
+                                        key_rule=key_rule)
 
     def _session_tracker(self) -> Any:
         """Which sessions are open (the directory evicts their chunks last), or None when retention is off."""

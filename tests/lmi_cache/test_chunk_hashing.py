@@ -1,6 +1,7 @@
 """Tests for lmi_cache.keys.hashing: namespace-seeded, prefix-chained chunk keys."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -219,21 +220,31 @@ def test_ranks_never_share_a_key_and_chunks_keep_their_ranges() -> None:
 
 
 def test_the_scheme_version_was_bumped_so_v2_chunks_stop_matching(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks persisted by the per-rank (v2) scheme must never be found by v3 keys."""
-    assert KEY_SCHEME_VERSION == "lmi-cache-keys-v3"
+    """Chunks persisted by the per-rank (v2) scheme must never be found by current keys."""
     tokens = list(range(64))
-    # Pinned: a change of the derivation that forgets to bump the version fails here.
-    assert SPACE.keys(tokens, 5, lora="a", cache_salt="s")[-1].hex == GOLDEN_V3
-    v3 = {k.digest for r in range(SPACE.world_size) for k in SPACE.keys(tokens, r)}
+    current = {k.digest for r in range(SPACE.world_size) for k in SPACE.keys(tokens, r)}
     monkeypatch.setattr(chunk_hashing, "KEY_SCHEME_VERSION", "lmi-cache-keys-v2")
     v2 = {k.digest
           for r in range(SPACE.world_size)
           for k in chunk_keys(tokens, KeyNamespace("llama-7b", "bfloat16", "cpu.s0123.bfloat16", tp_rank=r % 4,
                                                    tp_size=4, pp_rank=r // 4, pp_size=2), 16)}
-    assert len(v2) == len(v3) == 32 and not v2 & v3
+    assert len(v2) == len(current) == 32 and not v2 & current
 
 
-GOLDEN_V3 = "2a2a9a0f3402eb962b5ed7e545583cdc"  # SPACE, tokens 0..63, rank 5, lora "a", salt "s": last chunk
+def test_the_scheme_version_was_bumped_so_v3_chunks_stop_matching(monkeypatch: pytest.MonkeyPatch) -> None:
+    """v3 keyed an image's placeholder tokens as text: none of its chunks may be found by v4 keys."""
+    assert KEY_SCHEME_VERSION == "lmi-cache-keys-v4"
+    tokens = list(range(64))
+    # Pinned: a change of the derivation that forgets to bump the version fails here.
+    assert SPACE.keys(tokens, 5, lora="a", cache_salt="s")[-1].hex == GOLDEN_V4
+    v4 = {k.digest for r in range(SPACE.world_size) for k in SPACE.keys(tokens, r)}
+    monkeypatch.setattr(chunk_hashing, "KEY_SCHEME_VERSION", "lmi-cache-keys-v3")
+    v3_space = dataclasses.replace(SPACE)  # a fresh instance: its rank seeds are derived under v3 too
+    v3 = {k.digest for r in range(SPACE.world_size) for k in v3_space.keys(tokens, r)}
+    assert len(v3) == len(v4) == 32 and not v3 & v4
+
+
+GOLDEN_V4 = "f11e4c27657fd22dd99e66640c5b39e9"  # SPACE, tokens 0..63, rank 5, lora "a", salt "s": last chunk
 
 
 def test_key_space_is_deterministic_across_processes() -> None:
