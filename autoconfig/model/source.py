@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoconfig.model.kv import KvLayoutInfo, ModelConfigError, kv_layout_from_config
+from autoconfig.model.mistral import PARAMS_FILE, adapt_params
 from autoconfig.model.params import bytes_per_param, estimate_num_params
 from lmi_cache.errors import UserError, path_length_problem
 
@@ -53,6 +54,12 @@ def load_model_info(
     """Resolve ``model``, read its config.json, derive the KV layout and the weights size."""
     config_path, name, notes = resolve_config_path(model, hf_home=hf_home, allow_network=allow_network)
     config = read_config(config_path)
+    mistral_note = None
+    if config_path.name == PARAMS_FILE:
+        config = adapt_params(config, str(config_path))
+        mistral_note = (f"{PARAMS_FILE} (Mistral format, no config.json) read as vLLM's config_format mistral maps it "
+                        f"(configs/mistral.py adapt_config_dict): architecture "
+                        f"{'/'.join(config.get('architectures', []))}, model_type {config.get('model_type')}")
     sidecar = config_path.parent / "hf_quant_config.json"
     if "quantization_config" not in config and sidecar.is_file():
         # vllm/transformers_utils/config.py: ModelOpt <= 0.29 keeps its quantization
@@ -61,6 +68,8 @@ def load_model_info(
         notes.append(f"quantization config read from {sidecar}")
     kv = kv_layout_from_config(config, kv_cache_dtype=kv_cache_dtype, dtype=dtype, source=str(config_path),
                                model_name=name, bf16_supported=bf16_supported)
+    if mistral_note:
+        kv.notes.insert(0, mistral_note)
     try:
         weights_bytes, weights_source = _weights(config_path.parent, config)
     except ModelConfigError as err:  # from the estimate, which does not know the file name
@@ -92,9 +101,11 @@ def resolve_config_path(model: str, *, hf_home: str | None = None,
     path = Path(model).expanduser()
     if path.is_dir():
         config = path / "config.json"
+        if not config.is_file() and (path / PARAMS_FILE).is_file():
+            return path / PARAMS_FILE, path.resolve().name, []  # a Mistral-format model
         if not config.is_file():
-            raise ModelNotFoundError(f"{path}: no config.json in this directory; pass the model's directory "
-                                     "(the one that holds config.json) or the config file itself")
+            raise ModelNotFoundError(f"{path}: no config.json (or Mistral's params.json) in this directory; pass "
+                                     "the model's directory (the one that holds config.json) or the config file itself")
         return config, path.resolve().name, []
     if path.is_file():
         return path, path.resolve().parent.name, []

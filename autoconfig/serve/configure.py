@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from autoconfig.lmi.properties import ResolvedProperties, resolve_properties
+from autoconfig.model.mistral import has_model_config
 from lmi_cache.config.env import env_override_line, env_override_names
 from lmi_cache.errors import UserError
 
@@ -153,7 +154,7 @@ def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: M
     from autoconfig.model.source import hub_access_from_env, load_model_info
     from autoconfig.plan.planner import plan_tiers
 
-    model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
+    model = model_override or props.model_id or (str(mdir) if has_model_config(mdir) else None)
     if model is None:
         raise ConfigureError(f"no model: {mdir} has no config.json and option.model_id / HF_MODEL_ID is unset; "
                              "set one of them or pass --model-dir")
@@ -174,7 +175,7 @@ def _check_blend_model(props: ResolvedProperties, mdir: Path, env: Mapping[str, 
     from autoconfig.plan.blend import check_blend_model
     from autoconfig.model.s3 import is_s3
 
-    model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
+    model = model_override or props.model_id or (str(mdir) if has_model_config(mdir) else None)
     if model is None or is_s3(model):
         return  # the blending connector checks the model when vLLM starts it
     hf_home, allow_network = hub_access_from_env(env)

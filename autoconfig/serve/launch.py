@@ -24,6 +24,7 @@ from autoconfig.serve.configure import DEFAULT_MODEL_DIR, configure, default_out
 from autoconfig.lmi.names import SECRET_OPTIONS
 from autoconfig.lmi.to_vllm import MappedArgs, flag_to_name, map_lmi_options
 from autoconfig.lmi.properties import ResolvedProperties
+from autoconfig.model.mistral import mistral_format_args
 from autoconfig.model.s3 import is_s3, materialize_s3_model
 from autoconfig.serve.summary import serve_summary
 from autoconfig.serve.checks import (
@@ -163,6 +164,8 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
         argv += ["--config", str(result.output_dir / SECRETS_FILE)]
     argv += _upstream_recipe(props, result.vllm_args)
     argv += mapped.argv(skip=SETTINGS_ARGS | _dests(result.vllm_args))
+    format_args, format_note = mistral_format_args(Path(checked), mapped.values)  # a params.json-only directory
+    argv += format_args
     front = front_launch({n: o.value for n, o in props.options.items()}, mdir if mdir.is_dir() else None,
                          {n: o.where for n, o in props.options.items()}, Path(model) if Path(model).is_dir() else None,
                          prepare=not dry_run)  # a dry run leaves the sessions folder as it is
@@ -176,7 +179,8 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
     env_set.update(metrics_env)
     if not host.gpus:
         env_set.update(cpu_backend_env(env, env_set, host))
-    summary = serve_summary(props, result.mode, model, port, mapped.notes, result.messages, findings, env_set,
+    notes = mapped.notes + ([format_note] if format_note else [])
+    summary = serve_summary(props, result.mode, model, port, notes, result.messages, findings, env_set,
                             result.plan, env)
     summary[-1:-1] = front.summary
     return ServeLaunch(argv, {**env, **env_set}, env_set, result.mode, summary, props, result.plan)
