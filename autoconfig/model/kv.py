@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from autoconfig.model.mla import mla_geometry
+from autoconfig.model.mla import mla_geometry, packed_latent
 from autoconfig.model.ssm import HybridModelError, StateLayout, state_layout_from_config
 from lmi_cache.config.values import show
 from lmi_cache.errors import UserError
@@ -127,6 +127,10 @@ def kv_layout_from_config(
         mla = mla_geometry(text, prefix, source, model_type, num_layers, _int_key)
         head_dim, num_kv_heads, side_caches = mla.latent_dim, 1, mla.side_caches
         notes += mla.notes
+        packed = packed_latent(kv_dtype, sparse=bool(side_caches))
+        if packed is not None:
+            head_dim, kv_dtype = packed[0], "fp8_ds_mla"  # head_dim counts 1-byte cells of the packed row
+            notes.append(packed[1])
     else:
         num_kv_heads, kv_note2 = _kv_heads(text, model_type, num_heads, prefix, source)
         head_dim, head_note = _head_dim(text, num_heads, prefix, source)

@@ -20,6 +20,12 @@ INDEXER_QUANT_BLOCK = 128
 INDEXER_SCALE_BYTES = 4
 
 
+# vllm/model_executor/layers/attention/mla_attention.py MLAAttention.get_kv_cache_spec: state_content_bytes
+# of the packed DeepSeek formats (512 fp8 values + 4 float32 scales + 64 bf16 RoPE values = 656 B per token).
+FP8_DS_MLA_BYTES = 656
+_FP8_DTYPES = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"})
+
+
 @dataclass(frozen=True)
 class MlaGeometry:
     latent_dim: int  # kv_lora_rank + qk_rope_head_dim: the one vector a layer caches per token
@@ -55,6 +61,21 @@ def mla_geometry(text: Mapping[str, Any], prefix: str, source: str, model_type: 
             "whatever kv_cache_dtype), replicated on every TP rank, in the same KV cache group as the latent"
         )
     return MlaGeometry(latent_dim=latent, side_caches=sides, notes=tuple(notes))
+
+
+def packed_latent(kv_dtype: str, sparse: bool) -> tuple[int, str] | None:
+    """(bytes per token, reason) when vLLM stores the latent in the packed fp8_ds_mla row; None otherwise.
+
+    Explicit ``fp8_ds_mla`` always is; a sparse-attention model (an indexer) with an fp8 KV cache is too, because
+    vLLM's sparse MLA backend turns any quantized dtype into it (``_canonicalize_sparse_mla_kv_cache_dtype``
+    for FLASHMLA_SPARSE, the backend for DeepSeek-V3.2 on Hopper).
+    """
+    if kv_dtype == "fp8_ds_mla" or (sparse and kv_dtype in _FP8_DTYPES):
+        why = "set explicitly" if kv_dtype == "fp8_ds_mla" else (
+            f"vLLM's sparse MLA backend stores kv_cache_dtype {kv_dtype} as fp8_ds_mla")
+        return FP8_DS_MLA_BYTES, (f"MLA latent packed as fp8_ds_mla ({why}): 512 fp8 values + 4 float32 scales "
+                                  f"+ 64 bf16 RoPE values = {FP8_DS_MLA_BYTES} B per token per layer")
+    return None
 
 
 def indexer_cache(text: Mapping[str, Any], prefix: str, source: str, num_layers: int,

@@ -41,9 +41,18 @@ def test_deepseek_v3_without_index_topk_has_no_indexer() -> None:
     assert layout.side_caches == () and layout.kv_bytes_per_token == 61 * LATENT_BF16
 
 
-def test_indexer_keys_stay_uint8_when_the_latent_is_fp8() -> None:
-    layout = kv_layout_from_config(_v32(), kv_cache_dtype="fp8").layout
-    assert layout.kv_bytes_per_token == 61 * (576 + INDEXER)
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_ds_mla"])
+def test_fp8_latent_of_a_sparse_model_is_the_packed_row_and_the_indexer_stays_uint8(kv_cache_dtype: str) -> None:
+    # vLLM's FLASHMLA_SPARSE backend stores any fp8 KV dtype as fp8_ds_mla: 656 B per token per layer.
+    info = kv_layout_from_config(_v32(), kv_cache_dtype=kv_cache_dtype)
+    assert info.layout.kv_bytes_per_token == 61 * (656 + INDEXER)
+    assert any("fp8_ds_mla" in note and "656 B" in note for note in info.notes)
+
+
+def test_fp8_latent_of_a_dense_mla_model_is_one_byte_per_value() -> None:
+    config = json.loads((Path(MODELS) / "deepseek-v3" / "config.json").read_text())
+    assert kv_layout_from_config(config, kv_cache_dtype="fp8").layout.kv_bytes_per_token == 61 * 576
+    assert kv_layout_from_config(config, kv_cache_dtype="fp8_ds_mla").layout.kv_bytes_per_token == 61 * 656
 
 
 @pytest.mark.parametrize(("keys", "layers"), [
