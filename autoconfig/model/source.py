@@ -136,15 +136,23 @@ def _from_hf_cache(cache: Path, model_id: str) -> tuple[Path, list[str]] | None:
             revision = ref.read_bytes()[:200].decode("ascii").strip()
         except (OSError, UnicodeDecodeError):
             revision = ""
-        config = snapshots / revision / "config.json"
-        if re.fullmatch(r"[\w.-]+", revision) and config.is_file():
+        config = _config_in(snapshots / revision) if re.fullmatch(r"[\w.-]+", revision) else None
+        if config is not None:
             return config, [f"{model_id} resolved from the HF cache, refs/main = {revision}"]
-    candidates = sorted((p for p in snapshots.glob("*/config.json") if p.is_file()),
+    candidates = sorted((c for c in (_config_in(p) for p in snapshots.iterdir() if p.is_dir()) if c is not None),
                         key=lambda p: p.stat().st_mtime, reverse=True)
     if not candidates:
         return None
     note = f"{model_id}: no usable refs/main in the HF cache; using the newest snapshot {candidates[0].parent.name}"
     return candidates[0], [note]
+
+
+def _config_in(snapshot: Path) -> Path | None:
+    """A snapshot's config.json, else its params.json (a Mistral-format model), else None."""
+    for name in ("config.json", PARAMS_FILE):
+        if (snapshot / name).is_file():
+            return snapshot / name
+    return None
 
 
 def _download_config(model_id: str, hf_home: str | None) -> Path:
@@ -153,13 +161,23 @@ def _download_config(model_id: str, hf_home: str | None) -> Path:
     except ImportError:
         raise ModelNotFoundError(f"{model_id}: not cached locally and huggingface_hub is not installed; "
                                  "pip install huggingface_hub or pass the model's directory") from None
+    cache_dir = str(hf_hub_cache_dir(hf_home)) if hf_home else None
     try:
-        cache_dir = str(hf_hub_cache_dir(hf_home)) if hf_home else None
         return Path(hf_hub_download(repo_id=model_id, filename="config.json", cache_dir=cache_dir))
     except Exception as exc:  # the hub raises many types; the user needs one line
-        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise ModelNotFoundError(f"{model_id}: could not fetch config.json from the Hugging Face Hub "
-                                 f"({first_line}); check the id and HF_TOKEN, or pass a local directory") from None
+        first_error = exc
+    if type(first_error).__name__ in _MISSING_FILE_ERRORS:
+        try:  # a Mistral-format repository: params.json and no config.json
+            return Path(hf_hub_download(repo_id=model_id, filename=PARAMS_FILE, cache_dir=cache_dir))
+        except Exception:  # noqa: BLE001 - the config.json error below says what to fix
+            pass
+    first_line = (str(first_error).splitlines() or [type(first_error).__name__])[0]
+    raise ModelNotFoundError(f"{model_id}: could not fetch config.json from the Hugging Face Hub "
+                             f"({first_line}); check the id and HF_TOKEN, or pass a local directory")
+
+
+# huggingface_hub's errors for a repository without the file asked for (by name: the import is optional).
+_MISSING_FILE_ERRORS = frozenset({"EntryNotFoundError", "RemoteEntryNotFoundError", "LocalEntryNotFoundError"})
 
 
 MAX_CONFIG_BYTES = 64 << 20  # config.json files are kilobytes; the largest safetensors indexes a few MiB
