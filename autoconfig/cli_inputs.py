@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import click
 
-from autoconfig.model.mistral import has_model_config
 from autoconfig.cli_types import CHUNK_TOKENS, FRACTION, MODEL_LEN, PARALLEL_DEGREE, SIZE_GIB, TP_DEGREE
+from autoconfig.model.mistral import has_model_config
 
 if TYPE_CHECKING:
     from autoconfig.probe.snapshot import HostSnapshot

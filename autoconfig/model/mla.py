@@ -68,11 +68,13 @@ def packed_latent(kv_dtype: str, sparse: bool) -> tuple[int, str] | None:
 
     Explicit ``fp8_ds_mla`` always is; a sparse-attention model (an indexer) with an fp8 KV cache is too, because
     vLLM's sparse MLA backend turns any quantized dtype into it (``_canonicalize_sparse_mla_kv_cache_dtype``
-    for FLASHMLA_SPARSE, the backend for DeepSeek-V3.2 on Hopper).
+    for FLASHMLA_SPARSE, the backend for DeepSeek-V3.2 on Hopper; Blackwell's FLASHINFER_MLA_SPARSE keeps plain
+    fp8, which this over-counts by 80 B per token per layer).
     """
     if kv_dtype == "fp8_ds_mla" or (sparse and kv_dtype in _FP8_DTYPES):
         why = "set explicitly" if kv_dtype == "fp8_ds_mla" else (
-            f"vLLM's sparse MLA backend stores kv_cache_dtype {kv_dtype} as fp8_ds_mla")
+            f"vLLM's FLASHMLA_SPARSE backend (Hopper) stores kv_cache_dtype {kv_dtype} as fp8_ds_mla; assumed, "
+            "Blackwell's FLASHINFER_MLA_SPARSE keeps 1 B per value")
         return FP8_DS_MLA_BYTES, (f"MLA latent packed as fp8_ds_mla ({why}): 512 fp8 values + 4 float32 scales "
                                   f"+ 64 bf16 RoPE values = {FP8_DS_MLA_BYTES} B per token per layer")
     return None
