@@ -170,4 +170,5 @@ def _remap_moe(config: dict[str, Any]) -> dict[str, Any]:
         if old in moe:
             config[new] = moe.pop(old)
     config["moe"] = moe
+    config.update(topk_method=None, norm_topk_prob=True, scoring_func="softmax")
     return config
