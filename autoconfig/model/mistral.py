@@ -45,8 +45,8 @@ def mistral_format_args(model_dir: Path, chosen: Mapping[str, Any]) -> tuple[lis
     """vLLM flags for a params.json-only directory that the user's options did not set, and a summary line.
 
     vLLM 0.32's ``config_format`` auto picks the Mistral format only when ``consolidated*.safetensors`` sit
-    beside params.json (``get_config``), so a directory without them, or a model id a snapshot resolves later,
-    would fail to start; naming the format keeps config, tokenizer and weights read the Mistral way.
+    beside params.json (``get_config``), so a directory without them would fail to start; naming the format
+    keeps config, tokenizer and weights read the Mistral way. ``chosen``: the vLLM arguments the settings set.
     """
     if not is_params_only_dir(model_dir):
         return [], None
@@ -65,6 +65,10 @@ def adapt_params(params: Mapping[str, Any], source: str) -> dict[str, Any]:
     """The config vLLM's ``adapt_config_dict`` builds from ``params``, as a plain dict (no transformers)."""
     config = copy.deepcopy(dict(params))
     config.setdefault("max_position_embeddings", DEFAULT_MAX_POSITIONS)
+    missing = [key for key in ("n_layers", "n_heads", "dim") if key not in config]
+    if missing:
+        raise MistralParamsError(f"{source}: no '{missing[0]}'; is this a Mistral model's params.json? point --model "
+                                 "at the model's directory (config.json or Mistral's params.json)")
     config = _remap_general(config)
     config = _remap_sliding_window(config, source)
     if config.get("quantization"):
@@ -118,6 +122,9 @@ def _remap_sliding_window(config: dict[str, Any], source: str) -> dict[str, Any]
         raise MistralParamsError(f"{source}: 'n_layers' must be a positive integer to place 'sliding_window'; "
                                  "fix params.json")
     if isinstance(window, list):
+        if not all(w is None or (isinstance(w, int) and not isinstance(w, bool)) for w in window):
+            raise MistralParamsError(f"{source}: 'sliding_window' lists must hold integers and nulls (null: a "
+                                     "full-attention layer); fix params.json")
         windows = {w for w in window if w is not None}
         if len(windows) > 1:
             raise MistralParamsError(f"{source}: 'sliding_window' lists several windows {sorted(windows, key=str)}; "

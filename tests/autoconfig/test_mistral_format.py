@@ -84,11 +84,21 @@ def test_sliding_windows_listed_per_layer_become_layer_types() -> None:
 @pytest.mark.parametrize(("change", "needle"), [
     ({"sliding_window": [None, 4096, 8192]}, "several windows"),
     ({"sliding_window": "4096"}, "must be an integer or a list"),
+    ({"sliding_window": [None, [4096]]}, "must hold integers and nulls"),
     ({"quantization": {"qformat_weight": "int3"}}, "unknown 'quantization'"),
 ])
 def test_params_vllm_would_refuse_are_one_line_errors(change: dict[str, Any], needle: str) -> None:
     with pytest.raises(UserError, match=needle):
         adapt_params({**_params("ministral-window"), **change}, "params.json")
+
+
+def test_a_params_json_that_is_not_a_model_names_the_missing_key(tmp_path: Path) -> None:
+    (tmp_path / "params.json").write_text('{"learning_rate": 0.1}')
+    result = _run(["plan", "--model", str(tmp_path), "--host", "tests/fixtures/hosts/cpu_only_rotational.json"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip() == (f"lmi-cache: error: {tmp_path / 'params.json'}: no 'n_layers'; is this a Mistral "
+                                     "model's params.json? point --model at the model's directory (config.json or "
+                                     "Mistral's params.json)")
 
 
 def test_other_mistral_shapes_follow_vllms_mapping() -> None:
