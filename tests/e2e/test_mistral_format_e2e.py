@@ -13,18 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import (
-    DOCS,
-    assert_same_outputs,
-    cache_env,
-    chunks_loaded_per_hit,
-    expected_hit_tokens,
-    gen_phase,
-    phase,
-    prompts,
-    run_job,
-    window_groups,
-)
+import e2e_support as e2e
 
 pytestmark = pytest.mark.vllm
 WINDOW_TOKENS = 256
@@ -77,13 +66,14 @@ def runs(e2e_dir: Path) -> dict[str, Any]:
     # The flags serve passes, as vLLM arguments; no tokenizer files (token ids in, token ids out).
     kwargs = {names[flag]: value for flag, value in zip(flags[::2], flags[1::2])} | {"skip_tokenizer_init": True}
     work = e2e_dir / "mistral-format"
-    reference = run_job({"model": str(model), "connector": False,
-                         "llm_kwargs": kwargs | {"enable_prefix_caching": True},
-                         "phases": [gen_phase("docs", prompts(DOCS)), gen_phase("docs_again", prompts(DOCS))]},
-                        work / "reference")
-    connector = run_job({"model": str(model), "connector": True, "env": cache_env(None), "llm_kwargs": kwargs,
-                         "phases": [gen_phase("cold", prompts(DOCS)), gen_phase("warm", prompts(DOCS))]},
-                        work / "connector")
+    docs = e2e.prompts(e2e.DOCS)
+    reference = e2e.run_job({"model": str(model), "connector": False,
+                             "llm_kwargs": kwargs | {"enable_prefix_caching": True},
+                             "phases": [e2e.gen_phase("docs", docs), e2e.gen_phase("docs_again", docs)]},
+                            work / "reference")
+    connector = e2e.run_job({"model": str(model), "connector": True, "env": e2e.cache_env(None), "llm_kwargs": kwargs,
+                             "phases": [e2e.gen_phase("cold", docs), e2e.gen_phase("warm", docs)]},
+                            work / "connector")
     return {"model": model, "reference": reference, "connector": connector}
 
 
@@ -97,15 +87,15 @@ def test_the_plan_reads_the_same_params_json(runs: dict[str, Any]) -> None:
 
 
 def test_cold_run_matches_no_connector(runs: dict[str, Any]) -> None:
-    assert_same_outputs(phase(runs["connector"], "cold"), phase(runs["reference"], "docs"))
+    e2e.assert_same_outputs(e2e.phase(runs["connector"], "cold"), e2e.phase(runs["reference"], "docs"))
 
 
 def test_warm_run_hits_the_cpu_tier_and_matches(runs: dict[str, Any]) -> None:
-    warm = phase(runs["connector"], "warm")
-    assert_same_outputs(warm, phase(runs["reference"], "docs_again"))
-    hits = [expected_hit_tokens(len(d)) for d in DOCS]
+    warm = e2e.phase(runs["connector"], "warm")
+    e2e.assert_same_outputs(warm, e2e.phase(runs["reference"], "docs_again"))
+    hits = [e2e.expected_hit_tokens(len(d)) for d in e2e.DOCS]
     assert [o["num_cached_tokens"] for o in warm["outputs"]] == hits
     # One full-attention group and one 256-token window group, like the Gemma-2 shape.
-    groups = window_groups("gemma2-7m")
-    assert warm["delta"]["worker.num_chunks_loaded"] == sum(chunks_loaded_per_hit(groups, h) for h in hits)
+    groups = e2e.window_groups("gemma2-7m")
+    assert warm["delta"]["worker.num_chunks_loaded"] == sum(e2e.chunks_loaded_per_hit(groups, h) for h in hits)
     assert warm["delta"]["worker.num_load_faults"] == 0
