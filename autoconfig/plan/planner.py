@@ -44,9 +44,10 @@ ACTIVATION_RESERVE_FRACTION = 0.05
 
 # lmi_cache.keys.kv_groups accepts full-attention, sliding-window and Mamba groups only; vLLM gives an MLA
 # model an MLAAttentionSpec group (with DeepSeek-V3.2's indexer: one UniformTypeKVCacheSpecs group).
-_MLA_CONNECTOR_WARNING = ("MLA model: lmi-cache's connector refuses it at start (vLLM's MLAAttentionSpec KV cache "
-                          "group is not one it stores yet); the sizes above are what its tiers would need for the "
-                          "latent")
+_MLA_CONNECTOR_WARNING = ("MLA model: lmi-cache's connector refuses it at start, after vLLM has loaded the weights "
+                          "(vLLM's MLAAttentionSpec KV cache group is not one it stores yet); serve it without KV "
+                          "offloading (option.lmcache_auto_config=false). The sizes planned are what the tiers would "
+                          "need for the latent")
 
 
 def plan_tiers(
