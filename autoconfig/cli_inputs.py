@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import click
 
 from autoconfig.cli_types import CHUNK_TOKENS, FRACTION, MODEL_LEN, PARALLEL_DEGREE, SIZE_GIB, TP_DEGREE
+from autoconfig.model.mistral import has_model_config
 
 if TYPE_CHECKING:
     from autoconfig.probe.snapshot import HostSnapshot
@@ -163,7 +164,7 @@ def model_weights(model_dir: Path, env: Mapping[str, str], cli: Mapping[str, tup
 
         try:
             props = resolve_fitted(model_dir, env, gpus, cli)
-            model = props.model_id or (str(model_dir) if (model_dir / "config.json").is_file() else None)
+            model = props.model_id or (str(model_dir) if has_model_config(model_dir) else None)
             if model is None or is_s3(model):
                 return 0
             return model_info(props, model, env).weights_bytes

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import click
 
 from autoconfig.cli_inputs import HostSource, cli_settings, model_weights
+from autoconfig.model.mistral import has_model_config
 
 if TYPE_CHECKING:
     from autoconfig.serve.launch import ServeLaunch
@@ -103,7 +104,7 @@ def run_validate(config: str | None, model_dir: str | None, flags: Mapping[str, 
     if not path and not props.env_only:
         raise click.UsageError("give the LMCache YAML to check (CONFIG), or a --model-dir whose settings name "
                                "one (option.lmcache_config_file or LMCACHE_CONFIG_FILE), or set LMCACHE_* variables")
-    model = props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
+    model = props.model_id or (str(mdir) if has_model_config(mdir) else None)
     if model is None:
         where = model_dir or DEFAULT_MODEL_DIR
         raise click.UsageError(f"no model: give --model, or a --model-dir with config.json ({where} has none)")

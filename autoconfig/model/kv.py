@@ -11,10 +11,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from autoconfig.model.mla import mla_geometry, packed_latent
 from autoconfig.model.ssm import HybridModelError, StateLayout, state_layout_from_config
 from lmi_cache.config.values import show
 from lmi_cache.errors import UserError
-from lmi_cache.kv_layout import KV_DTYPE_BYTES, KvLayout
+from lmi_cache.kv_layout import KV_DTYPE_BYTES, KvLayout, SideCache
 
 __all__ = ["HybridModelError", "KvLayoutInfo", "ModelConfigError", "hybrid_group_layers", "kv_layout_from_config",
            "text_section"]
@@ -121,14 +122,15 @@ def kv_layout_from_config(
         num_layers = state.num_attention_layers
 
     is_mla = model_type in _MLA_MODEL_TYPES and text.get("kv_lora_rank") is not None
+    side_caches: tuple[SideCache, ...] = ()
     if is_mla:
-        kv_lora_rank = _int_key(text, ("kv_lora_rank",), prefix, source)
-        rope_dim = _int_key(text, ("qk_rope_head_dim",), prefix, source)
-        head_dim, num_kv_heads = kv_lora_rank + rope_dim, 1
-        notes.append(
-            f"MLA ({model_type}): one latent of kv_lora_rank {kv_lora_rank} + qk_rope_head_dim {rope_dim} "
-            f"= {head_dim} per layer, no separate K and V, replicated on every TP rank"
-        )
+        mla = mla_geometry(text, prefix, source, model_type, num_layers, _int_key)
+        head_dim, num_kv_heads, side_caches = mla.latent_dim, 1, mla.side_caches
+        notes += mla.notes
+        packed = packed_latent(kv_dtype, sparse=bool(side_caches))
+        if packed is not None:
+            head_dim, kv_dtype = packed[0], "fp8_ds_mla"  # head_dim counts 1-byte cells of the packed row
+            notes.append(packed[1])
     else:
         num_kv_heads, kv_note2 = _kv_heads(text, model_type, num_heads, prefix, source)
         head_dim, head_note = _head_dim(text, num_heads, prefix, source)
@@ -147,9 +149,10 @@ def kv_layout_from_config(
     sliding_window, num_sliding = (None, 0) if state else _sliding_window(text, prefix, source, notes, num_layers)
 
     layout = KvLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                      kv_dtype=kv_dtype, is_mla=is_mla, model_name=model_name)
+                      kv_dtype=kv_dtype, is_mla=is_mla, model_name=model_name, side_caches=side_caches)
+    sides = "".join(f" + {side.name} {side.bytes_per_token:,}" for side in side_caches)
     notes.append(f"{layout.kv_bytes_per_token} bytes of KV per token for the whole model ({num_layers} "
-                 f"{'attention ' if state else ''}layers)")
+                 f"{'attention ' if state else ''}layers{': latent ' + format(layout.attention_bytes_per_token, ',') + sides if sides else ''})")
     return KvLayoutInfo(layout=layout, model_dtype=model_dtype, max_position_embeddings=max_pos,
                         sliding_window=sliding_window, notes=notes, num_attention_heads=num_heads,
                         num_sliding_layers=num_sliding, state=state)

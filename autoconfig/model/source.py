@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoconfig.model.kv import KvLayoutInfo, ModelConfigError, kv_layout_from_config
+from autoconfig.model.mistral import PARAMS_FILE, adapt_params
 from autoconfig.model.params import bytes_per_param, estimate_num_params
 from lmi_cache.errors import UserError, path_length_problem
 
@@ -53,6 +54,12 @@ def load_model_info(
     """Resolve ``model``, read its config.json, derive the KV layout and the weights size."""
     config_path, name, notes = resolve_config_path(model, hf_home=hf_home, allow_network=allow_network)
     config = read_config(config_path)
+    mistral_note = None
+    if config_path.name == PARAMS_FILE:
+        config = adapt_params(config, str(config_path))
+        mistral_note = (f"{PARAMS_FILE} (Mistral format, no config.json) read as vLLM's config_format mistral maps it "
+                        f"(configs/mistral.py adapt_config_dict): architecture "
+                        f"{'/'.join(config.get('architectures', []))}, model_type {config.get('model_type')}")
     sidecar = config_path.parent / "hf_quant_config.json"
     if "quantization_config" not in config and sidecar.is_file():
         # vllm/transformers_utils/config.py: ModelOpt <= 0.29 keeps its quantization
@@ -61,6 +68,8 @@ def load_model_info(
         notes.append(f"quantization config read from {sidecar}")
     kv = kv_layout_from_config(config, kv_cache_dtype=kv_cache_dtype, dtype=dtype, source=str(config_path),
                                model_name=name, bf16_supported=bf16_supported)
+    if mistral_note:
+        kv.notes.insert(0, mistral_note)
     try:
         weights_bytes, weights_source = _weights(config_path.parent, config)
     except ModelConfigError as err:  # from the estimate, which does not know the file name
@@ -92,9 +101,11 @@ def resolve_config_path(model: str, *, hf_home: str | None = None,
     path = Path(model).expanduser()
     if path.is_dir():
         config = path / "config.json"
+        if not config.is_file() and (path / PARAMS_FILE).is_file():
+            return path / PARAMS_FILE, path.resolve().name, []  # a Mistral-format model
         if not config.is_file():
-            raise ModelNotFoundError(f"{path}: no config.json in this directory; pass the model's directory "
-                                     "(the one that holds config.json) or the config file itself")
+            raise ModelNotFoundError(f"{path}: no config.json (or Mistral's params.json) in this directory; pass "
+                                     "the model's directory (the one that holds config.json) or the config file itself")
         return config, path.resolve().name, []
     if path.is_file():
         return path, path.resolve().parent.name, []
@@ -125,15 +136,23 @@ def _from_hf_cache(cache: Path, model_id: str) -> tuple[Path, list[str]] | None:
             revision = ref.read_bytes()[:200].decode("ascii").strip()
         except (OSError, UnicodeDecodeError):
             revision = ""
-        config = snapshots / revision / "config.json"
-        if re.fullmatch(r"[\w.-]+", revision) and config.is_file():
+        config = _config_in(snapshots / revision) if re.fullmatch(r"[\w.-]+", revision) else None
+        if config is not None:
             return config, [f"{model_id} resolved from the HF cache, refs/main = {revision}"]
-    candidates = sorted((p for p in snapshots.glob("*/config.json") if p.is_file()),
+    candidates = sorted((c for c in (_config_in(p) for p in snapshots.iterdir() if p.is_dir()) if c is not None),
                         key=lambda p: p.stat().st_mtime, reverse=True)
     if not candidates:
         return None
     note = f"{model_id}: no usable refs/main in the HF cache; using the newest snapshot {candidates[0].parent.name}"
     return candidates[0], [note]
+
+
+def _config_in(snapshot: Path) -> Path | None:
+    """A snapshot's config.json, else its params.json (a Mistral-format model), else None."""
+    for name in ("config.json", PARAMS_FILE):
+        if (snapshot / name).is_file():
+            return snapshot / name
+    return None
 
 
 def _download_config(model_id: str, hf_home: str | None) -> Path:
@@ -147,13 +166,23 @@ def _download_config(model_id: str, hf_home: str | None) -> Path:
         raise ModelNotFoundError(f"{model_id}: not in the local Hugging Face cache, and the Hub cannot be reached "
                                  f"({unreachable}); give a local directory with config.json instead (--model DIR, "
                                  "--model-dir DIR or option.model_id=DIR), or set HF_HOME to a cache that holds it")
+    cache_dir = str(hf_hub_cache_dir(hf_home)) if hf_home else None
     try:
-        cache_dir = str(hf_hub_cache_dir(hf_home)) if hf_home else None
         return Path(hf_hub_download(repo_id=model_id, filename="config.json", cache_dir=cache_dir))
     except Exception as exc:  # the hub raises many types; the user needs one line
-        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise ModelNotFoundError(f"{model_id}: could not fetch config.json from the Hugging Face Hub "
-                                 f"({first_line}); check the id and HF_TOKEN, or pass a local directory") from None
+        first_error = exc
+    if type(first_error).__name__ in _MISSING_FILE_ERRORS:
+        try:  # a Mistral-format repository: params.json and no config.json
+            return Path(hf_hub_download(repo_id=model_id, filename=PARAMS_FILE, cache_dir=cache_dir))
+        except Exception:  # noqa: BLE001 - the config.json error below says what to fix
+            pass
+    first_line = (str(first_error).splitlines() or [type(first_error).__name__])[0]
+    raise ModelNotFoundError(f"{model_id}: could not fetch config.json from the Hugging Face Hub "
+                             f"({first_line}); check the id and HF_TOKEN, or pass a local directory")
+
+
+# huggingface_hub's errors for a repository without the file asked for (by name: the import is optional).
+_MISSING_FILE_ERRORS = frozenset({"EntryNotFoundError", "RemoteEntryNotFoundError", "LocalEntryNotFoundError"})
 
 
 HUB_PROBE_TIMEOUT_S = 3.0

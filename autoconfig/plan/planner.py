@@ -42,6 +42,14 @@ ACTIVATION_RESERVE_MIN_BYTES = 1 * GIB
 ACTIVATION_RESERVE_FRACTION = 0.05
 
 
+# lmi_cache.keys.kv_groups accepts full-attention, sliding-window and Mamba groups only; vLLM gives an MLA
+# model an MLAAttentionSpec group (with DeepSeek-V3.2's indexer: one UniformTypeKVCacheSpecs group).
+_MLA_CONNECTOR_WARNING = ("MLA model: lmi-cache's connector refuses it at start, after vLLM has loaded the weights "
+                          "(vLLM's MLAAttentionSpec KV cache group is not one it stores yet); serve it without KV "
+                          "offloading (option.lmcache_auto_config=false). The sizes planned are what the tiers would "
+                          "need for the latent")
+
+
 def plan_tiers(
     host: HostSnapshot,
     model: PlanModel | ModelInfoLike | KvLayout,
@@ -71,6 +79,8 @@ def plan_tiers(
     why.append(f"kv_bytes_per_token = {bpt:,}: {_layout_text(m.layout)}")
     why.append(f"kv_bytes_per_token_per_rank = {bpt_rank:,}: {_rank_text(m.layout, tp, pp)}")
     why += [f"model: {note}" for note in m.notes]
+    if m.layout.is_mla and settings.engine == "lmi_cache":
+        warn.append(_MLA_CONNECTOR_WARNING + (" and its indexer keys" if m.layout.side_caches else ""))
     max_model_len = settings.max_model_len or m.max_position_embeddings or FALLBACK_MAX_MODEL_LEN
     if not settings.max_model_len and not m.max_position_embeddings:
         warn.append(f"max_model_len unknown: assuming {FALLBACK_MAX_MODEL_LEN}; set option.max_model_len")
@@ -340,13 +350,19 @@ def _opt(value: int | None) -> str:
 
 def _layout_text(lay: KvLayout) -> str:
     if lay.is_mla:
-        return f"{lay.num_layers} layers x latent {lay.head_dim} x {lay.dtype_bytes} B ({lay.kv_dtype}, MLA)"
-    return (f"{lay.num_layers} layers x 2 (K,V) x {lay.num_kv_heads} KV heads x head_dim {lay.head_dim} "
-            f"x {lay.dtype_bytes} B ({lay.kv_dtype})")
+        text = f"{lay.num_layers} layers x latent {lay.head_dim} x {lay.dtype_bytes} B ({lay.kv_dtype}, MLA)"
+    else:
+        text = (f"{lay.num_layers} layers x 2 (K,V) x {lay.num_kv_heads} KV heads x head_dim {lay.head_dim} "
+                f"x {lay.dtype_bytes} B ({lay.kv_dtype})")
+    for side in lay.side_caches:
+        text += f" + {side.num_layers} layers x {side.bytes_per_token_per_layer} B ({side.name})"
+    return text
 
 
 def _rank_text(lay: KvLayout, tp: int, pp: int) -> str:
     layers = f"{lay.layers_per_rank(pp)} layers (ceil({lay.num_layers}/pp {pp}))"
+    sides = "".join(f"; {side.name} {side.bytes_per_token_per_rank(pp):,} B, replicated on every TP rank"
+                    for side in lay.side_caches)
     if lay.is_mla:
-        return f"{layers}; MLA latent replicated on each of the {tp} TP rank(s)"
-    return f"{layers} x {lay.kv_heads_per_rank(tp)} KV head(s) (max(1, {lay.num_kv_heads}//tp {tp}))"
+        return f"{layers}; MLA latent replicated on each of the {tp} TP rank(s){sides}"
+    return f"{layers} x {lay.kv_heads_per_rank(tp)} KV head(s) (max(1, {lay.num_kv_heads}//tp {tp})){sides}"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from autoconfig.lmi.properties import ResolvedProperties
+from autoconfig.model.mistral import has_model_config
 from autoconfig.model.s3 import is_s3
 from lmi_cache.errors import UserError
 
@@ -48,7 +49,7 @@ def model_argument(props: ResolvedProperties, model_dir: Path) -> str:
         if not candidate.is_absolute() and (model_dir / candidate).exists():
             return str(model_dir / candidate)
         return props.model_id
-    if (model_dir / "config.json").is_file():
+    if has_model_config(model_dir):
         return str(model_dir)
     raise ServeError(f"no model: {model_dir} has no config.json and option.model_id / HF_MODEL_ID is unset; "
                      "set option.model_id or mount the model at --model-dir")

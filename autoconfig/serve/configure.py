@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 from autoconfig.lmi.properties import ResolvedProperties, resolve_properties
 from autoconfig.serve.engine_args import engine_args, mapped_options
 from autoconfig.serve.model_access import model_here, model_info
+from autoconfig.model.mistral import has_model_config, mistral_format_args
 from lmi_cache.config.env import env_override_line, env_override_names
 from lmi_cache.errors import UserError
 
@@ -132,7 +133,13 @@ def configure(
         args = render_args(None, props.settings)[2:]
         mode = "off"
         messages.append("LMCache off: set option.lmcache_auto_config=true or option.lmcache_config_file")
-    args = engine_args(props, args, mapped or mapped_options(props))
+    mapped = mapped or mapped_options(props)
+    args = engine_args(props, args, mapped)
+    # A params.json-only directory: vLLM reads it the Mistral way only when told (config, tokenizer, weights).
+    format_args, format_note = mistral_format_args(Path(model or props.model_id or mdir), mapped.values)
+    args += format_args
+    if format_note:
+        messages.append(f"note: {format_note}")  # serve's summary says it from its own mapping
     if plan is not None:
         plan = replace(plan, vllm_args=args)
         files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
@@ -161,7 +168,7 @@ def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: M
     """The auto-configuration plan for these settings (configure's, and ``plan``'s what-if in other modes)."""
     from autoconfig.plan.planner import plan_tiers
 
-    model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
+    model = model_override or props.model_id or (str(mdir) if has_model_config(mdir) else None)
     if model is None:
         raise ConfigureError(f"no model: {mdir} has no config.json and option.model_id / HF_MODEL_ID is unset; "
                              "set one of them or pass --model-dir")
@@ -187,7 +194,7 @@ def _check_blend_model(props: ResolvedProperties, mdir: Path, env: Mapping[str, 
     from autoconfig.plan.blend import check_blend_model
     from autoconfig.model.s3 import is_s3
 
-    model = model_override or props.model_id or (str(mdir) if (mdir / "config.json").is_file() else None)
+    model = model_override or props.model_id or (str(mdir) if has_model_config(mdir) else None)
     if model is None or is_s3(model):
         return  # the blending connector checks the model when vLLM starts it
     info = model_info(props, model, env)

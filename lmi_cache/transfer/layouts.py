@@ -21,6 +21,7 @@ kind                logical shape                    block dim
 ``flashinfer_nhd``  [num_blocks, 2, N, H, D]         0
 ``flashinfer_hnd``  [num_blocks, 2, H, N, D]         0
 ``mla``             [num_blocks, N, L]               0
+``mla``             [num_blocks, 1, N, L]            0   (vLLM 0.32's MLA views: one head slot)
 ==================  ===============================  ==========
 
 vLLM also expresses HND by permuting strides under an NHD logical shape; the
@@ -89,7 +90,8 @@ def _stride_order(tensor: torch.Tensor) -> tuple[int, ...]:
 def _candidate_shapes(geo: ExpectedGeometry, num_blocks: int) -> list[tuple[str, int, tuple[int, ...]]]:
     n, h, d = geo.block_size_tokens, geo.num_kv_heads, geo.head_size
     if geo.is_mla:
-        return [("mla", 0, (num_blocks, n, d))]
+        # vLLM 0.32 views an MLA layer's pages as [blocks, 1 head slot, N, L] (MLAAttentionSpec: num_kv_heads 1).
+        return [("mla", 0, (num_blocks, n, d)), ("mla", 0, (num_blocks, 1, n, d))]
     return [
         ("cpu", 0, (num_blocks, h, n, 2 * d)),
         ("flash_nhd", 1, (2, num_blocks, n, h, d)),

@@ -2,7 +2,9 @@
 
 Runs in the vLLM scheduler and worker processes, once, when vLLM builds the
 connector. A chunk size vLLM's paged cache cannot hold is refused here with one
-line naming the setting.
+line naming the setting, and so is a model whose KV cache groups hold MLA
+caches (DeepSeek V2/V3/V3.2, Kimi K2, Mistral Large 3), which the connector
+does not store.
 """
 from __future__ import annotations
 
@@ -67,3 +69,35 @@ def check_chunk_size(chunk_size: int, block_size: int) -> None:
             f"chunk_size: {chunk_size} is not a multiple of vLLM's block size {block_size}; "
             f"set chunk_size (LMCACHE_CHUNK_SIZE) to a multiple of {block_size}"
         )
+
+
+def refuse_mla_caches(kv_cache_config: Any) -> None:
+    """One line naming the MLA latent and indexer layers vLLM allocated, if any group holds them.
+
+    vLLM 0.32 gives each MLA layer an ``MLAAttentionSpec`` (one latent per token); DeepSeek-V3.2 adds an indexer
+    K cache per layer (``DeepseekV32IndexerCache``: an ``MLAAttentionSpec`` with ``cache_role`` indexer, uint8),
+    and ``get_kv_cache_groups`` puts both in one ``UniformTypeKVCacheSpecs`` group. The connector's chunks hold
+    one layout per group and it has no MLA group kind, so it refuses at start rather than store part of the KV.
+    """
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        spec = group.kv_cache_spec
+        members = getattr(spec, "kv_cache_specs", None) or {name: spec for name in group.layer_names}
+        latent = [s for s in members.values() if type(s).__name__ == "MLAAttentionSpec" and not _is_indexer(s)]
+        indexer = [s for s in members.values() if _is_indexer(s)]
+        if not latent and not indexer:
+            continue
+        parts = [f"{len(cached)} {what} layers of {_token_bytes(cached[0]):,} B per token"
+                 for cached, what in ((latent, "MLA latent"), (indexer, "sparse-attention indexer key")) if cached]
+        raise ConfigError(
+            f"KV cache group {index} ({type(spec).__name__}) holds {' and '.join(parts)}: lmi-cache's connector "
+            "does not store MLA caches; serve this model without KV offloading (option.lmcache_auto_config=false, "
+            "no --kv-transfer-config)"
+        )
+
+
+def _is_indexer(spec: Any) -> bool:
+    return str(getattr(getattr(spec, "cache_role", ""), "value", "")) == "indexer"
+
+
+def _token_bytes(spec: Any) -> int:
+    return int(spec.page_size_bytes) // int(spec.block_size)

@@ -40,13 +40,13 @@ def model_dir(tmp_path: Path, fixture: Path = LLAMA) -> Path:
 
 
 def fake_hf_cache(hub: Path, model_id: str, *, revision: str = "abc123", ref: bool = True,
-                  weights: dict[str, int] | None = None) -> Path:
+                  weights: dict[str, int] | None = None, config: Path = LLAMA / "config.json") -> Path:
     """The huggingface_hub layout: blobs/, snapshots/<rev>/ symlinks, refs/main."""
     repo = hub / ("models--" + model_id.replace("/", "--"))
     snap = repo / "snapshots" / revision
     (repo / "blobs").mkdir(parents=True, exist_ok=True)
     snap.mkdir(parents=True)
-    files = {"config.json": (LLAMA / "config.json").read_bytes()}
+    files = {config.name: config.read_bytes()}
     files.update({name: b"\0" * size for name, size in (weights or {}).items()})
     for i, (name, data) in enumerate(files.items()):
         blob = repo / "blobs" / f"{revision}-{i}"
@@ -134,6 +134,26 @@ def test_network_fetches_only_config(tmp_path: Path, monkeypatch: pytest.MonkeyP
     info = load_model_info("org/remote", allow_network=True)
     assert calls == [{"repo_id": "org/remote", "filename": "config.json", "cache_dir": None}]
     assert info.config_path == str(downloaded) and info.weights_source.startswith("estimated from config")
+
+
+def test_a_hub_repository_without_config_json_is_read_from_params_json(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    asked: list[str] = []
+
+    class EntryNotFoundError(OSError):  # huggingface_hub's name for a file the repository does not have
+        pass
+
+    def hf_hub_download(**kwargs: Any) -> str:
+        asked.append(kwargs["filename"])
+        if kwargs["filename"] == "config.json":
+            raise EntryNotFoundError("404 Client Error: Entry Not Found")
+        return str(FIXTURES / "mistral-large-3" / "params.json")
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(hf_hub_download=hf_hub_download))
+    monkeypatch.setattr(source, "_hub_unreachable", lambda: None)  # the Hub answers (faked)
+    info = load_model_info("mistralai/Large-3", allow_network=True)
+    assert asked == ["config.json", "params.json"] and info.kv.layout.is_mla
 
 
 def test_network_error_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -344,3 +364,13 @@ def test_hf_cache_ref_cannot_escape_the_snapshots(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     info = load_model_info("org/m")
     assert "snapshots/abc" in info.config_path
+
+
+@pytest.mark.parametrize("ref", [True, False])
+def test_hf_cache_of_a_mistral_format_model_reads_params_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              ref: bool) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    snap = fake_hf_cache(tmp_path, "mistralai/Large-3", config=LLAMA.parent / "mistral-large-3" / "params.json", ref=ref)
+    info = load_model_info("mistralai/Large-3")
+    assert info.config_path == str(snap / "params.json")
+    assert info.kv.layout.kv_bytes_per_token == 61 * 576 * 2

@@ -26,6 +26,7 @@ LAYOUTS = {
     "flashinfer_hnd": (lambda nb, n, h, d: (nb, 2, h, n, d), (0, 1, 2, 3, 4), 0),
     "flashinfer_hnd_by_strides": (lambda nb, n, h, d: (nb, 2, h, n, d), (0, 1, 3, 2, 4), 0),
     "mla": (lambda nb, n, h, d: (nb, n, d), (0, 1, 2), 0),
+    "mla_head_slot": (lambda nb, n, h, d: (nb, 1, n, d), (0, 1, 2, 3), 0),  # vLLM 0.32's MLA views
 }
 
 

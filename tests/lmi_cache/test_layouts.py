@@ -34,6 +34,9 @@ def test_mla_layout() -> None:
     desc = describe_layer(torch.zeros(NB, 16, 576, dtype=torch.bfloat16), geo)
     assert desc.kind == "mla" and desc.block_shape == (16, 576)
     assert desc.tag.endswith("bfloat16")
+    # vLLM 0.32 registers MLA layers with a head-slot dimension of 1 (measured on its CPU backend).
+    vllm_032 = describe_layer(torch.zeros(NB, 1, 16, 576, dtype=torch.bfloat16), geo)
+    assert vllm_032.kind == "mla" and vllm_032.block_shape == (1, 16, 576) and vllm_032.tag != desc.tag
 
 
 def test_stride_permuted_hnd_gets_a_different_tag() -> None:
