@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.book import TierBook, TierSpec, Victim
+from lmi_cache.placement.events import ChunkBlocks, TierChange, TierEventLog
 from lmi_cache.placement.messages import REMOTE, Eviction, TierEvent
 
 if TYPE_CHECKING:
@@ -85,6 +86,10 @@ class LoadSource:
     promote: bool = False  # and put it into the first tier (the directory made room)
 
 
+# What a chunk's KV events say (vLLM's block hashes and tokens of the blocks it covers), asked only when needed.
+Describe = Callable[[], ChunkBlocks | None]
+
+
 class PlacementDirectory:
     """See the module docstring. ``tiers``: local tiers, fastest first (the CPU tier, then the disk tier)."""
 
@@ -102,6 +107,23 @@ class PlacementDirectory:
         self._evictions: list[Eviction] = []
         self._remote_recent = RecentDigests(REMOTE_RECENT_DIGESTS)
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        self.events: TierEventLog | None = None  # KV events of the local tiers, when routers listen (enable_events)
+
+    def enable_events(self) -> None:
+        """Keep what each chunk's KV events say and publish every change of the local tiers (``take_events``)."""
+        if self.events is None:
+            self.events = TierEventLog(lambda tier, digest: self._by_name[tier].holds(digest),
+                                       lambda digest: any(book.knows(digest) for book in self.books),
+                                       [book.name for book in self.books])
+
+    def take_events(self) -> list[TierChange]:
+        return self.events.take() if self.events is not None else []
+
+    def _describe(self, keys: Sequence[ChunkKey], describe: Describe | None) -> None:
+        if self.events is not None and describe is not None:
+            digests = [key.digest for key in keys]
+            if not self.events.described(digests):
+                self.events.describe(digests, describe())
 
     # -- sizes ---------------------------------------------------------------------------
 
@@ -141,8 +163,10 @@ class PlacementDirectory:
 
     # -- loads and stores ----------------------------------------------------------------
 
-    def prepare_load(self, keys: Sequence[ChunkKey], group: int, source: str) -> LoadSource:
+    def prepare_load(self, keys: Sequence[ChunkKey], group: int, source: str,
+                     describe: Describe | None = None) -> LoadSource:
         """Plan a load from ``source``; promote it into the first tier when it comes from behind it."""
+        self._describe(keys, describe)
         digests = [key.digest for key in keys]
         book = self._by_name.get(source)
         if book is not None:
@@ -157,7 +181,8 @@ class PlacementDirectory:
             return LoadSource(source)  # already on its way into the first tier
         return LoadSource(source, self._reserve_all(first, keys, group, None))
 
-    def prepare_store(self, keys: Sequence[ChunkKey], group: int, num_tokens: int | None = None) -> tuple[str, ...]:
+    def prepare_store(self, keys: Sequence[ChunkKey], group: int, num_tokens: int | None = None,
+                      describe: Describe | None = None) -> tuple[str, ...]:
         """The tiers to store a chunk into (room reserved), or () when there is nothing to store."""
         tiers: list[str] = []
         digests = [key.digest for key in keys]
@@ -172,6 +197,7 @@ class PlacementDirectory:
             # else: no room that this step does not use (or larger than a budget): not stored there
         if self._remote_writes and self._remote_recent.admit(digests):
             tiers.append(REMOTE)
+        self._describe(keys, describe)
         return tuple(tiers)
 
     def _reserve_all(self, book: TierBook, keys: Sequence[ChunkKey], group: int, num_tokens: int | None) -> bool:
@@ -184,6 +210,7 @@ class PlacementDirectory:
             if victims is None:
                 for digest in done:
                     book.drop(digest)
+                    self._gone(book.name, digest)
                 return False
             if not knew:
                 done.append(key.digest)
@@ -198,10 +225,17 @@ class PlacementDirectory:
             if demote is not None and not demote.knows(digest):
                 more = demote.reserve(rank, digest, payload_bytes)
                 if more is not None:
+                    if self.events is not None:
+                        self.events.on_demoting(book.name, demote.name, digest)
                     self._evicted(demote, rank, more)
                     self._evictions.append(Eviction(rank, book.name, digest, demote.name))
                     continue
             self._evictions.append(Eviction(rank, book.name, digest))
+            self._gone(book.name, digest)
+
+    def _gone(self, tier: str, digest: bytes) -> None:
+        if self.events is not None:
+            self.events.on_gone(tier, digest)
 
     # -- feedback ------------------------------------------------------------------------
 
@@ -212,14 +246,18 @@ class PlacementDirectory:
             book = self._by_name.get(event.tier)
             if book is not None:
                 self._evicted(book, rank, book.confirm(rank, event.digest, event.payload_bytes))
+                if self.events is not None:
+                    self.events.on_ready(book.name, event.digest)
         for event in failed:  # the worker counted why (lmi_cache_dropped_stores_total)
             book = self._by_name.get(event.tier)
             if book is not None:
                 book.drop(event.digest)
+                self._gone(book.name, event.digest)
         for event in dropped:
             book = self._by_name.get(event.tier)
             if book is not None and book.drop(event.digest):
                 self.metrics.dropped(book.name, 1)
+                self._gone(book.name, event.digest)
 
     def take_evictions(self) -> list[Eviction]:
         evictions, self._evictions = self._evictions, []

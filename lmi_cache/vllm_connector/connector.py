@@ -196,7 +196,26 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         directory = build_directory(self._config, replica=self._dp_index, world_size=geometry.world_size,
                                     remote=self._open_remote_lookups(), retention=sessions is not None,
                                     metrics=metrics)
-        self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions)
+        self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions,
+                                        chunk_blocks=self._kv_event_blocks(block_size, directory))
+
+    def _kv_event_blocks(self, block_size: int, directory: Any) -> Any:
+        """With vLLM's KV events on, the reader of what each chunk's events say (and the directory keeps it)."""
+        events_config = getattr(self._vllm_config, "kv_events_config", None)
+        if events_config is None or not getattr(events_config, "enable_kv_cache_events", False):
+            return None
+        from functools import partial
+
+        from lmi_cache.vllm_connector.kv_events import chunk_blocks, event_shape
+
+        shape = event_shape(self._kv_cache_config, block_size, self._config.chunk_size)
+        if shape is None:
+            logger.warning("lmi-cache: KV events of the CPU and disk tiers are not published for a model whose KV "
+                           "is not one full-attention group (vLLM's GPU events still are)")
+            return None
+        directory.enable_events()
+        logger.info("lmi-cache: publishing the CPU and disk tiers' KV events on vLLM's KV event stream")
+        return partial(chunk_blocks, shape)
 
     def _session_tracker(self) -> Any:
         """Which sessions are open (the directory evicts their chunks last), or None when retention is off."""
@@ -364,6 +383,14 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._blending.add_jobs(meta, scheduler_output)
         self._scheduler.finish_step(meta)
         return meta  # type: ignore[return-value]  # a registered virtual subclass (see above), which mypy does not see
+
+    def take_events(self) -> list[Any]:
+        """The CPU and disk tiers' KV events since the last call (vLLM publishes them after its own)."""
+        if self._scheduler is None or self._scheduler.directory.events is None:
+            return []
+        from lmi_cache.vllm_connector.kv_events import to_vllm_events
+
+        return to_vllm_events(self._scheduler.directory.take_events())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:

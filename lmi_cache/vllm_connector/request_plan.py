@@ -22,13 +22,14 @@ worked out from the block table.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.keys.kv_groups import NULL_BLOCK_ID, STATE, KvCacheGroup, is_single_full_group
-from lmi_cache.placement.directory import REMOTE, PlacementDirectory
+from lmi_cache.placement.directory import REMOTE, Describe, PlacementDirectory
+from lmi_cache.placement.events import ChunkBlocks
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,12 @@ class RequestPlan:
     remote_found: set[tuple[int, int]] | None = None  # (group, chunk) from remote_from present on every rank
     session_id: str | None = None  # vLLM's request.session_id (the front forwards LMI's session)
     saves_allowed: bool = True  # False once the request was blended: none of its chunks is exact KV to store
+    # (group, chunk) -> what the chunk's KV events say (vLLM's block hashes and tokens); None: no events
+    describe: Callable[[int, int], ChunkBlocks | None] | None = None
+
+    def describer(self, group: int, chunk: int) -> Describe | None:
+        describe = self.describe
+        return None if describe is None else (lambda: describe(group, chunk))
 
 
 def plan_step(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,
@@ -97,7 +104,7 @@ def plan_step(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str
     return planned
 
 
-LoadPart = tuple[tuple[ChunkKey, ...], tuple[int, ...], int]  # one chunk's keys, block ids, block offset
+LoadPart = tuple[tuple[ChunkKey, ...], tuple[int, ...], int, int]  # one chunk's keys, block ids, block offset, index
 
 
 def _plan_loads(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,
@@ -112,9 +119,9 @@ def _plan_loads(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: s
                        req_id, missing)
         return
     for group, group_parts in parts.items():
-        for keys, ids, offset in group_parts or ():
+        for keys, ids, offset, c in group_parts or ():
             source = directory.lookup(keys) or REMOTE
-            placed = directory.prepare_load(keys, group, source)
+            placed = directory.prepare_load(keys, group, source, plan.describer(group, c))
             meta.loads.append(ChunkTransfer(req_id, keys, ids, offset, group, source=placed.tier,
                                             promote_to=directory.first_tier_name if placed.promote else ""))
 
@@ -132,7 +139,8 @@ def _group_load_parts(geo: SchedulerGeometry, plan: RequestPlan, group: KvCacheG
         position = end // block - 1
         if end % chunk or position >= len(block_ids) or block_ids[position] == NULL_BLOCK_ID:
             return None
-        return [(plan.chunk_keys[group.index][end // chunk - 1], (block_ids[position],), 0)]
+        c = end // chunk - 1
+        return [(plan.chunk_keys[group.index][c], (block_ids[position],), 0, c)]
     start = max(start, group.first_needed_block(end, block) * block)
     parts: list[LoadPart] = []
     for c in range(start // chunk, -(-end // chunk)):
@@ -141,7 +149,7 @@ def _group_load_parts(geo: SchedulerGeometry, plan: RequestPlan, group: KvCacheG
         ids = block_ids[first_block:end_block]
         if len(ids) != end_block - first_block or (group.is_sliding and NULL_BLOCK_ID in ids):
             return None
-        parts.append((plan.chunk_keys[group.index][c], tuple(ids), first_block - c * per_chunk))
+        parts.append((plan.chunk_keys[group.index][c], tuple(ids), first_block - c * per_chunk, c))
     return parts
 
 
@@ -160,7 +168,7 @@ def plan_state_saves(geo: SchedulerGeometry, directory: PlacementDirectory, req_
                 or c >= len(plan.chunk_keys[group])):
             continue
         keys = plan.chunk_keys[group][c]
-        tiers = directory.prepare_store(keys, group)
+        tiers = directory.prepare_store(keys, group, describe=plan.describer(group, c))
         if tiers:
             meta.saves.append(ChunkTransfer(req_id, keys, (block_id,), 0, group, tiers=tiers))
             planned += 1
@@ -179,7 +187,7 @@ def _plan_group_save(geo: SchedulerGeometry, directory: PlacementDirectory, req_
     ids = plan.block_ids[group.index][c * per_chunk : (c + 1) * per_chunk]
     if len(ids) != per_chunk or (group.is_sliding and NULL_BLOCK_ID in ids):
         return 0
-    tiers = directory.prepare_store(keys, group.index)
+    tiers = directory.prepare_store(keys, group.index, describe=plan.describer(group.index, c))
     if not tiers:
         return 0  # held or being stored already, or no room that this step does not use
     meta.saves.append(ChunkTransfer(req_id, keys, tuple(ids), 0, group.index, tiers=tiers))

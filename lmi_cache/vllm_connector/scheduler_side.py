@@ -55,6 +55,7 @@ with no hit, so the hit ratio never flatters a disabled cache.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -65,6 +66,7 @@ from lmi_cache.keys.kv_groups import is_single_full_group, longest_hit_tokens
 from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.directory import PlacementDirectory
+from lmi_cache.placement.events import ChunkBlocks
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 from lmi_cache.vllm_connector.request_plan import RequestPlan, SchedulerGeometry, plan_state_saves, plan_step
 
@@ -72,6 +74,9 @@ logger = logging.getLogger(__name__)
 
 # Builds the deployment's key space once the workers have reported their KV layout tag.
 KeySpaceFactory = Callable[[str], KeySpace]
+
+# (request, group, chunk) -> what that chunk's KV events say (``vllm_connector.kv_events.chunk_blocks``).
+ChunkBlocksReader = Callable[[Any, int, int], ChunkBlocks | None]
 
 # How many times a request may be deferred while no worker has reported its layout.
 MAX_ASKS_WITHOUT_LAYOUT = 200
@@ -113,8 +118,10 @@ class SchedulerSide:
         directory: PlacementDirectory,
         metrics: SchedulerMetrics | None = None,
         sessions: SessionTracker | None = None,
+        chunk_blocks: ChunkBlocksReader | None = None,
     ) -> None:
         self.geometry = geometry
+        self._chunk_blocks = chunk_blocks  # None: no KV events (the directory keeps no descriptions)
         self._sessions = sessions  # None: no session retention
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         # req id -> hit tokens of its last answered lookup, until admission counts it.
@@ -153,8 +160,10 @@ class SchedulerSide:
         plan = self._plans.get(req_id)
         if plan is None:
             prompt = request.prompt_token_ids or []
+            reader = self._chunk_blocks if self.directory.events is not None else None
             plan = RequestPlan(chunk_keys=self._chunk_keys(request), num_prompt_tokens=len(prompt),
-                                session_id=getattr(request, "session_id", None))
+                               session_id=getattr(request, "session_id", None),
+                               describe=None if reader is None else functools.partial(reader, request))
             self._plans[req_id] = plan
         plan.load_range, plan.load_confirmed = None, False
         self.metrics.count("match_queries")
