@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 # The remote store is asked, not mirrored; these many digests written to it lately are not written again
 # (a shared prefix of concurrent requests). Beyond that a rewrite only costs a redundant put.
 REMOTE_RECENT_DIGESTS = 65536
+# Entries evicted or lost lately, remembered (this many) to say why a request missed them.
+LOST_RECENT_DIGESTS = 65536
 
 
 class RecentDigests:
@@ -61,6 +63,9 @@ class RecentDigests:
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._seen: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._seen
 
     def admit(self, digests: Sequence[bytes]) -> bool:
         """True (and remember them) unless every digest was seen lately."""
@@ -106,6 +111,7 @@ class PlacementDirectory:
         self._bytes_per_token: dict[tuple[int, int], float] = {}  # (rank, group) -> payload bytes per token
         self._evictions: list[Eviction] = []
         self._remote_recent = RecentDigests(REMOTE_RECENT_DIGESTS)
+        self._lost = RecentDigests(LOST_RECENT_DIGESTS)  # evicted or dropped lately: a miss on them is "evicted"
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self.events: TierEventLog | None = None  # KV events of the local tiers, when routers listen (enable_events)
 
@@ -225,6 +231,7 @@ class PlacementDirectory:
             if demote is not None and not demote.knows(digest):
                 more = demote.reserve(rank, digest, payload_bytes)
                 if more is not None:
+                    self._lost.admit([digest])
                     if self.events is not None:
                         self.events.on_demoting(book.name, demote.name, digest)
                     self._evicted(demote, rank, more)
@@ -234,8 +241,13 @@ class PlacementDirectory:
             self._gone(book.name, digest)
 
     def _gone(self, tier: str, digest: bytes) -> None:
+        self._lost.admit([digest])
         if self.events is not None:
             self.events.on_gone(tier, digest)
+
+    def was_lost(self, keys: Sequence[ChunkKey]) -> bool:
+        """Some rank's entry of the chunk was evicted or lost lately (a miss on it is an eviction's)."""
+        return any(key.digest in self._lost for key in keys)
 
     # -- feedback ------------------------------------------------------------------------
 
@@ -254,6 +266,8 @@ class PlacementDirectory:
                 book.drop(event.digest)
                 self._gone(book.name, event.digest)
         for event in dropped:
+            if event.reason and rank == 0:  # a planned load that did not land; every rank reports its own
+                self.metrics.missed(event.reason, self.chunk_tokens)
             book = self._by_name.get(event.tier)
             if book is not None and book.drop(event.digest):
                 self.metrics.dropped(book.name, 1)

@@ -191,31 +191,16 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         note_where_metrics_go()
         serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
         from lmi_cache.placement.startup import build_directory
+        from lmi_cache.vllm_connector.kv_events import event_blocks_reader
 
         sessions = self._session_tracker()
         directory = build_directory(self._config, replica=self._dp_index, world_size=geometry.world_size,
                                     remote=self._open_remote_lookups(), retention=sessions is not None,
                                     metrics=metrics)
         self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions,
-                                        chunk_blocks=self._kv_event_blocks(block_size, directory))
-
-    def _kv_event_blocks(self, block_size: int, directory: Any) -> Any:
-        """With vLLM's KV events on, the reader of what each chunk's events say (and the directory keeps it)."""
-        events_config = getattr(self._vllm_config, "kv_events_config", None)
-        if events_config is None or not getattr(events_config, "enable_kv_cache_events", False):
-            return None
-        from functools import partial
-
-        from lmi_cache.vllm_connector.kv_events import chunk_blocks, event_shape
-
-        shape = event_shape(self._kv_cache_config, block_size, self._config.chunk_size)
-        if shape is None:
-            logger.warning("lmi-cache: KV events of the CPU and disk tiers are not published for a model whose KV "
-                           "is not one full-attention group (vLLM's GPU events still are)")
-            return None
-        directory.enable_events()
-        logger.info("lmi-cache: publishing the CPU and disk tiers' KV events on vLLM's KV event stream")
-        return partial(chunk_blocks, shape)
+                                        chunk_blocks=event_blocks_reader(self._vllm_config, self._kv_cache_config,
+                                                                         block_size, self._config.chunk_size,
+                                                                         directory))
 
     def _session_tracker(self) -> Any:
         """Which sessions are open (the directory evicts their chunks last), or None when retention is off."""

@@ -25,12 +25,15 @@ and every server reads it alike (it carries no routing signal).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 
+from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.events import ChunkBlocks, RemovedBlocks, StoredBlocks, TierChange
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,23 @@ class EventShape:
     group_idx: int = 0
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+
+
+def event_blocks_reader(vllm_config: Any, kv_cache_config: Any, block_size_tokens: int, chunk_size_tokens: int,
+                        directory: PlacementDirectory) -> Callable[[Any, int, int], ChunkBlocks | None] | None:
+    """With vLLM's KV events on (``--kv-events-config``), turn the directory's events on and return the reader of
+    what each chunk's events say; None when they are off or the model does not publish (see the docstring)."""
+    events_config = getattr(vllm_config, "kv_events_config", None)
+    if events_config is None or not getattr(events_config, "enable_kv_cache_events", False):
+        return None
+    shape = event_shape(kv_cache_config, block_size_tokens, chunk_size_tokens)
+    if shape is None:
+        logger.warning("lmi-cache: KV events of the CPU and disk tiers are not published for a model whose KV is "
+                       "not one full-attention group (vLLM's GPU events still are)")
+        return None
+    directory.enable_events()
+    logger.info("lmi-cache: publishing the CPU and disk tiers' KV events on vLLM's KV event stream")
+    return partial(chunk_blocks, shape)
 
 
 def event_shape(kv_cache_config: Any, block_size_tokens: int, chunk_size_tokens: int) -> EventShape | None:

@@ -118,12 +118,17 @@ def _plan_loads(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: s
         logger.warning("lmi-cache: request %s has no blocks for its load of group(s) %s; not loading it",
                        req_id, missing)
         return
+    sources: dict[int, str] = {}  # chunk -> the tier it loads from
     for group, group_parts in parts.items():
         for keys, ids, offset, c in group_parts or ():
             source = directory.lookup(keys) or REMOTE
+            sources[c] = source
             placed = directory.prepare_load(keys, group, source, plan.describer(group, c))
             meta.loads.append(ChunkTransfer(req_id, keys, ids, offset, group, source=placed.tier,
                                             promote_to=directory.first_tier_name if placed.promote else ""))
+    chunk = geo.chunk_size_tokens
+    for c, source in sources.items():  # each prompt token once, whatever the number of groups
+        directory.metrics.tier_hit(source, min(end, (c + 1) * chunk) - max(start, c * chunk))
 
 
 def _group_load_parts(geo: SchedulerGeometry, plan: RequestPlan, group: KvCacheGroup, start: int,

@@ -126,6 +126,7 @@ class SchedulerSide:
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         # req id -> hit tokens of its last answered lookup, until admission counts it.
         self._answered: dict[str, int] = {}
+        self._gpu_hit: dict[str, int] = {}  # req id -> vLLM's own prefix-cache hit at that lookup
         self._key_space_factory = key_space
         self._key_space: KeySpace | None = None  # set with layout_tag
         self._group_spaces: tuple[KeySpace, ...] = ()  # one per KV cache group
@@ -188,6 +189,7 @@ class SchedulerSide:
         if hit_tokens < geo.min_retrieve_tokens:
             hit_tokens = 0
         self._answered[req_id] = max(hit_tokens, 0)
+        self._gpu_hit[req_id] = num_computed_tokens
         num_new = hit_tokens - num_computed_tokens
         if num_new <= 0 or num_new < geo.min_retrieve_tokens:
             return 0, False
@@ -225,9 +227,13 @@ class SchedulerSide:
         """``num_external_tokens``: what this side loads (the prefix path's share); ``saves``: False for a blended
         request; ``block_ids``: the request's blocks per group, which an asynchronous load is planned into now."""
         hit_tokens = self._answered.pop(request.request_id, None)
+        gpu_hit = self._gpu_hit.pop(request.request_id, 0)
+        plan = self._plans.get(request.request_id)
         if hit_tokens is not None:
             self.metrics.lookup(len(request.prompt_token_ids or ()), hit_tokens, max(num_external_tokens, 0))
-        plan = self._plans.get(request.request_id)
+            self.metrics.tier_hit("gpu", gpu_hit)
+            if plan is not None:
+                self._count_miss(plan, request.num_tokens, max(hit_tokens, gpu_hit))
         if plan is None:
             return
         plan.saves_allowed = plan.saves_allowed and saves
@@ -242,6 +248,21 @@ class SchedulerSide:
             plan.block_ids = self._per_group(block_ids)
             self._async_loads.add(request.request_id)
 
+    def _count_miss(self, plan: RequestPlan, num_tokens: int, served_tokens: int) -> None:
+        """The prompt tokens the caches could have served beyond ``served_tokens``, and why they did not: the
+        first chunk missing was stored here and evicted (or lost) since, or never stored here."""
+        geo = self.geometry
+        chunk, block = geo.chunk_size_tokens, geo.block_size_tokens
+        useful = min(len(plan.chunk_keys[0]) * chunk, max(num_tokens - 1, 0) // block * block)
+        first = served_tokens // chunk
+        if useful <= served_tokens or first >= len(plan.chunk_keys[0]):
+            return
+        keys = [group_keys[first] for group_keys in plan.chunk_keys]
+        if all(self.directory.holds(k) for k in keys):
+            return  # held, yet not used (below min_retrieve_tokens, a group's blocks): not a cache miss
+        lost = any(self.directory.was_lost(k) for k in keys)
+        self.metrics.missed("evicted" if lost else "not_stored", useful - served_tokens)
+
     # -- per-step planning ---------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> LmiConnectorMetadata:
@@ -249,6 +270,7 @@ class SchedulerSide:
         for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
             self._plans.pop(req_id, None)
             self._answered.pop(req_id, None)
+            self._gpu_hit.pop(req_id, None)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.metrics.count("preemptions")
             plan = self._plans.get(req_id)
@@ -357,6 +379,7 @@ class SchedulerSide:
     def request_finished(self, req_id: str) -> None:
         self._plans.pop(req_id, None)
         self._answered.pop(req_id, None)
+        self._gpu_hit.pop(req_id, None)
 
     @property
     def num_tracked_requests(self) -> int:
