@@ -42,10 +42,11 @@ from typing import TYPE_CHECKING, Protocol
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.book import TierBook, TierSpec, Victim
-from lmi_cache.placement.events import ChunkBlocks, TierChange, TierEventLog
+from lmi_cache.placement.events import JOURNALED_TIER, ChunkBlocks, TierChange, TierEventLog
 from lmi_cache.placement.messages import REMOTE, Eviction, TierEvent
 
 if TYPE_CHECKING:
+    from lmi_cache.placement.event_journal import EventJournal
     from lmi_cache.remote.cache import PendingLookup
 
 logger = logging.getLogger(__name__)
@@ -115,12 +116,19 @@ class PlacementDirectory:
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self.events: TierEventLog | None = None  # KV events of the local tiers, when routers listen (enable_events)
 
-    def enable_events(self) -> None:
-        """Keep what each chunk's KV events say and publish every change of the local tiers (``take_events``)."""
-        if self.events is None:
-            self.events = TierEventLog(lambda tier, digest: self._by_name[tier].holds(digest),
-                                       lambda digest: any(book.knows(digest) for book in self.books),
-                                       [book.name for book in self.books])
+    def enable_events(self, journal: EventJournal | None = None) -> None:
+        """Keep what each chunk's KV events say and publish every change of the local tiers (``take_events``).
+        With a ``journal``, the disk files adopted at start that it describes are announced now."""
+        if self.events is not None:
+            return
+        self.events = TierEventLog(lambda tier, digest: self._by_name[tier].holds(digest),
+                                   lambda digest: any(book.knows(digest) for book in self.books),
+                                   [book.name for book in self.books])
+        if journal is not None and JOURNALED_TIER in self._by_name:
+            for digests, blocks in journal.load():  # oldest first: a chunk's parent is announced before it
+                self.events.describe(digests, blocks)
+            journal.rewrite(self.events.records_in(JOURNALED_TIER))
+            self.events.journal = journal
 
     def take_events(self) -> list[TierChange]:
         return self.events.take() if self.events is not None else []

@@ -29,10 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    from lmi_cache.placement.event_journal import EventJournal, Record
 
 # vLLM's medium names (vllm.distributed.kv_events.MEDIUM_CPU / MEDIUM_STORAGE) for our local tiers.
 TIER_MEDIUMS = {"cpu": "CPU", "disk": "STORAGE"}
+
+# The tier whose chunks outlive the process (its descriptions are journaled: ``event_journal``).
+JOURNALED_TIER = "disk"
 
 BlockHash = Union[int, bytes]  # vLLM's ExternalBlockHash: an int by default, bytes when configured so
 
@@ -89,6 +95,12 @@ class TierEventLog:
         self._tiers = [tier for tier in tiers if tier in TIER_MEDIUMS]
         self._chunks: dict[bytes, _Chunk] = {}
         self._changes: list[TierChange] = []
+        self.journal: EventJournal | None = None  # keeps what the disk tier's chunks say across restarts
+
+    def records_in(self, tier: str) -> list[Record]:
+        """The chunks announced in ``tier``: their digests and descriptions (each chunk once)."""
+        unique = {id(chunk): chunk for chunk in self._chunks.values() if tier in chunk.published}
+        return [(chunk.digests, chunk.blocks) for chunk in unique.values()]
 
     def __len__(self) -> int:
         """Chunks described (each once, whatever its number of ranks)."""
@@ -151,6 +163,11 @@ class TierEventLog:
             chunk.published.add(tier)
             chunk.deferred.discard(tier)
             self._changes.append(StoredBlocks(medium, chunk.blocks))
+            if self.journal is not None and tier == JOURNALED_TIER:
+                self.journal.append(chunk.digests, chunk.blocks)
+                live = self.records_in(JOURNALED_TIER)
+                if self.journal.needs_rewrite(len(live)):
+                    self.journal.rewrite(live)
 
     def _settle(self, chunk: _Chunk) -> None:
         """Publish the removals no demotion holds back any more; forget a chunk no tier knows."""

@@ -191,16 +191,17 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         note_where_metrics_go()
         serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
         from lmi_cache.placement.startup import build_directory
+        from lmi_cache.placement.event_journal import journal_path
         from lmi_cache.vllm_connector.kv_events import event_blocks_reader
 
         sessions = self._session_tracker()
         directory = build_directory(self._config, replica=self._dp_index, world_size=geometry.world_size,
                                     remote=self._open_remote_lookups(), retention=sessions is not None,
                                     metrics=metrics)
+        reader = event_blocks_reader(self._vllm_config, self._kv_cache_config, block_size, self._config.chunk_size,
+                                     directory, journal_path(self._config.local_disk, self._dp_index))
         self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions,
-                                        chunk_blocks=event_blocks_reader(self._vllm_config, self._kv_cache_config,
-                                                                         block_size, self._config.chunk_size,
-                                                                         directory))
+                                        chunk_blocks=reader)
 
     def _session_tracker(self) -> Any:
         """Which sessions are open (the directory evicts their chunks last), or None when retention is off."""

@@ -34,6 +34,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 
 from lmi_cache.placement.directory import PlacementDirectory
+from lmi_cache.placement.event_journal import EventJournal
 from lmi_cache.placement.events import ChunkBlocks, RemovedBlocks, StoredBlocks, TierChange
 
 logger = logging.getLogger(__name__)
@@ -54,9 +55,11 @@ class EventShape:
 
 
 def event_blocks_reader(vllm_config: Any, kv_cache_config: Any, block_size_tokens: int, chunk_size_tokens: int,
-                        directory: PlacementDirectory) -> Callable[[Any, int, int], ChunkBlocks | None] | None:
-    """With vLLM's KV events on (``--kv-events-config``), turn the directory's events on and return the reader of
-    what each chunk's events say; None when they are off or the model does not publish (see the docstring)."""
+                        directory: PlacementDirectory, journal: str | None = None,
+                        ) -> Callable[[Any, int, int], ChunkBlocks | None] | None:
+    """With vLLM's KV events on (``--kv-events-config``), turn the directory's events on (``journal``: where the
+    disk tier's chunk descriptions are kept across restarts) and return the reader of what each chunk's events
+    say; None when they are off or the model does not publish (see the docstring)."""
     events_config = getattr(vllm_config, "kv_events_config", None)
     if events_config is None or not getattr(events_config, "enable_kv_cache_events", False):
         return None
@@ -65,7 +68,7 @@ def event_blocks_reader(vllm_config: Any, kv_cache_config: Any, block_size_token
         logger.warning("lmi-cache: KV events of the CPU and disk tiers are not published for a model whose KV is "
                        "not one full-attention group (vLLM's GPU events still are)")
         return None
-    directory.enable_events()
+    directory.enable_events(EventJournal(journal) if journal else None)
     logger.info("lmi-cache: publishing the CPU and disk tiers' KV events on vLLM's KV event stream")
     return partial(chunk_blocks, shape)
 

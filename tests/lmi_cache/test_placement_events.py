@@ -1,7 +1,13 @@
 """KV events from the placement directory's decisions: stores, evictions, demotions, failures, drops (no vLLM)."""
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.placement import event_journal
+from lmi_cache.placement.event_journal import EventJournal
 from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import REMOTE, PlacementDirectory
 from lmi_cache.placement.events import ChunkBlocks, RemovedBlocks, StoredBlocks
@@ -136,3 +142,39 @@ def test_without_events_nothing_is_described_or_kept() -> None:
     called = []
     d.prepare_store(keys(1), 0, describe=lambda: called.append(1) or blocks(1))
     assert called == [] and d.events is None and d.take_events() == []
+
+
+def test_a_restarted_directory_announces_the_disk_files_it_adopts(tmp_path: Path) -> None:
+    path = str(tmp_path / "events-dp0.jsonl")
+    first = directory(disk_chunks=4, events=False)
+    first.enable_events(EventJournal(path))
+    store(first, 1)
+    store(first, 2)
+    first.take_events()
+    # A fresh process: it adopts the files of chunk 1 only (chunk 2's is gone) and knows nothing else yet.
+    second = directory(disk_chunks=4, events=False)
+    second.adopt("disk", 0, 0, key(1).digest, PAYLOAD)
+    second.enable_events(EventJournal(path))
+    assert second.take_events() == [StoredBlocks("STORAGE", blocks(1))]  # its first events
+    assert [digests for digests, _ in EventJournal(path).load()] == [(key(1).digest,)]  # rewritten: live lines only
+
+
+def test_a_damaged_journal_line_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "events-dp0.jsonl"
+    journal = EventJournal(str(path))
+    journal.append((key(1).digest,), blocks(1))
+    with open(path, "a", encoding="utf-8") as file:
+        file.write('{"digests": ["zz"]\n')  # torn
+    assert journal.load() == [((key(1).digest,), blocks(1))]
+
+
+def test_the_journal_is_rewritten_when_it_grows_past_what_it_describes(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(event_journal, "REWRITE_MIN_LINES", 4)
+    path = str(tmp_path / "events-dp0.jsonl")
+    d = directory(cpu_chunks=1, disk_chunks=2, events=False)
+    d.enable_events(EventJournal(path))
+    for n in range(1, 12):
+        store(d, n)
+    assert len(EventJournal(path).load()) <= 2 * event_journal.JOURNAL_SLACK + 1  # not one line per store ever
+    assert {digests for digests, _ in EventJournal(path).load()} >= {(key(11).digest,)}
