@@ -8,6 +8,9 @@ ZMQ stream feeds both consumers (``tests/kv_event_consumers.py``): after a
 prompt, both reconstruct that this server holds its blocks in CPU; after two
 other prompts push it out of the CPU tier, both see it removed from CPU and
 stored on disk, the disk store first; sent again, it is a hit and back in CPU.
+Then the server stops and a fresh one starts on the same disk directory: its
+first events announce the files it adopted, before any request for them (the
+module's second and last vLLM start).
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -76,14 +81,21 @@ class Subscriber:
         self._socket.close(linger=0)
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model: Path, e2e_dir: Path) -> Iterator[tuple[Server, Subscriber]]:
-    root = e2e_dir / "kv-events"
+@dataclass
+class Served:
+    """The module's server and the stream it publishes; ``stop`` ends both (the restart test starts another)."""
+
+    server: Server
+    subscriber: Subscriber
+    stop: Callable[[], None]
+
+
+def start(tiny_model: Path, root: Path, disk: Path, stack: ExitStack) -> tuple[Server, Subscriber]:
+    """``lmi-cache serve`` under ``root`` with its disk tier in ``disk``, and a subscriber bound before it starts."""
     model_dir = root / "model"
     model_dir.mkdir(parents=True)
-    (root / "disk").mkdir()
     config = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": CHUNK_BYTES_GIB,
-              "local_disk": f"file://{root / 'disk'}/", "max_local_disk_size": 0.05,
+              "local_disk": f"file://{disk}/", "max_local_disk_size": 0.05,
               "extra_config": {"disk_feed": "demote"}}
     (root / "lmcache.yaml").write_text(json.dumps(config))
     events_port = free_port()
@@ -101,12 +113,24 @@ def served(tiny_model: Path, e2e_dir: Path) -> Iterator[tuple[Server, Subscriber
     ]) + "\n")
     port = free_port()
     subscriber = Subscriber(f"tcp://127.0.0.1:{events_port}")
-    try:
-        with running_serve(model_dir, root, serve_env(root, port), port) as server:
-            yield server, subscriber
-    finally:
-        subscriber.close()
-        shutil.rmtree(root / "rpc", ignore_errors=True)
+    stack.callback(shutil.rmtree, root / "rpc", ignore_errors=True)
+    stack.callback(subscriber.close)
+    server = stack.enter_context(running_serve(model_dir, root, serve_env(root, port), port))
+    return server, subscriber
+
+
+@pytest.fixture(scope="module")
+def disk(e2e_dir: Path) -> Path:
+    path = e2e_dir / "kv-events-disk"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model: Path, e2e_dir: Path, disk: Path) -> Iterator[Served]:
+    with ExitStack() as stack:
+        server, subscriber = start(tiny_model, e2e_dir / "kv-events", disk, stack)
+        yield Served(server, subscriber, stack.close)
 
 
 def complete(server: Server, tokens: list[int]) -> int:
@@ -145,8 +169,8 @@ def wait_for(server: Server, subscriber: Subscriber, seen: Callable[[LlmdIndex, 
 FIRST = 4  # the prompt's full blocks
 
 
-def test_events_route_a_prompt_to_cpu_then_disk_and_back(served: tuple[Server, Subscriber]) -> None:
-    server, subscriber = served
+def test_events_route_a_prompt_to_cpu_then_disk_and_back(served: Served) -> None:
+    server, subscriber = served.server, served.subscriber
     doc = prompt(1)
     assert complete(server, doc) == 0
 
@@ -173,8 +197,6 @@ def test_events_route_a_prompt_to_cpu_then_disk_and_back(served: tuple[Server, S
 
     wait_for(server, subscriber, on_disk_not_cpu)
     events = subscriber.snapshot()
-    first_hash = consumers(events)[0]  # llm-d's view only to name the blocks below
-    del first_hash
     doc_hashes = set()
     for event in events:
         if event.kind == "BlockStored" and event.get("medium") == "CPU" and list(event.get("token_ids")) == doc[:CHUNK]:
@@ -190,3 +212,20 @@ def test_events_route_a_prompt_to_cpu_then_disk_and_back(served: tuple[Server, S
     wait_for(server, subscriber, in_cpu)
     llmd, dynamo = consumers(subscriber.snapshot())
     assert llmd.dropped == 0 and dynamo.dropped == 0
+
+
+def test_a_restarted_server_announces_the_disk_files_it_adopts(served: Served, tiny_model: Path, e2e_dir: Path,
+                                                                 disk: Path) -> None:
+    """Runs after the test above left the first prompt's chunks on disk: a fresh server's first events say so."""
+    served.stop()
+    doc = prompt(1)
+    with ExitStack() as stack:
+        server, subscriber = start(tiny_model, e2e_dir / "kv-events-restart", disk, stack)
+        assert not [e for e in subscriber.snapshot() if e.kind == "BlockStored"]  # nothing before the first step
+
+        def on_disk(llmd: LlmdIndex, dynamo: DynamoIndex) -> bool:  # before any request for the prompt
+            return (all("storage" in tiers for tiers in llmd.tiers_of(doc)[:FIRST])
+                    and dynamo.matched_blocks("device", doc) == FIRST)
+
+        wait_for(server, subscriber, on_disk)  # the short prompts it sends run the first steps
+        assert complete(server, doc) >= 2 * CHUNK  # and the files are really there
