@@ -263,6 +263,11 @@ class CacheMetrics:
     def fingerprint_mismatch(self, tier: str) -> None:
         self._fp.labels(*self._ids, tier).inc()
 
+    def fingerprint_mismatches(self) -> float:
+        """Loads this rank's tiers refused for a foreign token fingerprint so far, all tiers."""
+        return sum(sample.value for family in self._fp.collect() for sample in family.samples
+                   if sample.name.endswith("_total") and sample.labels.get("rank") == self.rank_label)
+
     def corrupted(self, tier: str) -> None:
         self._corrupt.labels(*self._ids, tier).inc()
 

@@ -96,6 +96,7 @@ class TierEventLog:
         self._chunks: dict[bytes, _Chunk] = {}
         self._changes: list[TierChange] = []
         self.journal: EventJournal | None = None  # keeps what the disk tier's chunks say across restarts
+        self._num_published: dict[str, int] = {}  # tier -> chunks announced there now
 
     def records_in(self, tier: str) -> list[Record]:
         """The chunks announced in ``tier``: their digests and descriptions (each chunk once)."""
@@ -162,12 +163,12 @@ class TierEventLog:
         if all(self._holds(tier, d) for d in chunk.digests):
             chunk.published.add(tier)
             chunk.deferred.discard(tier)
+            self._num_published[tier] = self._num_published.get(tier, 0) + 1
             self._changes.append(StoredBlocks(medium, chunk.blocks))
             if self.journal is not None and tier == JOURNALED_TIER:
                 self.journal.append(chunk.digests, chunk.blocks)
-                live = self.records_in(JOURNALED_TIER)
-                if self.journal.needs_rewrite(len(live)):
-                    self.journal.rewrite(live)
+                if self.journal.needs_rewrite(self._num_published[tier]):
+                    self.journal.rewrite(self.records_in(JOURNALED_TIER))
 
     def _settle(self, chunk: _Chunk) -> None:
         """Publish the removals no demotion holds back any more; forget a chunk no tier knows."""
@@ -177,6 +178,7 @@ class TierEventLog:
             if all(self._holds(tier, d) for d in chunk.digests):
                 continue  # stored there again meanwhile: still held
             chunk.published.discard(tier)
+            self._num_published[tier] -= 1
             self._changes.append(RemovedBlocks(TIER_MEDIUMS[tier], chunk.blocks.block_hashes, chunk.blocks.group_idx))
         chunk.deferred.clear()
         if not any(self._knows(d) for d in chunk.digests):

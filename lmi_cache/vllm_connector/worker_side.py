@@ -313,7 +313,7 @@ class WorkerSide:
         metrics = self.engine.metrics if self.engine is not None else None
         if metrics is None:
             return 0.0
-        return sum(v for k, v in metrics.snapshot().items() if k.endswith("_fingerprint_mismatches"))
+        return metrics.fingerprint_mismatches()
 
     def _release_finished_loads(self, wait: bool = False) -> None:
         """Give back the chunk objects of loads whose copies have completed (all of them with ``wait``)."""
