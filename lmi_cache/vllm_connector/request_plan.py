@@ -197,3 +197,20 @@ def _plan_group_save(geo: SchedulerGeometry, directory: PlacementDirectory, req_
         return 0  # held or being stored already, or no room that this step does not use
     meta.saves.append(ChunkTransfer(req_id, keys, tuple(ids), 0, group.index, tiers=tiers))
     return 1
+
+
+def count_miss(geo: SchedulerGeometry, directory: PlacementDirectory, plan: RequestPlan, num_tokens: int,
+               served_tokens: int) -> None:
+    """Count the prompt tokens the caches could have served beyond ``served_tokens`` (whole chunks, up to the
+    prompt's length - 1 rounded down to a block) and why they did not: the first missing chunk was stored here
+    and evicted (or lost) since, or never stored here. A chunk held yet unused is no cache miss."""
+    chunk, block = geo.chunk_size_tokens, geo.block_size_tokens
+    useful = min(len(plan.chunk_keys[0]) * chunk, max(num_tokens - 1, 0) // block * block)
+    first = served_tokens // chunk
+    if useful <= served_tokens or first >= len(plan.chunk_keys[0]):
+        return
+    keys = [group_keys[first] for group_keys in plan.chunk_keys]
+    if all(directory.holds(k) for k in keys):
+        return  # held, yet not used (below min_retrieve_tokens, a group's blocks)
+    lost = any(directory.was_lost(k) for k in keys)
+    directory.metrics.missed("evicted" if lost else "not_stored", useful - served_tokens)

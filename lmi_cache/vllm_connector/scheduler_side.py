@@ -68,7 +68,13 @@ from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.events import ChunkBlocks
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
-from lmi_cache.vllm_connector.request_plan import RequestPlan, SchedulerGeometry, plan_state_saves, plan_step
+from lmi_cache.vllm_connector.request_plan import (
+    RequestPlan,
+    SchedulerGeometry,
+    count_miss,
+    plan_state_saves,
+    plan_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +129,8 @@ class SchedulerSide:
         self.geometry = geometry
         self._chunk_blocks = chunk_blocks  # None: no KV events (the directory keeps no descriptions)
         self._sessions = sessions  # None: no session retention
-        self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        # One set of series with the directory's (the connector passes the same object to both).
+        self.metrics = metrics if metrics is not None else directory.metrics
         # req id -> hit tokens of its last answered lookup, until admission counts it.
         self._answered: dict[str, int] = {}
         self._gpu_hit: dict[str, int] = {}  # req id -> vLLM's own prefix-cache hit at that lookup
@@ -233,7 +240,7 @@ class SchedulerSide:
             self.metrics.lookup(len(request.prompt_token_ids or ()), hit_tokens, max(num_external_tokens, 0))
             self.metrics.tier_hit("gpu", gpu_hit)
             if plan is not None:
-                self._count_miss(plan, request.num_tokens, max(hit_tokens, gpu_hit))
+                count_miss(self.geometry, self.directory, plan, request.num_tokens, max(hit_tokens, gpu_hit))
         if plan is None:
             return
         plan.saves_allowed = plan.saves_allowed and saves
@@ -247,21 +254,6 @@ class SchedulerSide:
         if self.geometry.loads_async and block_ids is not None:
             plan.block_ids = self._per_group(block_ids)
             self._async_loads.add(request.request_id)
-
-    def _count_miss(self, plan: RequestPlan, num_tokens: int, served_tokens: int) -> None:
-        """The prompt tokens the caches could have served beyond ``served_tokens``, and why they did not: the
-        first chunk missing was stored here and evicted (or lost) since, or never stored here."""
-        geo = self.geometry
-        chunk, block = geo.chunk_size_tokens, geo.block_size_tokens
-        useful = min(len(plan.chunk_keys[0]) * chunk, max(num_tokens - 1, 0) // block * block)
-        first = served_tokens // chunk
-        if useful <= served_tokens or first >= len(plan.chunk_keys[0]):
-            return
-        keys = [group_keys[first] for group_keys in plan.chunk_keys]
-        if all(self.directory.holds(k) for k in keys):
-            return  # held, yet not used (below min_retrieve_tokens, a group's blocks): not a cache miss
-        lost = any(self.directory.was_lost(k) for k in keys)
-        self.metrics.missed("evicted" if lost else "not_stored", useful - served_tokens)
 
     # -- per-step planning ---------------------------------------------------------------
 
