@@ -145,6 +145,11 @@ class SchedulerMetrics:
         self._releases = Counter("lmi_cache_session_releases", "Sessions whose chunks stopped being retained", labels,
                                  registry=r)
         tiers = ["engine", "tier"]
+        self._tier_hits = Counter("lmi_cache_tier_hit_tokens", "Prompt tokens served at admission, by where they came "
+                                  "from (gpu: vLLM's own prefix cache; cpu, disk, remote: loaded)", tiers, registry=r)
+        self._misses = Counter("lmi_cache_miss_tokens", "Prompt tokens the caches could have served and did not, by "
+                               "reason (not_stored, evicted, failed_load, key_mismatch)", ["engine", "reason"],
+                               registry=r)
         self._evictions = Counter("lmi_cache_placement_evictions", "Entries the placement directory evicted, by tier",
                                   tiers, registry=r)
         self._dropped = Counter("lmi_cache_placement_dropped", "Entries a worker's tier lost on its own (damaged, "
@@ -196,6 +201,14 @@ class SchedulerMetrics:
 
     def sessions_released(self, count: int) -> None:
         self._releases.labels(self.engine_label).inc(count)
+
+    def tier_hit(self, tier: str, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._tier_hits.labels(self.engine_label, tier).inc(num_tokens)
+
+    def missed(self, reason: str, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._misses.labels(self.engine_label, reason).inc(num_tokens)
 
 
 class CacheMetrics:
@@ -249,6 +262,11 @@ class CacheMetrics:
 
     def fingerprint_mismatch(self, tier: str) -> None:
         self._fp.labels(*self._ids, tier).inc()
+
+    def fingerprint_mismatches(self) -> float:
+        """Loads this rank's tiers refused for a foreign token fingerprint so far, all tiers."""
+        return sum(sample.value for family in self._fp.collect() for sample in family.samples
+                   if sample.name.endswith("_total") and sample.labels.get("rank") == self.rank_label)
 
     def corrupted(self, tier: str) -> None:
         self._corrupt.labels(*self._ids, tier).inc()

@@ -35,16 +35,18 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.book import TierBook, TierSpec, Victim
+from lmi_cache.placement.events import JOURNALED_TIER, ChunkBlocks, TierChange, TierEventLog
 from lmi_cache.placement.messages import REMOTE, Eviction, TierEvent
 
 if TYPE_CHECKING:
+    from lmi_cache.placement.event_journal import EventJournal
     from lmi_cache.remote.cache import PendingLookup
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ logger = logging.getLogger(__name__)
 # The remote store is asked, not mirrored; these many digests written to it lately are not written again
 # (a shared prefix of concurrent requests). Beyond that a rewrite only costs a redundant put.
 REMOTE_RECENT_DIGESTS = 65536
+# Entries evicted or lost lately, remembered (this many) to say why a request missed them.
+LOST_RECENT_DIGESTS = 65536
 
 
 class RecentDigests:
@@ -60,6 +64,9 @@ class RecentDigests:
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._seen: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._seen
 
     def admit(self, digests: Sequence[bytes]) -> bool:
         """True (and remember them) unless every digest was seen lately."""
@@ -85,6 +92,10 @@ class LoadSource:
     promote: bool = False  # and put it into the first tier (the directory made room)
 
 
+# What a chunk's KV events say (vLLM's block hashes and tokens of the blocks it covers), asked only when needed.
+Describe = Callable[[], ChunkBlocks | None]
+
+
 class PlacementDirectory:
     """See the module docstring. ``tiers``: local tiers, fastest first (the CPU tier, then the disk tier)."""
 
@@ -101,7 +112,32 @@ class PlacementDirectory:
         self._bytes_per_token: dict[tuple[int, int], float] = {}  # (rank, group) -> payload bytes per token
         self._evictions: list[Eviction] = []
         self._remote_recent = RecentDigests(REMOTE_RECENT_DIGESTS)
+        self._lost = RecentDigests(LOST_RECENT_DIGESTS)  # evicted or dropped lately: a miss on them is "evicted"
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        self.events: TierEventLog | None = None  # KV events of the local tiers, when routers listen (enable_events)
+
+    def enable_events(self, journal: EventJournal | None = None) -> None:
+        """Keep what each chunk's KV events say and publish every change of the local tiers (``take_events``).
+        With a ``journal``, the disk files adopted at start that it describes are announced now."""
+        if self.events is not None:
+            return
+        self.events = TierEventLog(lambda tier, digest: self._by_name[tier].holds(digest),
+                                   lambda digest: any(book.knows(digest) for book in self.books),
+                                   [book.name for book in self.books])
+        if journal is not None and JOURNALED_TIER in self._by_name:
+            for digests, blocks in journal.load():  # oldest first: a chunk's parent is announced before it
+                self.events.describe(digests, blocks)
+            journal.rewrite(self.events.records_in(JOURNALED_TIER))
+            self.events.journal = journal
+
+    def take_events(self) -> list[TierChange]:
+        return self.events.take() if self.events is not None else []
+
+    def _describe(self, keys: Sequence[ChunkKey], describe: Describe | None) -> None:
+        if self.events is not None and describe is not None:
+            digests = [key.digest for key in keys]
+            if not self.events.described(digests):
+                self.events.describe(digests, describe())
 
     # -- sizes ---------------------------------------------------------------------------
 
@@ -141,8 +177,10 @@ class PlacementDirectory:
 
     # -- loads and stores ----------------------------------------------------------------
 
-    def prepare_load(self, keys: Sequence[ChunkKey], group: int, source: str) -> LoadSource:
+    def prepare_load(self, keys: Sequence[ChunkKey], group: int, source: str,
+                     describe: Describe | None = None) -> LoadSource:
         """Plan a load from ``source``; promote it into the first tier when it comes from behind it."""
+        self._describe(keys, describe)
         digests = [key.digest for key in keys]
         book = self._by_name.get(source)
         if book is not None:
@@ -157,7 +195,8 @@ class PlacementDirectory:
             return LoadSource(source)  # already on its way into the first tier
         return LoadSource(source, self._reserve_all(first, keys, group, None))
 
-    def prepare_store(self, keys: Sequence[ChunkKey], group: int, num_tokens: int | None = None) -> tuple[str, ...]:
+    def prepare_store(self, keys: Sequence[ChunkKey], group: int, num_tokens: int | None = None,
+                      describe: Describe | None = None) -> tuple[str, ...]:
         """The tiers to store a chunk into (room reserved), or () when there is nothing to store."""
         tiers: list[str] = []
         digests = [key.digest for key in keys]
@@ -172,6 +211,7 @@ class PlacementDirectory:
             # else: no room that this step does not use (or larger than a budget): not stored there
         if self._remote_writes and self._remote_recent.admit(digests):
             tiers.append(REMOTE)
+        self._describe(keys, describe)
         return tuple(tiers)
 
     def _reserve_all(self, book: TierBook, keys: Sequence[ChunkKey], group: int, num_tokens: int | None) -> bool:
@@ -184,6 +224,7 @@ class PlacementDirectory:
             if victims is None:
                 for digest in done:
                     book.drop(digest)
+                    self._gone(book.name, digest)
                 return False
             if not knew:
                 done.append(key.digest)
@@ -198,10 +239,23 @@ class PlacementDirectory:
             if demote is not None and not demote.knows(digest):
                 more = demote.reserve(rank, digest, payload_bytes)
                 if more is not None:
+                    self._lost.admit([digest])
+                    if self.events is not None:
+                        self.events.on_demoting(book.name, demote.name, digest)
                     self._evicted(demote, rank, more)
                     self._evictions.append(Eviction(rank, book.name, digest, demote.name))
                     continue
             self._evictions.append(Eviction(rank, book.name, digest))
+            self._gone(book.name, digest)
+
+    def _gone(self, tier: str, digest: bytes) -> None:
+        self._lost.admit([digest])
+        if self.events is not None:
+            self.events.on_gone(tier, digest)
+
+    def was_lost(self, keys: Sequence[ChunkKey]) -> bool:
+        """Some rank's entry of the chunk was evicted or lost lately (a miss on it is an eviction's)."""
+        return any(key.digest in self._lost for key in keys)
 
     # -- feedback ------------------------------------------------------------------------
 
@@ -212,14 +266,20 @@ class PlacementDirectory:
             book = self._by_name.get(event.tier)
             if book is not None:
                 self._evicted(book, rank, book.confirm(rank, event.digest, event.payload_bytes))
+                if self.events is not None:
+                    self.events.on_ready(book.name, event.digest)
         for event in failed:  # the worker counted why (lmi_cache_dropped_stores_total)
             book = self._by_name.get(event.tier)
             if book is not None:
                 book.drop(event.digest)
+                self._gone(book.name, event.digest)
         for event in dropped:
+            if event.reason and rank == 0:  # a planned load that did not land; every rank reports its own
+                self.metrics.missed(event.reason, self.chunk_tokens)
             book = self._by_name.get(event.tier)
             if book is not None and book.drop(event.digest):
                 self.metrics.dropped(book.name, 1)
+                self._gone(book.name, event.digest)
 
     def take_evictions(self) -> list[Eviction]:
         evictions, self._evictions = self._evictions, []

@@ -34,3 +34,6 @@ class TierEvent:
     tier: str
     digest: bytes
     payload_bytes: int = 0
+    # A dropped entry a planned load did not find: "failed_load", or "key_mismatch" when a tier refused the
+    # chunk's token fingerprint in that load ("": lost by the medium outside a load).
+    reason: str = ""

@@ -194,13 +194,17 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         note_where_metrics_go()
         serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
         from lmi_cache.placement.startup import build_directory
+        from lmi_cache.placement.event_journal import journal_path
+        from lmi_cache.vllm_connector.kv_events import event_blocks_reader
 
         sessions = self._session_tracker()
         directory = build_directory(self._config, replica=self._dp_index, world_size=geometry.world_size,
                                     remote=self._open_remote_lookups(), retention=sessions is not None,
                                     metrics=metrics)
+        reader = event_blocks_reader(self._vllm_config, self._kv_cache_config, block_size, self._config.chunk_size,
+                                     directory, journal_path(self._config.local_disk, self._dp_index))
         self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions,
-                                        key_rule=key_rule)
+                                        key_rule=key_rule, chunk_blocks=reader)
 
     def _session_tracker(self) -> Any:
         """Which sessions are open (the directory evicts their chunks last), or None when retention is off."""
@@ -368,6 +372,14 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._blending.add_jobs(meta, scheduler_output)
         self._scheduler.finish_step(meta)
         return meta  # type: ignore[return-value]  # a registered virtual subclass (see above), which mypy does not see
+
+    def take_events(self) -> list[Any]:
+        """The CPU and disk tiers' KV events since the last call (vLLM publishes them after its own)."""
+        if self._scheduler is None or self._scheduler.directory.events is None:
+            return []
+        from lmi_cache.vllm_connector.kv_events import to_vllm_events
+
+        return to_vllm_events(self._scheduler.directory.take_events())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:

@@ -22,13 +22,14 @@ worked out from the block table.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.keys.kv_groups import NULL_BLOCK_ID, STATE, KvCacheGroup, is_single_full_group
-from lmi_cache.placement.directory import REMOTE, PlacementDirectory
+from lmi_cache.placement.directory import REMOTE, Describe, PlacementDirectory
+from lmi_cache.placement.events import ChunkBlocks
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,12 @@ class RequestPlan:
     remote_found: set[tuple[int, int]] | None = None  # (group, chunk) from remote_from present on every rank
     session_id: str | None = None  # vLLM's request.session_id (the front forwards LMI's session)
     saves_allowed: bool = True  # False once the request was blended: none of its chunks is exact KV to store
+    # (group, chunk) -> what the chunk's KV events say (vLLM's block hashes and tokens); None: no events
+    describe: Callable[[int, int], ChunkBlocks | None] | None = None
+
+    def describer(self, group: int, chunk: int) -> Describe | None:
+        describe = self.describe
+        return None if describe is None else (lambda: describe(group, chunk))
 
 
 def plan_step(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,
@@ -97,7 +104,7 @@ def plan_step(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str
     return planned
 
 
-LoadPart = tuple[tuple[ChunkKey, ...], tuple[int, ...], int]  # one chunk's keys, block ids, block offset
+LoadPart = tuple[tuple[ChunkKey, ...], tuple[int, ...], int, int]  # one chunk's keys, block ids, block offset, index
 
 
 def _plan_loads(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str, plan: RequestPlan,
@@ -111,12 +118,17 @@ def _plan_loads(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: s
         logger.warning("lmi-cache: request %s has no blocks for its load of group(s) %s; not loading it",
                        req_id, missing)
         return
+    sources: dict[int, str] = {}  # chunk -> the tier it loads from
     for group, group_parts in parts.items():
-        for keys, ids, offset in group_parts or ():
+        for keys, ids, offset, c in group_parts or ():
             source = directory.lookup(keys) or REMOTE
-            placed = directory.prepare_load(keys, group, source)
+            sources[c] = source
+            placed = directory.prepare_load(keys, group, source, plan.describer(group, c))
             meta.loads.append(ChunkTransfer(req_id, keys, ids, offset, group, source=placed.tier,
                                             promote_to=directory.first_tier_name if placed.promote else ""))
+    chunk = geo.chunk_size_tokens
+    for c, source in sources.items():  # each prompt token once, whatever the number of groups
+        directory.metrics.tier_hit(source, min(end, (c + 1) * chunk) - max(start, c * chunk))
 
 
 def _group_load_parts(geo: SchedulerGeometry, plan: RequestPlan, group: KvCacheGroup, start: int,
@@ -132,7 +144,8 @@ def _group_load_parts(geo: SchedulerGeometry, plan: RequestPlan, group: KvCacheG
         position = end // block - 1
         if end % chunk or position >= len(block_ids) or block_ids[position] == NULL_BLOCK_ID:
             return None
-        return [(plan.chunk_keys[group.index][end // chunk - 1], (block_ids[position],), 0)]
+        c = end // chunk - 1
+        return [(plan.chunk_keys[group.index][c], (block_ids[position],), 0, c)]
     start = max(start, group.first_needed_block(end, block) * block)
     parts: list[LoadPart] = []
     for c in range(start // chunk, -(-end // chunk)):
@@ -141,7 +154,7 @@ def _group_load_parts(geo: SchedulerGeometry, plan: RequestPlan, group: KvCacheG
         ids = block_ids[first_block:end_block]
         if len(ids) != end_block - first_block or (group.is_sliding and NULL_BLOCK_ID in ids):
             return None
-        parts.append((plan.chunk_keys[group.index][c], tuple(ids), first_block - c * per_chunk))
+        parts.append((plan.chunk_keys[group.index][c], tuple(ids), first_block - c * per_chunk, c))
     return parts
 
 
@@ -160,7 +173,7 @@ def plan_state_saves(geo: SchedulerGeometry, directory: PlacementDirectory, req_
                 or c >= len(plan.chunk_keys[group])):
             continue
         keys = plan.chunk_keys[group][c]
-        tiers = directory.prepare_store(keys, group)
+        tiers = directory.prepare_store(keys, group, describe=plan.describer(group, c))
         if tiers:
             meta.saves.append(ChunkTransfer(req_id, keys, (block_id,), 0, group, tiers=tiers))
             planned += 1
@@ -179,8 +192,25 @@ def _plan_group_save(geo: SchedulerGeometry, directory: PlacementDirectory, req_
     ids = plan.block_ids[group.index][c * per_chunk : (c + 1) * per_chunk]
     if len(ids) != per_chunk or (group.is_sliding and NULL_BLOCK_ID in ids):
         return 0
-    tiers = directory.prepare_store(keys, group.index)
+    tiers = directory.prepare_store(keys, group.index, describe=plan.describer(group.index, c))
     if not tiers:
         return 0  # held or being stored already, or no room that this step does not use
     meta.saves.append(ChunkTransfer(req_id, keys, tuple(ids), 0, group.index, tiers=tiers))
     return 1
+
+
+def count_miss(geo: SchedulerGeometry, directory: PlacementDirectory, plan: RequestPlan, num_tokens: int,
+               served_tokens: int) -> None:
+    """Count the prompt tokens the caches could have served beyond ``served_tokens`` (whole chunks, up to the
+    prompt's length - 1 rounded down to a block) and why they did not: the first missing chunk was stored here
+    and evicted (or lost) since, or never stored here. A chunk held yet unused is no cache miss."""
+    chunk, block = geo.chunk_size_tokens, geo.block_size_tokens
+    useful = min(len(plan.chunk_keys[0]) * chunk, max(num_tokens - 1, 0) // block * block)
+    first = served_tokens // chunk
+    if useful <= served_tokens or first >= len(plan.chunk_keys[0]):
+        return
+    keys = [group_keys[first] for group_keys in plan.chunk_keys]
+    if all(directory.holds(k) for k in keys):
+        return  # held, yet not used (below min_retrieve_tokens, a group's blocks)
+    lost = any(directory.was_lost(k) for k in keys)
+    directory.metrics.missed("evicted" if lost else "not_stored", useful - served_tokens)

@@ -57,6 +57,7 @@ with no hit, so the hit ratio never flatters a disabled cache.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -68,13 +69,23 @@ from lmi_cache.keys.kv_groups import is_single_full_group, longest_hit_tokens
 from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.directory import PlacementDirectory
+from lmi_cache.placement.events import ChunkBlocks
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
-from lmi_cache.vllm_connector.request_plan import RequestPlan, SchedulerGeometry, plan_state_saves, plan_step
+from lmi_cache.vllm_connector.request_plan import (
+    RequestPlan,
+    SchedulerGeometry,
+    count_miss,
+    plan_state_saves,
+    plan_step,
+)
 
 logger = logging.getLogger(__name__)
 
 # Builds the deployment's key space once the workers have reported their KV layout tag.
 KeySpaceFactory = Callable[[str], KeySpace]
+
+# (request, group, chunk) -> what that chunk's KV events say (``vllm_connector.kv_events.chunk_blocks``).
+ChunkBlocksReader = Callable[[Any, int, int], ChunkBlocks | None]
 
 # How many times a request may be deferred while no worker has reported its layout.
 MAX_ASKS_WITHOUT_LAYOUT = 200
@@ -117,13 +128,17 @@ class SchedulerSide:
         metrics: SchedulerMetrics | None = None,
         sessions: SessionTracker | None = None,
         key_rule: KeyRule | None = None,
+        chunk_blocks: ChunkBlocksReader | None = None,
     ) -> None:
         self.geometry = geometry
         self.key_rule = key_rule if key_rule is not None else KeyRule()
+        self._chunk_blocks = chunk_blocks  # None: no KV events (the directory keeps no descriptions)
         self._sessions = sessions  # None: no session retention
-        self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        # One set of series with the directory's (the connector passes the same object to both).
+        self.metrics = metrics if metrics is not None else directory.metrics
         # req id -> hit tokens of its last answered lookup, until admission counts it.
         self._answered: dict[str, int] = {}
+        self._gpu_hit: dict[str, int] = {}  # req id -> vLLM's own prefix-cache hit at that lookup
         self._key_space_factory = key_space
         self._key_space: KeySpace | None = None  # set with layout_tag
         self._group_spaces: tuple[KeySpace, ...] = ()  # one per KV cache group
@@ -154,8 +169,10 @@ class SchedulerSide:
             return 0, False
         plan = self._plans.get(req_id)
         if plan is None:
+            reader = self._chunk_blocks if self.directory.events is not None else None
             plan = RequestPlan(chunk_keys=self._chunk_keys(request), num_prompt_tokens=_num_prompt_tokens(request),
-                                session_id=getattr(request, "session_id", None))
+                               session_id=getattr(request, "session_id", None),
+                               describe=None if reader is None else functools.partial(reader, request))
             self._plans[req_id] = plan
         plan.load_range, plan.load_confirmed = None, False
         self.metrics.count("match_queries")
@@ -180,6 +197,7 @@ class SchedulerSide:
         if hit_tokens < geo.min_retrieve_tokens:
             hit_tokens = 0
         self._answered[req_id] = max(hit_tokens, 0)
+        self._gpu_hit[req_id] = num_computed_tokens
         num_new = hit_tokens - num_computed_tokens
         if num_new <= 0 or num_new < geo.min_retrieve_tokens:
             return 0, False
@@ -217,9 +235,13 @@ class SchedulerSide:
         """``num_external_tokens``: what this side loads (the prefix path's share); ``saves``: False for a blended
         request; ``block_ids``: the request's blocks per group, which an asynchronous load is planned into now."""
         hit_tokens = self._answered.pop(request.request_id, None)
+        gpu_hit = self._gpu_hit.pop(request.request_id, 0)
+        plan = self._plans.get(request.request_id)
         if hit_tokens is not None:
             self.metrics.lookup(_num_prompt_tokens(request), hit_tokens, max(num_external_tokens, 0))
-        plan = self._plans.get(request.request_id)
+            self.metrics.tier_hit("gpu", gpu_hit)
+            if plan is not None:
+                count_miss(self.geometry, self.directory, plan, request.num_tokens, max(hit_tokens, gpu_hit))
         if plan is None:
             return
         plan.saves_allowed = plan.saves_allowed and saves
@@ -241,6 +263,7 @@ class SchedulerSide:
         for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
             self._plans.pop(req_id, None)
             self._answered.pop(req_id, None)
+            self._gpu_hit.pop(req_id, None)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.metrics.count("preemptions")
             plan = self._plans.get(req_id)
@@ -349,6 +372,7 @@ class SchedulerSide:
     def request_finished(self, req_id: str) -> None:
         self._plans.pop(req_id, None)
         self._answered.pop(req_id, None)
+        self._gpu_hit.pop(req_id, None)
 
     @property
     def num_tracked_requests(self) -> int:

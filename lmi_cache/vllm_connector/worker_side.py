@@ -110,6 +110,7 @@ class WorkerSide:
         self._async_done: set[str] = set()  # asynchronous loads of this step that landed
         self._async_failed: set[str] = set()  # ... and that did not (vLLM recomputes those requests)
         self._dropped: list[TierEvent] = []  # entries a load found missing or damaged
+        self._mismatched_loads = 0  # this step's loads refused for their token fingerprint, not yet attributed
         self._instructed: list[TierEvent] = []  # stores and promotions the directory planned this step
         self._num_warnings = 0
         self._last_event: Any = None  # the latest asynchronous scatter of this step (CUDA), or None
@@ -188,6 +189,7 @@ class WorkerSide:
             if transfer.promote_to:
                 self._instructed.append(TierEvent(transfer.promote_to, key.digest))
         loaded: set[int] = set()
+        mismatches_before = self._fingerprint_mismatches()
         held: list[ChunkObject] = []  # chunk objects the copies read from: released once the copies are done
         arrived: list[tuple[int, ChunkObject]] = []  # hits not copied yet (CPU backend: copied once, after the reads)
         overlap = self.copier.overlaps_host_work
@@ -207,6 +209,7 @@ class WorkerSide:
             self._fault("chunk load failed", err)
         if arrived:
             loaded.update(self._scatter_groups(meta, arrived))
+        self._mismatched_loads = max(0, int(self._fingerprint_mismatches() - mismatches_before))
         self._finish_loads(meta, keys, loaded)
         self._pending_releases.append((self._last_event, held))
         self._last_event = None
@@ -299,8 +302,18 @@ class WorkerSide:
             self._failed_block_ids.update(transfer.block_ids)
             self.stats.add(WorkerStats.num_load_faults)
             self._failed_req_ids.add(transfer.req_id)
-            self._dropped.append(TierEvent(transfer.source, keys[position].digest))
+            # The tiers count refused fingerprints, not which chunk: this step's first failed loads take them.
+            reason = "key_mismatch" if self._mismatched_loads > 0 else "failed_load"
+            self._mismatched_loads -= reason == "key_mismatch"
+            self._dropped.append(TierEvent(transfer.source, keys[position].digest, reason=reason))
             self._fault(f"could not load chunk {keys[position].digest.hex()[:12]} for request {transfer.req_id}", None)
+
+    def _fingerprint_mismatches(self) -> float:
+        """Loads the tiers of this rank refused for a foreign token fingerprint, so far."""
+        metrics = self.engine.metrics if self.engine is not None else None
+        if metrics is None:
+            return 0.0
+        return metrics.fingerprint_mismatches()
 
     def _release_finished_loads(self, wait: bool = False) -> None:
         """Give back the chunk objects of loads whose copies have completed (all of them with ``wait``)."""

@@ -276,3 +276,20 @@ def test_directed_work_follows_the_directory_and_every_planned_store_is_answered
     assert report is not None and ("cpu", k[0].digest) in [(e.tier, e.digest) for e in report.stored[0]]
     # The demotion was planned too: it did not land in this fake, so it is reported failed.
     assert [(e.tier, e.digest) for e in report.failed[0]] == [("disk", k[3].digest)]
+
+
+def test_a_failed_load_is_reported_with_its_reason() -> None:
+    """A load a tier refused for its token fingerprint says key_mismatch; one that is simply missing, failed_load."""
+    worker, engine, _ = make_worker()
+    k = keys(2)
+    real_load = engine.load
+
+    def refusing_load(load_keys: list[Any], sources: Any = None, promote: Any = None) -> Any:
+        engine.metrics.fingerprint_mismatch("cpu")  # the tier found another prompt's chunk under the key
+        return real_load(load_keys, sources, promote)
+
+    engine.load = refusing_load  # type: ignore[method-assign]
+    worker.load(LmiConnectorMetadata(loads=[ChunkTransfer("q", (k[0],), (5, 6)), ChunkTransfer("r", (k[1],), (7, 8))]))
+    wmeta = worker.build_worker_meta()
+    assert wmeta is not None
+    assert [e.reason for e in wmeta.dropped[0]] == ["key_mismatch", "failed_load"]
