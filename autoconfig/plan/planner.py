@@ -42,12 +42,13 @@ ACTIVATION_RESERVE_MIN_BYTES = 1 * GIB
 ACTIVATION_RESERVE_FRACTION = 0.05
 
 
-# lmi_cache.keys.kv_groups accepts full-attention, sliding-window and Mamba groups only; vLLM gives an MLA
-# model an MLAAttentionSpec group (with DeepSeek-V3.2's indexer: one UniformTypeKVCacheSpecs group).
-_MLA_CONNECTOR_WARNING = ("MLA model: lmi-cache's connector refuses it at start, after vLLM has loaded the weights "
-                          "(vLLM's MLAAttentionSpec KV cache group is not one it stores yet); serve it without KV "
-                          "offloading (option.lmcache_auto_config=false). The sizes planned are what the tiers would "
-                          "need for the latent")
+# lmi_cache.keys.kv_groups caches an MLA latent group (vLLM's MLAAttentionSpec) like full attention; vLLM puts
+# DeepSeek-V3.2's indexer keys in one UniformTypeKVCacheSpecs group with the latent, which the connector refuses.
+_INDEXER_CONNECTOR_WARNING = ("sparse MLA model: lmi-cache's connector refuses its indexer key cache at start, after "
+                              "vLLM has loaded the weights (the latent alone is cached; vLLM keeps the indexer keys "
+                              "in one KV cache group with it); serve it without KV offloading "
+                              "(option.lmcache_auto_config=false). The sizes planned are what the tiers would need "
+                              "for the latent and its indexer keys")
 
 
 def plan_tiers(
@@ -79,8 +80,8 @@ def plan_tiers(
     why.append(f"kv_bytes_per_token = {bpt:,}: {_layout_text(m.layout)}")
     why.append(f"kv_bytes_per_token_per_rank = {bpt_rank:,}: {_rank_text(m.layout, tp, pp)}")
     why += [f"model: {note}" for note in m.notes]
-    if m.layout.is_mla and settings.engine == "lmi_cache":
-        warn.append(_MLA_CONNECTOR_WARNING + (" and its indexer keys" if m.layout.side_caches else ""))
+    if m.layout.is_mla and m.layout.side_caches and settings.engine == "lmi_cache":
+        warn.append(_INDEXER_CONNECTOR_WARNING)
     max_model_len = settings.max_model_len or m.max_position_embeddings or FALLBACK_MAX_MODEL_LEN
     if not settings.max_model_len and not m.max_position_embeddings:
         warn.append(f"max_model_len unknown: assuming {FALLBACK_MAX_MODEL_LEN}; set option.max_model_len")

@@ -24,6 +24,17 @@ keyed like the chunk that ends there (chunk ``H // chunk - 1`` for boundary
 ``H`` is a multiple of the chunk. The state geometry (shapes, dtypes) is in
 the group's key tag: a change of it is a miss.
 
+An MLA group (vLLM's ``MLAAttentionSpec``: DeepSeek V2/V3, Kimi K2, Mistral
+Large 3) is full attention over one latent per token per layer
+(``kv_lora_rank + qk_rope_head_dim`` values): a hit needs every chunk before
+it, exactly as for a full-attention group. Its pages are copied whole like any
+other attention page (the worker's layout kind ``mla`` is in the key space).
+vLLM replicates the latent on every TP rank; each rank stores its own copy
+under its own keys, which is correct and simple but stores TP copies of the
+same bytes. DeepSeek-V3.2's indexer keys (an ``MLAAttentionSpec`` with
+``cache_role`` indexer, in one ``UniformTypeKVCacheSpecs`` group with the
+latent) are not a group kind here: the connector refuses them at start.
+
 Pure and vLLM-free: :func:`kv_groups_of` reads vLLM's ``KVCacheConfig`` by
 attribute, so tests drive everything here with plain objects.
 """
@@ -37,13 +48,16 @@ from typing import Any
 NULL_BLOCK_ID = 0
 
 # vLLM spec classes the cache can serve, by class name (no vLLM import here). Subclasses of
-# FullAttentionSpec with other semantics (MLA, sinks, R-SWA) are named so they are refused, not
-# mistaken for plain full attention.
+# FullAttentionSpec with other semantics (sinks, R-SWA) are named so they are refused, not
+# mistaken for plain full attention; MLA's latent is its own kind.
 _FULL_SPECS = {"FullAttentionSpec"}
+_MLA_SPECS = {"MLAAttentionSpec"}
 _SLIDING_SPECS = {"SlidingWindowSpec"}
 _STATE_SPECS = {"MambaSpec"}
 
-FULL, SLIDING, STATE = "full", "sliding", "state"
+FULL, MLA, SLIDING, STATE = "full", "mla", "sliding", "state"
+# Kinds a hit restores from the first token on: every chunk before the hit is needed.
+PREFIX_KINDS = (FULL, MLA)
 
 
 class UnsupportedKvGroups(ValueError):
@@ -56,6 +70,7 @@ class KvCacheGroup:
 
     A state group (``state_shapes`` non-empty) has, per layer, one state tensor per shape, with the dtype
     of the same position in ``state_dtypes`` (torch dtype names, e.g. "float32"), as vLLM's ``MambaSpec``.
+    An MLA group (``latent``) holds one latent per token per layer and is full attention otherwise.
     """
 
     index: int
@@ -63,6 +78,7 @@ class KvCacheGroup:
     sliding_window_tokens: int | None = None
     state_shapes: tuple[tuple[int, ...], ...] = ()
     state_dtypes: tuple[str, ...] = ()
+    latent: bool = False
 
     @property
     def is_sliding(self) -> bool:
@@ -74,7 +90,7 @@ class KvCacheGroup:
 
     @property
     def kind(self) -> str:
-        return STATE if self.is_state else SLIDING if self.is_sliding else FULL
+        return STATE if self.is_state else SLIDING if self.is_sliding else MLA if self.latent else FULL
 
     @property
     def key_tag(self) -> str:
@@ -82,7 +98,7 @@ class KvCacheGroup:
         if self.is_state:
             kind = "state" + ";".join(f"{d}{list(s)}" for s, d in zip(self.state_shapes, self.state_dtypes))
         else:
-            kind = f"sliding{self.sliding_window_tokens}" if self.is_sliding else "full"
+            kind = f"sliding{self.sliding_window_tokens}" if self.is_sliding else self.kind
         return f"{self.index}:{kind}:{','.join(self.layer_names)}"
 
     def first_needed_token(self, hit_tokens: int) -> int:
@@ -110,6 +126,8 @@ def kv_groups_of(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
         names = tuple(group.layer_names)
         if kind in _FULL_SPECS:
             groups.append(KvCacheGroup(index, names))
+        elif kind in _MLA_SPECS and not is_indexer(spec):
+            groups.append(KvCacheGroup(index, names, latent=True))
         elif kind in _SLIDING_SPECS and not getattr(spec, "extra_retained_tokens", 0):
             groups.append(KvCacheGroup(index, names, int(spec.sliding_window)))
         elif kind in _STATE_SPECS and getattr(spec, "mamba_cache_mode", "align") == "align":
@@ -119,10 +137,15 @@ def kv_groups_of(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
             mode = getattr(spec, "mamba_cache_mode", None)
             raise UnsupportedKvGroups(
                 f"KV cache group {index} ({kind}{f' in mamba_cache_mode {mode!r}' if mode else ''}, layers "
-                f"{names[0]}..) is not one the cache can store: only full-attention, sliding-window attention "
-                "and state layers with prefix caching in 'align' mode are supported"
+                f"{names[0]}..) is not one the cache can store: only full-attention, MLA latent, sliding-window "
+                "attention and state layers with prefix caching in 'align' mode are supported"
             )
     return tuple(groups)
+
+
+def is_indexer(spec: Any) -> bool:
+    """DeepSeek-V3.2's indexer keys: an ``MLAAttentionSpec`` whose ``cache_role`` is indexer (not a latent)."""
+    return str(getattr(getattr(spec, "cache_role", ""), "value", "")) == "indexer"
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -131,8 +154,12 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def is_single_full_group(groups: Sequence[KvCacheGroup]) -> bool:
-    """One full-attention group: the layout every pre-hybrid key was written under (its keys stay the same)."""
-    return len(groups) == 1 and groups[0].kind == FULL
+    """One full-attention (or MLA) group: keys without a group tag, every layer in one chunk, loads in the step.
+
+    Pre-hybrid keys were written under this layout and stay the same; an MLA model's keys differ from a
+    standard one's by the worker's layout tag (kind ``mla``) in the key space.
+    """
+    return len(groups) == 1 and groups[0].kind in PREFIX_KINDS
 
 
 def longest_hit_tokens(
@@ -148,12 +175,12 @@ def longest_hit_tokens(
     ``num_chunks`` full chunks of the prompt have keys; ``held(group_index, chunk)``
     says whether every rank holds that group's chunk; ``max_tokens`` caps the hit
     (vLLM computes at least one prompt token). Full-attention groups need every
-    chunk up to the hit; sliding-window groups only the chunks their window
+    chunk up to the hit (so do MLA groups); sliding-window groups only the chunks their window
     before the hit touches, so a prefix whose early chunks were evicted can
     still hit; state groups only the state at the hit, which therefore is a
     chunk boundary.
     """
-    full = [g for g in groups if g.kind == FULL]
+    full = [g for g in groups if g.kind in PREFIX_KINDS]
     sliding = [g for g in groups if g.kind == SLIDING]
     state = [g for g in groups if g.kind == STATE]
     top = num_chunks

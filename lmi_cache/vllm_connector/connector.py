@@ -69,7 +69,7 @@ from lmi_cache.vllm_connector.startup import (
     kv_dtype_name,
     load_cache_config,
     parallel_sizes,
-    refuse_mla_caches,
+    refuse_indexer_caches,
     weights_identity,
 )
 from lmi_cache.vllm_connector.worker_side import WorkerSide
@@ -95,7 +95,7 @@ KVConnectorWorkerMetadata.register(LmiWorkerMeta)
 
 
 def _kv_groups(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
-    refuse_mla_caches(kv_cache_config)  # named for what it is, before the generic refusal below
+    refuse_indexer_caches(kv_cache_config)  # named for what it is, before the generic refusal below
     try:
         return kv_groups_of(kv_cache_config)
     except UnsupportedKvGroups as err:

@@ -2,9 +2,10 @@
 
 Runs in the vLLM scheduler and worker processes, once, when vLLM builds the
 connector. A chunk size vLLM's paged cache cannot hold is refused here with one
-line naming the setting, and so is a model whose KV cache groups hold MLA
-caches (DeepSeek V2/V3/V3.2, Kimi K2, Mistral Large 3), which the connector
-does not store.
+line naming the setting, and so is a model whose KV cache groups hold
+DeepSeek-V3.2's sparse-attention indexer keys, which the connector does not
+store (MLA latent groups alone, DeepSeek V2/V3, Kimi K2, Mistral Large 3, are
+cached: ``lmi_cache.keys.kv_groups``).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lmi_cache.errors import ConfigError
+from lmi_cache.keys.kv_groups import is_indexer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -71,32 +73,29 @@ def check_chunk_size(chunk_size: int, block_size: int) -> None:
         )
 
 
-def refuse_mla_caches(kv_cache_config: Any) -> None:
-    """One line naming the MLA latent and indexer layers vLLM allocated, if any group holds them.
+def refuse_indexer_caches(kv_cache_config: Any) -> None:
+    """One line naming the MLA latent and indexer layers of a group that holds DeepSeek-V3.2's indexer keys.
 
-    vLLM 0.32 gives each MLA layer an ``MLAAttentionSpec`` (one latent per token); DeepSeek-V3.2 adds an indexer
-    K cache per layer (``DeepseekV32IndexerCache``: an ``MLAAttentionSpec`` with ``cache_role`` indexer, uint8),
-    and ``get_kv_cache_groups`` puts both in one ``UniformTypeKVCacheSpecs`` group. The connector's chunks hold
-    one layout per group and it has no MLA group kind, so it refuses at start rather than store part of the KV.
+    DeepSeek-V3.2 adds an indexer K cache per layer (``DeepseekV32IndexerCache``: an ``MLAAttentionSpec`` with
+    ``cache_role`` indexer, uint8) and ``get_kv_cache_groups`` puts it in one ``UniformTypeKVCacheSpecs`` group
+    with the latent, each layer with its own page size and dtype. The connector's chunks hold one page layout
+    per group, so it refuses such a group at start rather than store part of the KV. (vLLM's CPU backend does
+    not run sparse MLA, so no end-to-end test could show such a cache restored.)
     """
     for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
         spec = group.kv_cache_spec
         members = getattr(spec, "kv_cache_specs", None) or {name: spec for name in group.layer_names}
-        latent = [s for s in members.values() if type(s).__name__ == "MLAAttentionSpec" and not _is_indexer(s)]
-        indexer = [s for s in members.values() if _is_indexer(s)]
-        if not latent and not indexer:
+        indexer = [s for s in members.values() if is_indexer(s)]
+        if not indexer:
             continue
+        latent = [s for s in members.values() if type(s).__name__ == "MLAAttentionSpec" and not is_indexer(s)]
         parts = [f"{len(cached)} {what} layers of {_token_bytes(cached[0]):,} B per token"
                  for cached, what in ((latent, "MLA latent"), (indexer, "sparse-attention indexer key")) if cached]
         raise ConfigError(
             f"KV cache group {index} ({type(spec).__name__}) holds {' and '.join(parts)}: lmi-cache's connector "
-            "does not store MLA caches; serve this model without KV offloading (option.lmcache_auto_config=false, "
-            "no --kv-transfer-config)"
+            "does not store sparse-attention indexer caches; serve this model without KV offloading "
+            "(option.lmcache_auto_config=false, no --kv-transfer-config)"
         )
-
-
-def _is_indexer(spec: Any) -> bool:
-    return str(getattr(getattr(spec, "cache_role", ""), "value", "")) == "indexer"
 
 
 def _token_bytes(spec: Any) -> int:

@@ -65,6 +65,7 @@ def test_mistral_large_3_plan_golden_at_tp8() -> None:
     plan = json.loads(result.stdout)
     assert plan["model"]["kv_bytes_per_token"] == plan["model"]["kv_bytes_per_token_per_rank"] == LARGE3_BYTES
     assert plan["explanation"][0] == f"kv_bytes_per_token = {LARGE3_BYTES:,}: 61 layers x latent 576 x 2 B (bfloat16, MLA)"
+    assert plan["warnings"] == []  # the connector caches the latent: nothing to warn about
     args = plan["serve"]["vllm_args"]
     assert [args[args.index(flag) + 1] for flag in ("--config-format", "--tokenizer-mode", "--load-format")] == [
         "mistral"] * 3

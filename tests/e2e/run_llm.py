@@ -18,7 +18,9 @@ behind the scheduler's back: a stale index), ``corrupt_disk`` (flip a byte in
 every file of the disk tier), ``flush`` (wait for disk and remote writes),
 ``corrupt_remote`` (flip a byte in every value of the Redis at ``LMCACHE_REMOTE_URL``),
 ``replace_adapter`` (copy the files of ``job["replace_adapter"]["src"]`` over those of its ``dst``). ``patch``:
-``unknown_layout`` makes the worker's layout recogniser know no layout. A prompt's ``lora`` (or null)
+``unknown_layout`` makes the worker's layout recogniser know no layout; ``mla_prefix_caching`` keeps
+vLLM's own prefix caching on for an MLA model, which its CPU platform turns off (the reference for a
+hit of the connector: the same split of a prompt into cached and computed tokens). A prompt's ``lora`` (or null)
 names the adapter it runs with (the job's ``llm_kwargs`` must enable LoRA). A prompt with
 ``"embeds": {"seed": 1, "rows": 600}`` instead of tokens is given as random embeddings (the job's
 ``llm_kwargs`` must set ``enable_prompt_embeds``).
@@ -108,6 +110,18 @@ def _apply_patch(name: str | None) -> None:
         from lmi_cache.transfer import layouts
 
         layouts._candidate_shapes = lambda geo, num_blocks: []  # type: ignore[assignment]
+    elif name == "mla_prefix_caching":
+        from vllm.platforms import current_platform
+
+        platform = type(current_platform)
+        original = platform.check_and_update_config
+
+        def keep_prefix_caching(vllm_config: Any) -> None:
+            wanted = vllm_config.cache_config.enable_prefix_caching
+            original(vllm_config)
+            vllm_config.cache_config.enable_prefix_caching = wanted
+
+        platform.check_and_update_config = staticmethod(keep_prefix_caching)  # type: ignore[method-assign]
 
 
 def output_record(out: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""MLA models at connector start: vLLM's own KV cache groups for DeepSeek V3 / V3.2 are refused in one line.
+"""MLA models at connector start: vLLM's own KV cache groups for DeepSeek V3 (cached) and V3.2 (refused).
 
 Imports vLLM (its spec classes and ``get_kv_cache_groups``), starts no engine. The specs are built as vLLM
 0.32's layers build them: ``MLAAttention.get_kv_cache_spec`` for the latent (576 values, bf16) and
@@ -47,17 +47,21 @@ def test_vllm_puts_latent_and_indexer_keys_in_one_group() -> None:
     assert group.kv_cache_spec.page_size_bytes == 3 * BLOCK * (1152 + 132)  # what plan counts per token
 
 
-@pytest.mark.parametrize(("indexer", "needle"), [
-    (True, "KV cache group 0 (UniformTypeKVCacheSpecs) holds 3 MLA latent layers of 1,152 B per token and 3 "
-           "sparse-attention indexer key layers of 132 B per token"),
-    (False, "KV cache group 0 (MLAAttentionSpec) holds 3 MLA latent layers of 1,152 B per token:"),
-])
-def test_mla_groups_are_refused_at_start_naming_each_cache(indexer: bool, needle: str) -> None:
+def test_a_deepseek_v3_latent_group_is_cached_as_one_mla_group() -> None:
+    from lmi_cache.vllm_connector.connector import _kv_groups
+
+    (group,) = _kv_groups(_vllm_groups(_specs(3, indexer=False)))
+    assert group.kind == "mla" and group.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in range(3))
+
+
+def test_a_group_with_indexer_keys_is_refused_at_start_naming_each_cache() -> None:
     from lmi_cache.errors import ConfigError
     from lmi_cache.vllm_connector.connector import _kv_groups
 
     with pytest.raises(ConfigError) as err:
-        _kv_groups(_vllm_groups(_specs(3, indexer)))
+        _kv_groups(_vllm_groups(_specs(3, indexer=True)))
     message = str(err.value)
-    assert needle in message and "serve this model without KV offloading" in message
-    assert "\n" not in message
+    assert ("KV cache group 0 (UniformTypeKVCacheSpecs) holds 3 MLA latent layers of 1,152 B per token and 3 "
+            "sparse-attention indexer key layers of 132 B per token: lmi-cache's connector does not store "
+            "sparse-attention indexer caches") in message
+    assert "serve this model without KV offloading" in message and "\n" not in message
