@@ -66,6 +66,8 @@ from lmi_cache.vllm_connector.scheduler_side import SchedulerSide
 from lmi_cache.vllm_connector.startup import (
     check_chunk_size,
     dp_index,
+    drafter_identity,
+    drafter_planning,
     kv_dtype_name,
     load_cache_config,
     parallel_sizes,
@@ -141,12 +143,14 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._tp_size, self._pp_size = parallel_sizes(vllm_config)
         self._dp_index = dp_index(vllm_config)
         # Keys are built by the scheduler only (workers get them in the metadata): identify the weights there.
-        self._model_identity = weights_identity(vllm_config) if role == KVConnectorRole.SCHEDULER else ""
+        self._model_identity = (weights_identity(vllm_config) + drafter_identity(vllm_config)
+                                if role == KVConnectorRole.SCHEDULER else "")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._remote_lookups: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            self._init_scheduler(block_size, KeyRule(mm_ids_are_content=environment_trusts_mm_ids(vllm_config)))
+            key_rule = KeyRule(mm_ids_are_content=environment_trusts_mm_ids(vllm_config))
+            self._init_scheduler(block_size, key_rule, drafter_planning(vllm_config, block_size))
         else:
             self._init_worker(vllm_config, block_size)
         self._blending: ConnectorBlending | None = None
@@ -176,7 +180,7 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             model_identity=self._model_identity,
         )
 
-    def _init_scheduler(self, block_size: int, key_rule: KeyRule) -> None:
+    def _init_scheduler(self, block_size: int, key_rule: KeyRule, drafter: tuple[int, int]) -> None:
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             logger.info("lmi-cache: kv_load_failure_policy set to 'recompute' (a cache miss must not fail a request)")
@@ -186,6 +190,8 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             world_size=self._tp_size * self._pp_size,
             min_retrieve_tokens=self._config.min_retrieve_tokens,
             **({"groups": self._kv_groups} if self._kv_groups else {}),
+            drafter_backoff_tokens=drafter[0],
+            unfinal_tail_tokens=drafter[1],
         )
         from lmi_cache.metrics.series import SchedulerMetrics
         from lmi_cache.metrics.server import note_where_metrics_go, serve_metrics

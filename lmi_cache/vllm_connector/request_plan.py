@@ -13,6 +13,21 @@ window's start before the hit) and never saves a chunk vLLM has freed blocks
 of; a request for which vLLM gave some group no blocks loads nothing (its
 asynchronous load is then answered failed, and vLLM recomputes it).
 
+With speculative decoding by an EAGLE-family drafter (EAGLE, EAGLE-3, MTP), the
+drafter's attention layers sit in the target's KV cache group, so every chunk
+holds their KV too and a load fills them with the target's. The drafter's KV
+at a prompt's last computed token was made with the token after it (the next
+prompt token, or the sampled one at the prompt's end), which a request sharing
+only the prefix need not have: like vLLM's own prefix cache
+(``drop_eagle_block``), a hit then backs off one block
+(``SchedulerGeometry.drafter_backoff_tokens``), so that token is recomputed and
+the drafter rewrites its KV. Multi-module MTP re-prefills the last
+``num_speculative_tokens - 1`` tokens of a step (vLLM's
+``num_reprefillable_tokens``): a chunk is saved only once those are past it
+(``unfinal_tail_tokens``). Saves never reach past the prompt: the lookahead
+slots vLLM allocates for draft tokens and the draft tokens themselves are
+never stored.
+
 A state group (Mamba layers) loads one transfer: the state at the hit, into
 the block vLLM allocates for it (index ``hit // block - 1`` of its table). It
 saves only the boundary states vLLM offers in this step
@@ -27,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.keys.kv_groups import NULL_BLOCK_ID, STATE, KvCacheGroup, is_single_full_group
+from lmi_cache.keys.kv_groups import NULL_BLOCK_ID, STATE, KvCacheGroup, is_single_full_group, longest_hit_tokens
 from lmi_cache.placement.directory import REMOTE, Describe, PlacementDirectory
 from lmi_cache.placement.events import ChunkBlocks
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata
@@ -43,6 +58,10 @@ class SchedulerGeometry:
     min_retrieve_tokens: int = 0
     # vLLM's KV cache groups; the default is one full-attention group (the hybrid manager off).
     groups: tuple[KvCacheGroup, ...] = (KvCacheGroup(0, ()),)
+    # An EAGLE-family drafter (vLLM's use_eagle_block_drop): a hit backs off this much (one block), see above.
+    drafter_backoff_tokens: int = 0
+    # Multi-module MTP: the last tokens of a step whose drafter KV the next step rewrites (not saved yet).
+    unfinal_tail_tokens: int = 0
 
     @property
     def loads_async(self) -> bool:
@@ -57,6 +76,19 @@ class SchedulerGeometry:
     @property
     def blocks_per_chunk(self) -> int:
         return self.chunk_size_tokens // self.block_size_tokens
+
+
+def usable_hit_tokens(geo: SchedulerGeometry, num_chunks: int, max_tokens: int,
+                      held: Callable[[int, int], bool]) -> int:
+    """The longest prefix a load can restore (``kv_groups.longest_hit_tokens``), backed off for a drafter, and 0
+    below ``min_retrieve_tokens``. ``max_tokens``: the cap (vLLM computes at least one prompt token)."""
+    def longest(cap: int) -> int:
+        return longest_hit_tokens(geo.groups, num_chunks, geo.chunk_size_tokens, geo.block_size_tokens, cap, held)
+
+    hit = longest(max_tokens)
+    if hit > 0 and geo.drafter_backoff_tokens:
+        hit = longest(hit - geo.drafter_backoff_tokens)
+    return hit if hit >= geo.min_retrieve_tokens else 0
 
 
 @dataclass
@@ -92,7 +124,8 @@ def plan_step(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: str
     plan.load_range, plan.load_confirmed = None, False
     if not plan.saves_allowed:
         return 0
-    computed_after = min(num_computed_tokens + num_scheduled_tokens, plan.num_prompt_tokens)
+    # Prompt tokens only (not the draft tokens or lookahead slots of a decode step), final ones only.
+    computed_after = min(num_computed_tokens + num_scheduled_tokens - geo.unfinal_tail_tokens, plan.num_prompt_tokens)
     ready_chunks = min(computed_after // chunk, len(plan.chunk_keys[0]))
     planned = 0
     for c in range(plan.num_done_chunks, ready_chunks):

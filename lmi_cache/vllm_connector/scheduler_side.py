@@ -13,7 +13,8 @@ request it keeps a plan:
   adapter content and ``cache_salt``; the prompt is hashed once, not once per
   rank); leading chunks held by all ranks, capped so at least one
   token is left to compute, aligned down to vLLM's block size, minus what
-  vLLM's prefix cache already covers; below ``min_retrieve_tokens`` it is 0.
+  vLLM's prefix cache already covers; below ``min_retrieve_tokens`` it is 0;
+  one block shorter with an EAGLE-family drafter (``request_plan``).
   Loads are synchronous (``(n, False)``): the worker loads before the forward;
   except for models that are not one full-attention group (``loads_async``).
   Until the first worker reports its layout tag the key namespace is unknown,
@@ -65,7 +66,7 @@ from typing import Any
 
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.keys.key_inputs import KeyRule
-from lmi_cache.keys.kv_groups import is_single_full_group, longest_hit_tokens
+from lmi_cache.keys.kv_groups import is_single_full_group
 from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.directory import PlacementDirectory
@@ -77,6 +78,7 @@ from lmi_cache.vllm_connector.request_plan import (
     count_miss,
     plan_state_saves,
     plan_step,
+    usable_hit_tokens,
 )
 
 logger = logging.getLogger(__name__)
@@ -192,10 +194,8 @@ class SchedulerSide:
                 return None, False  # the remote lookup is in flight: vLLM asks again next step
             remote = found
         # vLLM must compute at least one token to produce logits.
-        hit_tokens = longest_hit_tokens(geo.groups, num_chunks, geo.chunk_size_tokens, geo.block_size_tokens,
-                                        request.num_tokens - 1, lambda g, c: held(g, c) or (g, c) in remote)
-        if hit_tokens < geo.min_retrieve_tokens:
-            hit_tokens = 0
+        hit_tokens = usable_hit_tokens(geo, num_chunks, request.num_tokens - 1,
+                                       lambda g, c: held(g, c) or (g, c) in remote)
         self._answered[req_id] = max(hit_tokens, 0)
         self._gpu_hit[req_id] = num_computed_tokens
         num_new = hit_tokens - num_computed_tokens

@@ -50,6 +50,37 @@ def weights_identity(vllm_config: VllmConfig) -> str:
     return identity
 
 
+def drafter_identity(vllm_config: VllmConfig) -> str:
+    """What the keys add for a speculative drafter with KV layers of its own; "" without one.
+
+    An EAGLE-family drafter's attention layers share the target's KV cache group, so every chunk carries
+    their KV: which drafter (method and weights) made it is part of what the chunk holds. N-gram and
+    suffix drafting have no layers and leave the keys as they are.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or not (spec.use_eagle() or spec.uses_draft_model()):
+        return ""
+    from lmi_cache.keys.model_identity import served_model_identity
+
+    draft = spec.draft_model_config
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    identity = served_model_identity(draft, download_dir) if draft is not None else ""
+    return f"|drafter={spec.method}:{spec.num_speculative_tokens}:{identity}"
+
+
+def drafter_planning(vllm_config: VllmConfig, block_size: int) -> tuple[int, int]:
+    """``SchedulerGeometry``'s drafter fields, mirroring vLLM's own prefix cache for the same settings.
+
+    ``(drafter_backoff_tokens, unfinal_tail_tokens)``: one block when vLLM drops an EAGLE-family drafter's last cached block
+    (``SpeculativeConfig.use_eagle_block_drop``); ``unfinal_tail_tokens``: vLLM's re-prefillable tail
+    (``num_prefill_lookahead_tokens - 1``, non-zero for multi-module MTP only).
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    backoff = block_size if spec is not None and spec.use_eagle_block_drop() else 0
+    tail = max(0, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) - 1)
+    return backoff, tail
+
+
 def load_cache_config() -> Any:
     from lmi_cache.config.cache_config import load_config
 

@@ -20,7 +20,9 @@ every file of the disk tier), ``flush`` (wait for disk and remote writes),
 ``replace_adapter`` (copy the files of ``job["replace_adapter"]["src"]`` over those of its ``dst``). ``patch``:
 ``unknown_layout`` makes the worker's layout recogniser know no layout; ``mla_prefix_caching`` keeps
 vLLM's own prefix caching on for an MLA model, which its CPU platform turns off (the reference for a
-hit of the connector: the same split of a prompt into cached and computed tokens). A prompt's ``lora`` (or null)
+hit of the connector: the same split of a prompt into cached and computed tokens). ``vllm_metrics`` (optional)
+names counters of vLLM's own (e.g. ``vllm:spec_decode_num_drafts``; the job's ``llm_kwargs`` must set
+``disable_log_stats: false``) reported beside the connector's as ``vllm.<name>``. A prompt's ``lora`` (or null)
 names the adapter it runs with (the job's ``llm_kwargs`` must enable LoRA). A prompt with
 ``"embeds": {"seed": 1, "rows": 600}`` instead of tokens is given as random embeddings (the job's
 ``llm_kwargs`` must set ``enable_prompt_embeds``).
@@ -66,6 +68,17 @@ def _counters(llm: Any) -> dict[str, Any]:
         counters["scheduler.placed_digests"] = len(sched.directory.digests())
         counters["scheduler.asks_without_layout"] = sched._asks_without_layout
     return counters
+
+
+def _vllm_counters(llm: Any, names: list[str]) -> dict[str, float]:
+    """vLLM's own counters named in the job, summed over their labels (engines)."""
+    if not names:
+        return {}
+    totals = dict.fromkeys(names, 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in totals:
+            totals[metric.name] += float(getattr(metric, "value", 0) or 0)
+    return {f"vllm.{name}": value for name, value in totals.items()}
 
 
 def _action(name: str, job: dict[str, Any]) -> None:
@@ -178,13 +191,13 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 item["cache_salt"] = prompt["salt"]
             prompts.append(item)
         params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 8), logprobs=phase.get("logprobs", 2))
-        before = _counters(llm)
+        before = _counters(llm) | _vllm_counters(llm, job.get("vllm_metrics", []))
         t0 = time.perf_counter()
         # A None entry runs that prompt on the base model (vLLM's type hint leaves it out).
         outs = llm.generate(prompts, params, use_tqdm=False,
                             lora_request=adapters if any(adapters) else None)  # type: ignore[arg-type]
         elapsed = time.perf_counter() - t0
-        after = _counters(llm)
+        after = _counters(llm) | _vllm_counters(llm, job.get("vllm_metrics", []))
         delta = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
         result["phases"].append(
             {"name": phase["name"], "elapsed_s": elapsed, "outputs": [output_record(o) for o in outs], "delta": delta, "counters": after}
