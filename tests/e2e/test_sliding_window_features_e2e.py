@@ -34,6 +34,7 @@ from e2e_support import (
     phase,
     prompts,
     run_job,
+    run_jobs,
     window_groups,
 )
 
@@ -67,13 +68,14 @@ def runs(gemma2_model: Path, adapters: dict[str, dict[str, Any]], e2e_dir: Path,
     work = e2e_dir / f"features-{SHAPE}"
     lora_a, lora_b = adapters["tenant-a"], adapters["tenant-b"]
     env = {**cache_env(None), "LMCACHE_REMOTE_URL": redis_url, "LMCACHE_LOOKUP_TIMEOUT_MS": "2000"}
-    reference = run_job({"model": str(gemma2_model), "connector": False,
-                         "llm_kwargs": {**LORA_KWARGS, "enable_prefix_caching": True}, "phases": [
+    # The reference and the writer are independent: side by side.
+    first = run_jobs({"reference": ({"model": str(gemma2_model), "connector": False,
+                                     "llm_kwargs": {**LORA_KWARGS, "enable_prefix_caching": True}, "phases": [
         gen_phase("docs", prompts(DOCS)), gen_phase("docs_again", prompts(DOCS)),
         gen_phase("salted", prompts([SALTED])),
         gen_phase("lora_a", prompts([SALTED], lora=lora_a)), gen_phase("lora_b", prompts([SALTED], lora=lora_b)),
-    ]}, work / "reference")
-    writer = run_job({"model": str(gemma2_model), "connector": True, "env": env, "llm_kwargs": LORA_KWARGS, "phases": [
+    ]}, work / "reference"), "writer": ({"model": str(gemma2_model), "connector": True, "env": env,
+                                         "llm_kwargs": LORA_KWARGS, "phases": [
         gen_phase("cold", prompts(DOCS)),
         gen_phase("plain", prompts([SALTED])),
         gen_phase("salt_a", prompts([SALTED], salt="tenant-a")),
@@ -82,7 +84,8 @@ def runs(gemma2_model: Path, adapters: dict[str, dict[str, Any]], e2e_dir: Path,
         gen_phase("lora_a", prompts([SALTED], lora=lora_a)),
         gen_phase("lora_a_again", prompts([SALTED], lora=lora_a)),
         gen_phase("flushed", prompts([DOCS[0][:64]]), before=["flush"]),  # queued Redis writes are in
-    ]}, work / "writer")
+    ]}, work / "writer")})
+    reference, writer = first["reference"], first["writer"]
     reader = run_job({"model": str(gemma2_model), "connector": True, "env": env, "llm_kwargs": LORA_KWARGS, "phases": [
         gen_phase("remote", prompts(DOCS)),
         gen_phase("salt_c", prompts([SALTED], salt="tenant-c")),

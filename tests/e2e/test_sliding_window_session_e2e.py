@@ -25,10 +25,10 @@ from e2e_support import (
     phase,
     prompts,
     random_tokens,
-    run_job,
     window_groups,
 )
 from server_process import FrontServer, front_vllm_server, post_json
+from shared_jobs import GEMMA2_REFERENCE, SharedJobs
 
 pytestmark = [pytest.mark.vllm]
 
@@ -50,12 +50,14 @@ def loaded_tokens(server: FrontServer) -> float:
                if line.startswith("lmi_cache_loaded_tokens_total{") and 'tier="cpu"' in line)
 
 
+# The turns through vLLM without a connector, its own prefix cache on (the warm turns' exact split):
+# phases of the shared Gemma-2 reference job (shared_jobs.py).
+GEMMA2_REFERENCE.add(__name__, [gen_phase(f"turn{i}", prompts([t])) for i, t in enumerate(TURNS)])
+
+
 @pytest.fixture(scope="module")
-def reference(gemma2_model: Path, e2e_dir: Path) -> dict[str, Any]:
-    """The turns through vLLM without a connector, its own prefix cache on (the warm turns' exact split)."""
-    return run_job({"model": str(gemma2_model), "connector": False, "llm_kwargs": {"enable_prefix_caching": True},
-                    "phases": [gen_phase(f"turn{i}", prompts([t])) for i, t in enumerate(TURNS)]},
-                   e2e_dir / f"session-{SHAPE}-reference")
+def reference(shared_jobs: SharedJobs) -> dict[str, Any]:
+    return shared_jobs.result(GEMMA2_REFERENCE, __name__)
 
 
 @pytest.fixture(scope="module")
