@@ -29,6 +29,8 @@ from test_worker_side import FakeEngine, keys
 
 from lmi_cache.errors import ConfigError
 from lmi_cache.keys.kv_groups import MLA, KvCacheGroup, UnsupportedKvGroups, is_single_full_group, kv_groups_of
+from lmi_cache.transfer.layouts import ExpectedGeometry, describe_kv_caches
+from lmi_cache.transfer.mixed_copy import MixedPagedCopier
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata
 from lmi_cache.vllm_connector.startup import refuse_indexer_caches
 from lmi_cache.vllm_connector.worker_side import WorkerSide
@@ -144,3 +146,33 @@ def test_keys_change_with_either_layout() -> None:
     digests = {space(tag).keys(PROMPT, 0)[0].digest for tag in (float_tag, bf16_tag, MLA_TAG)}
     assert len(digests) == 3  # neither a plain MLA chunk nor another latent dtype is read as this group's
     assert float_tag.startswith(MLA_TAG + ".") and "uint8" in float_tag.split("+")[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here; scripts/gpu_check.sh runs this on a GPU")
+def test_cuda_mixed_copier_moves_both_layouts_through_side_streams() -> None:
+    gen = torch.Generator().manual_seed(3)
+    src_cpu = [torch.randn(NUM_BLOCKS, 1, BLOCK, LATENT, generator=gen).to(torch.bfloat16) for _ in LATENTS] + \
+              [torch.randint(0, 256, (NUM_BLOCKS, 1, BLOCK, INDEX), generator=gen, dtype=torch.uint8) for _ in INDEXERS]
+    src = [t.cuda() for t in src_cpu]
+    n = len(LATENTS)
+
+    def mixed(layers: list[torch.Tensor]) -> MixedPagedCopier:
+        latent = describe_kv_caches(dict(zip(LATENTS, layers[:n])), MLA_GEO)
+        indexer = describe_kv_caches(dict(zip(INDEXERS, layers[n:])),
+                                     ExpectedGeometry(BLOCK, 1, INDEX, is_mla=True))
+        return MixedPagedCopier([(layers[:n], latent), (layers[n:], indexer)], 2)
+
+    copier = mixed(src)  # real torch.cuda streams and events
+    outs = [torch.empty(copier.chunk_shape, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    copier.gather_many([[1, 2], [7, 3]], outs)
+    reference = [torch.empty(copier.chunk_shape, dtype=torch.uint8) for _ in range(2)]
+    mixed(src_cpu).gather_many([[1, 2], [7, 3]], reference)
+    assert all(torch.equal(out, ref) for out, ref in zip(outs, reference))
+    dst = [torch.zeros_like(t) for t in src]
+    event = mixed(dst).scatter_many(outs, [[4, 5], [6]], [0, 1])
+    assert event is not None
+    event.synchronize()  # what the worker waits for before it releases the host buffers
+    torch.cuda.current_stream().synchronize()
+    for got, want in zip(dst, src):
+        assert torch.equal(got[4:6].view(torch.uint8), want[1:3].view(torch.uint8))
+        assert torch.equal(got[6].view(torch.uint8), want[3].view(torch.uint8)) and not got[7].any()
