@@ -64,7 +64,7 @@ PREFIX_KINDS = (FULL, MLA)
 
 
 class UnsupportedKvGroups(ValueError):
-    """The model has a KV cache group kind the cache cannot store (e.g. chunked local attention, MLA)."""
+    """The model has a KV cache group kind the cache cannot store (e.g. chunked local attention)."""
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 Runs in the vLLM scheduler and worker processes, once, when vLLM builds the
 connector. A chunk size vLLM's paged cache cannot hold is refused here with one
-line naming the setting, and so is a model whose KV cache groups hold
-DeepSeek-V3.2's sparse-attention indexer keys, which the connector does not
-store (MLA latent groups alone, DeepSeek V2/V3, Kimi K2, Mistral Large 3, are
-cached: ``lmi_cache.keys.kv_groups``).
+line naming the setting, and so is a model whose sparse-attention indexer keys
+sit in a KV cache group other than the one vLLM builds for DeepSeek-V3.2 (its
+latents and indexer keys together, cached like MLA latent groups of DeepSeek
+V2/V3, Kimi K2, Mistral Large 3: ``lmi_cache.keys.kv_groups``).
 """
 from __future__ import annotations
 
