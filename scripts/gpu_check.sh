@@ -56,7 +56,7 @@ EOF
 
 step "correctness on CUDA tensors"
 timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/lmi_cache/test_kernels.py tests/lmi_cache/test_transfer.py \
-  2>&1 | tee "$OUTDIR/tests.txt"
+  tests/lmi_cache/test_indexer_groups.py 2>&1 | tee "$OUTDIR/tests.txt"
 if grep -q "SKIPPED.*CUDA" "$OUTDIR/tests.txt"; then
   echo "gpu_check: CUDA tests were skipped" >&2
   exit 1

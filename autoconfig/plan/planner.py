@@ -42,13 +42,12 @@ ACTIVATION_RESERVE_MIN_BYTES = 1 * GIB
 ACTIVATION_RESERVE_FRACTION = 0.05
 
 
-# lmi_cache.keys.kv_groups caches an MLA latent group (vLLM's MLAAttentionSpec) like full attention; vLLM puts
-# DeepSeek-V3.2's indexer keys in one UniformTypeKVCacheSpecs group with the latent, which the connector refuses.
-_INDEXER_CONNECTOR_WARNING = ("sparse MLA model: lmi-cache's connector refuses its indexer key cache at start, after "
-                              "vLLM has loaded the weights (the latent alone is cached; vLLM keeps the indexer keys "
-                              "in one KV cache group with it); serve it without KV offloading "
-                              "(option.lmcache_auto_config=false). The sizes planned are what the tiers would need "
-                              "for the latent and its indexer keys")
+# lmi_cache.keys.kv_groups caches an MLA latent group (vLLM's MLAAttentionSpec) like full attention; DeepSeek-V3.2's
+# indexer keys share one UniformTypeKVCacheSpecs group with the latent, and each chunk carries both.
+_INDEXER_CONNECTOR_WARNING = ("sparse MLA model: lmi-cache's connector stores the latent and its indexer keys in "
+                              "every chunk (the sizes planned count both); that save and load are tested on CPU "
+                              "tensors only, since vLLM's CPU backend runs no sparse attention: check hits on one "
+                              "instance (lmi_cache_worker_load_faults stays 0) before relying on them")
 
 
 def plan_tiers(

@@ -32,8 +32,11 @@ other attention page (the worker's layout kind ``mla`` is in the key space).
 vLLM replicates the latent on every TP rank; each rank stores its own copy
 under its own keys, which is correct and simple but stores TP copies of the
 same bytes. DeepSeek-V3.2's indexer keys (an ``MLAAttentionSpec`` with
-``cache_role`` indexer, in one ``UniformTypeKVCacheSpecs`` group with the
-latent) are not a group kind here: the connector refuses them at start.
+``cache_role`` indexer) share one ``UniformTypeKVCacheSpecs`` group and block
+table with the latent: such a group is an MLA group whose ``indexer_layers``
+name the indexer key caches; its chunks carry both layouts' blocks (the
+worker's ``MixedPagedCopier``) and its key tag names the indexer's width.
+Indexer keys in any other grouping are refused.
 
 Pure and vLLM-free: :func:`kv_groups_of` reads vLLM's ``KVCacheConfig`` by
 attribute, so tests drive everything here with plain objects.
@@ -61,7 +64,7 @@ PREFIX_KINDS = (FULL, MLA)
 
 
 class UnsupportedKvGroups(ValueError):
-    """The model has a KV cache group kind the cache cannot store (e.g. chunked local attention, MLA)."""
+    """The model has a KV cache group kind the cache cannot store (e.g. chunked local attention)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class KvCacheGroup:
     state_shapes: tuple[tuple[int, ...], ...] = ()
     state_dtypes: tuple[str, ...] = ()
     latent: bool = False
+    indexer_layers: tuple[str, ...] = ()  # DeepSeek-V3.2: indexer key caches sharing the latent's block table
+    indexer_head_size: int = 0  # bytes per token of one indexer key cache (uint8 values)
 
     @property
     def is_sliding(self) -> bool:
@@ -99,6 +104,8 @@ class KvCacheGroup:
             kind = "state" + ";".join(f"{d}{list(s)}" for s, d in zip(self.state_shapes, self.state_dtypes))
         else:
             kind = f"sliding{self.sliding_window_tokens}" if self.is_sliding else self.kind
+            if self.indexer_layers:
+                kind += f"+indexer{self.indexer_head_size}"
         return f"{self.index}:{kind}:{','.join(self.layer_names)}"
 
     def first_needed_token(self, hit_tokens: int) -> int:
@@ -128,6 +135,10 @@ def kv_groups_of(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
             groups.append(KvCacheGroup(index, names))
         elif kind in _MLA_SPECS and not is_indexer(spec):
             groups.append(KvCacheGroup(index, names, latent=True))
+        elif kind == "UniformTypeKVCacheSpecs" and latent_with_indexer(spec):
+            indexer = tuple(n for n in names if is_indexer(spec.kv_cache_specs[n]))
+            groups.append(KvCacheGroup(index, names, latent=True, indexer_layers=indexer,
+                                       indexer_head_size=int(spec.kv_cache_specs[indexer[0]].head_size)))
         elif kind in _SLIDING_SPECS and not getattr(spec, "extra_retained_tokens", 0):
             groups.append(KvCacheGroup(index, names, int(spec.sliding_window)))
         elif kind in _STATE_SPECS and getattr(spec, "mamba_cache_mode", "align") == "align":
@@ -146,6 +157,14 @@ def kv_groups_of(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
 def is_indexer(spec: Any) -> bool:
     """DeepSeek-V3.2's indexer keys: an ``MLAAttentionSpec`` whose ``cache_role`` is indexer (not a latent)."""
     return str(getattr(getattr(spec, "cache_role", ""), "value", "")) == "indexer"
+
+
+def latent_with_indexer(spec: Any) -> bool:
+    """A ``UniformTypeKVCacheSpecs`` of MLA latents and DeepSeek-V3.2 indexer keys of one width (both present)."""
+    members = list((getattr(spec, "kv_cache_specs", None) or {}).values())
+    indexer = [s for s in members if is_indexer(s)]
+    return (all(type(s).__name__ in _MLA_SPECS for s in members) and 0 < len(indexer) < len(members)
+            and len({int(s.head_size) for s in indexer}) == 1)
 
 
 def _dtype_name(dtype: Any) -> str:

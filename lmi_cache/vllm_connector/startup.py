@@ -2,10 +2,10 @@
 
 Runs in the vLLM scheduler and worker processes, once, when vLLM builds the
 connector. A chunk size vLLM's paged cache cannot hold is refused here with one
-line naming the setting, and so is a model whose KV cache groups hold
-DeepSeek-V3.2's sparse-attention indexer keys, which the connector does not
-store (MLA latent groups alone, DeepSeek V2/V3, Kimi K2, Mistral Large 3, are
-cached: ``lmi_cache.keys.kv_groups``).
+line naming the setting, and so is a model whose sparse-attention indexer keys
+sit in a KV cache group other than the one vLLM builds for DeepSeek-V3.2 (its
+latents and indexer keys together, cached like MLA latent groups of DeepSeek
+V2/V3, Kimi K2, Mistral Large 3: ``lmi_cache.keys.kv_groups``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lmi_cache.errors import ConfigError
-from lmi_cache.keys.kv_groups import is_indexer
+from lmi_cache.keys.kv_groups import is_indexer, latent_with_indexer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -105,29 +105,23 @@ def check_chunk_size(chunk_size: int, block_size: int) -> None:
 
 
 def refuse_indexer_caches(kv_cache_config: Any) -> None:
-    """One line naming the MLA latent and indexer layers of a group that holds DeepSeek-V3.2's indexer keys.
+    """One line naming the layers of a group holding DeepSeek-V3.2's indexer keys in a shape not cached.
 
     DeepSeek-V3.2 adds an indexer K cache per layer (``DeepseekV32IndexerCache``: an ``MLAAttentionSpec`` with
     ``cache_role`` indexer, uint8) and ``get_kv_cache_groups`` puts it in one ``UniformTypeKVCacheSpecs`` group
-    with the latent, each layer with its own page size and dtype. The connector's chunks hold one page layout
-    per group, so it refuses such a group at start rather than store part of the KV. (vLLM's CPU backend does
-    not run sparse MLA, so no end-to-end test could show such a cache restored.)
+    with the latent. That group is cached (latent and indexer blocks in each chunk, ``kv_groups``); indexer keys
+    in any other grouping (alone, or beside other kinds of layers) are refused here rather than stored in part.
     """
     for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
         spec = group.kv_cache_spec
         members = getattr(spec, "kv_cache_specs", None) or {name: spec for name in group.layer_names}
-        indexer = [s for s in members.values() if is_indexer(s)]
-        if not indexer:
+        names = [name for name, member in members.items() if is_indexer(member)]
+        if not names or latent_with_indexer(spec):
             continue
-        latent = [s for s in members.values() if type(s).__name__ == "MLAAttentionSpec" and not is_indexer(s)]
-        parts = [f"{len(cached)} {what} layers of {_token_bytes(cached[0]):,} B per token"
-                 for cached, what in ((latent, "MLA latent"), (indexer, "sparse-attention indexer key")) if cached]
         raise ConfigError(
-            f"KV cache group {index} ({type(spec).__name__}) holds {' and '.join(parts)}: lmi-cache's connector "
-            "does not store sparse-attention indexer caches; serve this model without KV offloading "
-            "(option.lmcache_auto_config=false, no --kv-transfer-config)"
+            f"KV cache group {index} ({type(spec).__name__}) holds {len(names)} sparse-attention indexer key layers "
+            f"({names[0]}..) and {len(members) - len(names)} other layers (not MLA latents only): lmi-cache's "
+            "connector stores indexer keys only in one group with the MLA latents of their model; serve this model "
+            "without KV offloading (option.lmcache_auto_config=false, no --kv-transfer-config)"
         )
 
-
-def _token_bytes(spec: Any) -> int:
-    return int(spec.page_size_bytes) // int(spec.block_size)

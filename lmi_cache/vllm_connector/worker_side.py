@@ -29,6 +29,9 @@ group (``ChunkTransfer.group``), so a chunk holds one group's layers only. A
 state group (Mamba layers) has a :class:`StateCopier` instead: a save gathers
 one block's state of every layer into one uint8 payload, a load scatters it
 into the one block named; a payload of another geometry is a load fault.
+A group that also holds DeepSeek-V3.2's indexer keys has a
+:class:`MixedPagedCopier`: its chunks carry the latent's and the indexer's
+blocks, each in its own layout, and the rank's layout tag names both.
 
 Every engine or transfer call is wrapped: a fault is a miss, a warning and a
 counter, never an exception into vLLM.
@@ -46,6 +49,7 @@ from lmi_cache.keys.kv_groups import KvCacheGroup, is_single_full_group
 from lmi_cache.metrics.counts import Count, RankCounts
 from lmi_cache.placement.messages import REMOTE, TierEvent
 from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
+from lmi_cache.transfer.mixed_copy import MixedPagedCopier
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
 from lmi_cache.transfer.state_copy import StateCopier
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
@@ -99,9 +103,10 @@ class WorkerSide:
         self._engine_factory = engine_factory
         self.engine: Engine | None = None
         self.layout: LayoutDescriptor | None = None
-        self.copier: PagedChunkCopier | None = None  # group 0's (the only one without the hybrid manager)
+        self.copier: PagedChunkCopier | MixedPagedCopier | None = None  # group 0's (the only one without the hybrid manager)
         self._groups = groups  # () or one full-attention group: every layer in one chunk, in vLLM's order
-        self._copiers: dict[int, PagedChunkCopier] = {}
+        self._copiers: dict[int, PagedChunkCopier | MixedPagedCopier] = {}
+        self._indexer_tag = ""  # the layout tag of both layouts when a group holds indexer keys
         self._states: dict[int, StateCopier] = {}  # state groups (Mamba layers)
         # Counted in the engine's registry once it exists (the first count, or the first step's report).
         self.stats = WorkerStats(lambda: self.engine.metrics if self.engine is not None else None, str(rank_index))
@@ -121,10 +126,14 @@ class WorkerSide:
         self._states = {g.index: StateCopier([kv_caches[name] for name in g.layer_names], g.state_shapes,
                                              g.state_dtypes) for g in state_groups}
         state_layers = {name for g in state_groups for name in g.layer_names}
-        # The attention layers alone define the KV layout; state pages are raw bytes described by their group.
-        attention = {name: kv for name, kv in kv_caches.items() if name not in state_layers}
+        indexer_layers = {name for g in self._groups for name in g.indexer_layers}
+        # The attention layers alone define the KV layout; state pages are raw bytes described by their group,
+        # DeepSeek-V3.2's indexer keys have a layout of their own (described below).
+        attention = {name: kv for name, kv in kv_caches.items() if name not in state_layers | indexer_layers}
         self.layout = describe_kv_caches(attention, self._geometry)
-        if not self._groups or is_single_full_group(self._groups):
+        if indexer_layers:
+            self._copiers = self._mixed_copiers(kv_caches)
+        elif not self._groups or is_single_full_group(self._groups):
             self._copiers = {0: PagedChunkCopier(list(attention.values()), self.layout, self._blocks_per_chunk)}
         else:
             self._copiers = {
@@ -136,16 +145,41 @@ class WorkerSide:
         self.engine.expect_chunks(max(self._chunk_bytes().values()))
         logger.info(
             "lmi-cache: rank %d registered %d KV layers in %d group(s), layout %s, %s bytes per chunk",
-            self.rank_index, len(kv_caches), len(self._copiers) + len(self._states), self.layout.tag,
+            self.rank_index, len(kv_caches), len(self._copiers) + len(self._states), self.layout_tag,
             "/".join(str(n) for n in self._chunk_bytes().values()),
         )
+
+    def _mixed_copiers(self, kv_caches: Mapping[str, torch.Tensor]) -> dict[int, PagedChunkCopier | MixedPagedCopier]:
+        """Copiers when a group holds DeepSeek-V3.2's indexer keys: that group's chunks carry both layouts."""
+        assert self.layout is not None
+        copiers: dict[int, PagedChunkCopier | MixedPagedCopier] = {}
+        for g in self._groups:
+            latent = [kv_caches[name] for name in g.layer_names if name not in g.indexer_layers]
+            if not g.indexer_layers:
+                if not g.is_state:
+                    copiers[g.index] = PagedChunkCopier(latent, self.layout, self._blocks_per_chunk)
+                continue
+            geometry = ExpectedGeometry(self._geometry.block_size_tokens, 1, g.indexer_head_size, is_mla=True)
+            indexer = describe_kv_caches({name: kv_caches[name] for name in g.indexer_layers}, geometry)
+            self._indexer_tag = "+indexer.".join(f"{d.tag}.{'x'.join(map(str, d.block_shape))}"
+                                                 for d in (self.layout, indexer))
+            copiers[g.index] = MixedPagedCopier(
+                [(latent, self.layout), ([kv_caches[name] for name in g.indexer_layers], indexer)],
+                self._blocks_per_chunk)
+        return copiers
+
+    @property
+    def layout_tag(self) -> str:
+        """This rank's KV layout in the chunk-key namespace: both layouts when a group mixes indexer keys in."""
+        assert self.layout is not None
+        return self._indexer_tag or self.layout.tag
 
     def _chunk_bytes(self) -> dict[int, int]:
         """Payload bytes of one chunk per group (a state group's: one boundary state), in group order."""
         copiers = self._all_copiers()
         return {g: copiers[g].chunk_bytes for g in sorted(copiers)}
 
-    def _all_copiers(self) -> dict[int, PagedChunkCopier | StateCopier]:
+    def _all_copiers(self) -> dict[int, PagedChunkCopier | MixedPagedCopier | StateCopier]:
         """Every group's copier: paged for attention groups, a state copier for state groups."""
         return {**self._copiers, **self._states}
 
@@ -254,7 +288,7 @@ class WorkerSide:
             return False
 
     def _scatter(self, meta: LmiConnectorMetadata, batch: list[tuple[int, ChunkObject]],
-                 copier: PagedChunkCopier) -> list[int]:
+                 copier: PagedChunkCopier | MixedPagedCopier) -> list[int]:
         """Copy one batch of one group's hits into the paged cache in one kernel call; the positions that landed."""
         transfers = [meta.loads[position] for position, _ in batch]
         try:
@@ -348,7 +382,8 @@ class WorkerSide:
                 self._save_group(engine, transfers, copier)
         self.stats.add(WorkerStats.save_seconds, time.perf_counter() - started)
 
-    def _save_group(self, engine: Engine, transfers: list[ChunkTransfer], copier: PagedChunkCopier | StateCopier) -> None:
+    def _save_group(self, engine: Engine, transfers: list[ChunkTransfer],
+                    copier: PagedChunkCopier | MixedPagedCopier | StateCopier) -> None:
         keys = [t.keys[self.rank_index] for t in transfers]
         directed = all(t.tiers for t in transfers)
         block_ids = [t.block_ids for t in transfers]
@@ -393,7 +428,7 @@ class WorkerSide:
         self.stats.attach(self.engine.metrics)  # the series are present from the first step, at 0
         rank = self.rank_index
         return LmiWorkerMeta(
-            layout_tags={rank: self.layout.tag},
+            layout_tags={rank: self.layout_tag},
             chunk_bytes={rank: self._chunk_bytes()},
             stored={rank: stored} if stored else {},
             failed={rank: failed} if failed else {},

@@ -88,6 +88,6 @@ def test_deepseek_v32_plan_golden_at_tp8() -> None:
     assert plan["model"]["kv_bytes_per_token"] == plan["model"]["kv_bytes_per_token_per_rank"] == 78_324
     first = plan["explanation"][0]
     assert "61 layers x latent 576" in first and "61 layers x 132 B (indexer keys)" in first
-    assert any(w.startswith("sparse MLA model: lmi-cache's connector refuses its indexer key cache at start")
+    assert any(w.startswith("sparse MLA model: lmi-cache's connector stores the latent and its indexer keys")
                for w in plan["warnings"])
     _golden("plan_deepseek_v32_tp8_p5en.json", result.stdout)

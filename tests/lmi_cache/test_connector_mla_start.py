@@ -1,4 +1,4 @@
-"""MLA models at connector start: vLLM's own KV cache groups for DeepSeek V3 (cached) and V3.2 (refused).
+"""MLA models at connector start: vLLM's own KV cache groups for DeepSeek V3 and V3.2 (both cached).
 
 Imports vLLM (its spec classes and ``get_kv_cache_groups``), starts no engine. The specs are built as vLLM
 0.32's layers build them: ``MLAAttention.get_kv_cache_spec`` for the latent (576 values, bf16) and
@@ -54,14 +54,11 @@ def test_a_deepseek_v3_latent_group_is_cached_as_one_mla_group() -> None:
     assert group.kind == "mla" and group.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in range(3))
 
 
-def test_a_group_with_indexer_keys_is_refused_at_start_naming_each_cache() -> None:
-    from lmi_cache.errors import ConfigError
+def test_a_deepseek_v32_group_is_cached_as_one_mla_group_with_its_indexer_keys() -> None:
     from lmi_cache.vllm_connector.connector import _kv_groups
 
-    with pytest.raises(ConfigError) as err:
-        _kv_groups(_vllm_groups(_specs(3, indexer=True)))
-    message = str(err.value)
-    assert ("KV cache group 0 (UniformTypeKVCacheSpecs) holds 3 MLA latent layers of 1,152 B per token and 3 "
-            "sparse-attention indexer key layers of 132 B per token: lmi-cache's connector does not store "
-            "sparse-attention indexer caches") in message
-    assert "serve this model without KV offloading" in message and "\n" not in message
+    (group,) = _kv_groups(_vllm_groups(_specs(3, indexer=True)))
+    indexer = tuple(f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(3))
+    assert group.kind == "mla" and group.indexer_layers == indexer and group.indexer_head_size == 132
+    assert set(group.layer_names) == set(indexer) | {f"model.layers.{i}.self_attn.attn" for i in range(3)}
+    assert "mla+indexer132" in group.key_tag

@@ -17,6 +17,7 @@ from placement_helpers import directory, stored
 from test_scheduler_side import key_space, output, request
 from test_worker_side import FakeEngine, keys
 
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.keys.kv_groups import (
     MLA,
     KvCacheGroup,
@@ -84,6 +85,12 @@ def test_a_hit_restores_every_latent_layer_byte_for_byte(shape: tuple[int, ...],
     saved = [layer[1:5].clone() for layer in layers]
     for layer in layers:  # another request's KV now sits in the blocks the hit will land in
         layer[6:10] = torch.randn(layer[6:10].shape, generator=gen).to(dtype)
+    load_two_chunks_and_compare(worker, k, layers, saved, chunk_bytes)
+
+
+def load_two_chunks_and_compare(worker: WorkerSide, k: list[ChunkKey], layers: list[torch.Tensor],
+                                saved: list[torch.Tensor], chunk_bytes: int) -> None:
+    """Load chunks ``k`` into blocks 6..9 of every layer: they must equal ``saved`` byte for byte."""
     worker.load(LmiConnectorMetadata(loads=[ChunkTransfer("q", (k[0],), (6, 7), 0, 0),
                                             ChunkTransfer("q", (k[1],), (8, 9), 0, 0)]))
     for layer, before in zip(layers, saved):
