@@ -62,6 +62,7 @@ class ConfigureResult:
     env: dict[str, str] = field(default_factory=dict)
     vllm_args: list[str] = field(default_factory=list)
     messages: list[str] = field(default_factory=list)
+    arg_notes: list[str] = field(default_factory=list)  # why configure added vLLM arguments no option named
 
 
 def default_output_dir(env: Mapping[str, str]) -> Path:
@@ -138,8 +139,8 @@ def configure(
     # A params.json-only directory: vLLM reads it the Mistral way only when told (config, tokenizer, weights).
     format_args, format_note = mistral_format_args(Path(model or props.model_id or mdir), mapped.values)
     args += format_args
-    if format_note:
-        messages.append(f"note: {format_note}")  # serve's summary says it from its own mapping
+    arg_notes = [format_note] if format_note else []
+    messages += [f"note: {n}" for n in arg_notes]
     if plan is not None:
         plan = replace(plan, vllm_args=args)
         files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
@@ -160,7 +161,7 @@ def configure(
         if check_output:
             check_runtime_dir(out)
         written = {}
-    return ConfigureResult(mode, out, written, props, plan, run_env, args, messages)
+    return ConfigureResult(mode, out, written, props, plan, run_env, args, messages, arg_notes)
 
 
 def plan_for(props: ResolvedProperties, mdir: Path, host: "HostSnapshot", env: Mapping[str, str],

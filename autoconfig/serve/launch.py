@@ -25,7 +25,6 @@ from autoconfig.serve.engine_args import mapped_options
 from autoconfig.lmi.names import SECRET_OPTIONS
 from autoconfig.lmi.to_vllm import MappedArgs
 from autoconfig.lmi.properties import ResolvedProperties
-from autoconfig.model.mistral import mistral_format_args
 from autoconfig.model.s3 import is_s3, materialize_s3_model
 from autoconfig.serve.summary import serve_summary
 from autoconfig.serve.checks import (
@@ -181,8 +180,7 @@ def _launch(props: ResolvedProperties, mapped: MappedArgs, mdir: Path, model: st
         overridden, tiers = check_user_config(props, checked, host, env, planned=result.plan)
         findings += [f for f in overridden if f not in findings]
     auto_plan = _auto_comparison(props, mdir, host, env, checked) if dry_run and result.mode != "auto" else None
-    _, format_note = mistral_format_args(Path(checked), mapped.values)  # configure added the flags; say why
-    notes = mapped.notes + ([format_note] if format_note else [])
+    notes = mapped.notes + result.arg_notes
     summary = serve_summary(props, result.mode, model, address, notes, result.messages, findings, env_set,
                             (result.plan or tiers, auto_plan), env)  # auto: planned values, overrides beside them
     summary[-1:-1] = front.summary
