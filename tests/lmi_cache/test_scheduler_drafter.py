@@ -14,7 +14,7 @@ from lmi_cache.vllm_connector.startup import drafter_identity, drafter_planning
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.vllm_connector.metadata import LmiWorkerMeta
 from placement_helpers import directory
-from test_scheduler_side import BLOCK, CHUNK, PROMPT, TAG, key_space, new_req, output, request, warm
+from test_scheduler_side import BLOCK, CHUNK, PROMPT, TAG, key_space, new_req, output, planned_hit, request, warm
 
 FULL = KvCacheGroup(0, ())
 STATE = KvCacheGroup(1, ("layers.0.mixer",), state_shapes=((3, 8),), state_dtypes=("float32",))
@@ -59,10 +59,7 @@ def test_min_retrieve_applies_after_the_back_off() -> None:
 def test_an_eagle_hit_loads_up_to_the_block_before_its_last_one() -> None:
     side = drafter_side()
     warm(side, PROMPT)
-    req = request("r", PROMPT)
-    assert side.get_num_new_matched_tokens(req, 0) == (48, False)
-    side.update_state_after_alloc(req, 48)
-    meta = side.build_connector_meta(output([new_req("r", [7, 8, 9, 10, 11], 48)], {"r": 27}))
+    meta = planned_hit(side, PROMPT, 48, [7, 8, 9, 10, 11], scheduled=27)
     # Chunk 1 is loaded in part: only its first block; its second is recomputed (drafter KV included).
     assert [(t.block_ids, t.block_offset) for t in meta.loads] == [((7, 8), 0), ((9,), 0)]
     assert not meta.saves  # chunk 1 is stored already

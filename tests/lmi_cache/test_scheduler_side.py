@@ -69,6 +69,15 @@ def store_all(side: SchedulerSide, meta: LmiConnectorMetadata) -> None:
     side.update_from_workers(stored(by_rank, layout_tags={0: TAG}))
 
 
+def planned_hit(side: SchedulerSide, tokens: list[int], hit_tokens: int, block_ids: list[int], scheduled: int,
+                req_id: str = "r") -> LmiConnectorMetadata:
+    """A repeat of stored tokens: checks the hit vLLM is told, allocates it, returns the step's plan."""
+    req = request(req_id, tokens)
+    assert side.get_num_new_matched_tokens(req, 0) == (hit_tokens, False)
+    side.update_state_after_alloc(req, hit_tokens)
+    return side.build_connector_meta(output([new_req(req_id, block_ids, hit_tokens)], {req_id: scheduled}))
+
+
 def warm(side: SchedulerSide, tokens: list[int], req_id: str = "w") -> LmiConnectorMetadata:
     req = request(req_id, tokens)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -94,10 +103,7 @@ def test_cold_prefill_saves_full_chunks_only() -> None:
 def test_warm_request_loads_leading_chunks_block_aligned() -> None:
     side = make_side()
     warm(side, PROMPT)
-    req = request("r", PROMPT)
-    assert side.get_num_new_matched_tokens(req, 0) == (64, False)
-    side.update_state_after_alloc(req, 64)
-    meta = side.build_connector_meta(output([new_req("r", [7, 8, 9, 10, 11], 64)], {"r": 11}))
+    meta = planned_hit(side, PROMPT, 64, [7, 8, 9, 10, 11], scheduled=11)
     assert [(t.block_ids, t.block_offset) for t in meta.loads] == [((7, 8), 0), ((9, 10), 0)]
     assert not meta.saves  # both full chunks are already stored
     assert side.stats.num_load_tokens == 64
