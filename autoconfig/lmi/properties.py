@@ -57,6 +57,9 @@ from autoconfig.lmi.option_values import (
 from autoconfig.lmi.workers import canonical_name, check_server_keys, default_replicas, lmi_devices, noted, worker_gpus
 from autoconfig.plan.settings import ServingSettings, TierOverrides
 from lmi_cache.errors import UserError
+from lmi_cache.plain_files import PlainFileError, read_text_file
+
+MAX_PROPERTIES_BYTES = 1 << 20  # a serving.properties is a few dozen lines; refuse anything absurd
 
 PROPERTIES_FILE = "serving.properties"
 ENV_SOURCE = "environment"
@@ -167,9 +170,9 @@ def resolve_properties(
     repeats: list[str] = []
     if path is not None:
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise PropertiesError(f"{path}: cannot read ({err.__class__.__name__}: {err}); fix its permissions/encoding")
+            text = read_text_file(str(path), MAX_PROPERTIES_BYTES)
+        except PlainFileError as err:
+            raise PropertiesError(f"{path}: {err}; fix its permissions/encoding") from None
         file_props, lines, repeats = parse_properties_lines(text, str(path))
     notes = repeats + check_server_keys(file_props, str(path))
     starts = lmi_devices(file_props, str(path), gpu_count)

@@ -7,13 +7,13 @@ per token we plan with are the bytes vLLM will allocate on a CUDA host.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from autoconfig.model.mla import mla_geometry, packed_latent
 from autoconfig.model.ssm import HybridModelError, StateLayout, state_layout_from_config
 from lmi_cache.config.values import show
+from lmi_cache.plain_files import whole_number
 from lmi_cache.errors import UserError
 from lmi_cache.kv_layout import KV_DTYPE_BYTES, KvLayout, SideCache
 
@@ -202,13 +202,11 @@ def _opt_int(section: Mapping[str, Any], name: str, prefix: str, source: str) ->
 def _positive(value: Any, key: str, source: str) -> int:
     # JSON numbers like 4096.0 are accepted; True (a bool is an int), NaN, inf and huge values are not.
     limit = _BOUNDS.get(key.rpartition(".")[2], MAX_DIMENSION)
-    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-    if isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
-        number = None
+    number = whole_number(value)
     if number is None or not 0 < number <= limit:
         raise ModelConfigError(f"{source}: '{key}' must be a positive integer up to {limit:,}, got {show(value)}; "
                                "fix the config.json")
-    return int(number)
+    return number
 
 
 def _kv_heads(text: Mapping[str, Any], model_type: str, num_heads: int, prefix: str,

@@ -7,11 +7,11 @@ is read through ``_count``: a bounded non-negative integer or a one-line
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 from autoconfig.model.kv import ModelConfigError, text_section
 from lmi_cache.config.values import show
+from lmi_cache.plain_files import whole_number
 
 __all__ = ["bytes_per_param", "estimate_num_params"]
 
@@ -91,12 +91,11 @@ def _count(section: Mapping[str, Any], names: tuple[str, ...], default: int, pre
         value = section.get(name)
         if value is None or value == 0:
             continue
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_COUNT:
+        number = whole_number(value)
+        if number is None or not 0 <= number <= _MAX_COUNT:
             raise ModelConfigError(f"'{prefix}{name}' must be a non-negative integer up to {_MAX_COUNT:,} to "
                                    f"estimate the weights, got {show(value)}; fix the config.json")
-        return value
+        return number
     return default
 
 

@@ -19,6 +19,7 @@ from autoconfig.model.kv import KvLayoutInfo, ModelConfigError, kv_layout_from_c
 from autoconfig.model.mistral import PARAMS_FILE, adapt_params
 from autoconfig.model.params import bytes_per_param, estimate_num_params
 from lmi_cache.errors import UserError, path_length_problem
+from lmi_cache.plain_files import PlainFileError, read_text_file, refuse_json_constant
 
 __all__ = ["ModelInfo", "ModelNotFoundError", "estimate_num_params", "hf_hub_cache_dir",
            "load_model_info", "read_config", "resolve_config_path"]
@@ -214,18 +215,12 @@ def read_config(path: Path) -> dict[str, Any]:
     to convert and nesting deeper than the parser allows each give one clear line.
     """
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ModelConfigError(f"{path}: cannot read ({exc.strerror or exc}); check the path and permissions") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ModelConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB; pass the model's config.json")
+        text = read_text_file(str(path), MAX_CONFIG_BYTES, encoding="utf-8-sig")
+    except PlainFileError as err:
+        advice = "check the path and permissions" if err.kind in ("missing", "unreadable") else "pass the model's config.json"
+        raise ModelConfigError(f"{path}: {err}; {advice}") from None
     try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise ModelConfigError(f"{path}: not a UTF-8 text file; pass the model's config.json") from None
-    try:
-        data = json.loads(text, parse_constant=_refuse_constant)
+        data = json.loads(text, parse_constant=refuse_json_constant)
     except json.JSONDecodeError as exc:
         raise ModelConfigError(f"{path}: not valid JSON (line {exc.lineno} column {exc.colno}: {exc.msg}); "
                                "fix or re-download the file") from None
@@ -238,10 +233,6 @@ def read_config(path: Path) -> dict[str, Any]:
         raise ModelConfigError(f"{path}: expected a JSON object, got {type(data).__name__}; "
                                "pass the model's config.json")
     return data
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"the JSON literal {name} is not a number a model config can use")
 
 
 def _weights(model_dir: Path, config: Mapping[str, Any]) -> tuple[int, str]:

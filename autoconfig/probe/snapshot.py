@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from lmi_cache.errors import UserError
+from lmi_cache.plain_files import PlainFileError, read_text_file, refuse_json_constant
 
 
 class SnapshotError(UserError):
@@ -104,16 +105,11 @@ def load_snapshot_file(path: str) -> HostSnapshot:
     import json
 
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(_MAX_FILE_BYTES + 1)
-    except OSError as err:
-        raise SnapshotError(f"--host-snapshot {path}: cannot read ({err.strerror or err})") from None
-    if len(raw) > _MAX_FILE_BYTES:
-        raise SnapshotError(f"--host-snapshot {path}: larger than {_MAX_FILE_BYTES >> 20} MiB; use 'lmi-cache probe --json'")
+        text = read_text_file(path, _MAX_FILE_BYTES)
+    except PlainFileError as err:
+        raise SnapshotError(f"--host-snapshot {path}: {err}; use 'lmi-cache probe --json'") from None
     try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except UnicodeDecodeError:
-        raise SnapshotError(f"--host-snapshot {path}: not UTF-8 text; use 'lmi-cache probe --json'") from None
+        data = json.loads(text, parse_constant=refuse_json_constant)
     except json.JSONDecodeError as err:
         raise SnapshotError(f"--host-snapshot {path}: not valid JSON (line {err.lineno} column {err.colno}: {err.msg}); "
                             "use 'lmi-cache probe --json'") from None
@@ -121,10 +117,6 @@ def load_snapshot_file(path: str) -> HostSnapshot:
         raise SnapshotError(f"--host-snapshot {path}: not a host snapshot (NaN/Infinity, an over-long number or too deep "
                             "nesting); use 'lmi-cache probe --json'") from None
     return HostSnapshot.from_dict(data, path)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(name)
 
 
 def _mount_problem(mount: str) -> str | None:

@@ -19,6 +19,7 @@ import yaml
 
 from lmi_cache.config.yaml_reader import load_yaml
 from lmi_cache.errors import ConfigError
+from lmi_cache.plain_files import whole_number
 from lmi_cache.remote.url import parse_remote_url
 
 # Upper bounds: far above any real deployment, low enough that sizes stay exact
@@ -59,12 +60,8 @@ def parse_bool(value: Any, where: str) -> bool:
 
 def parse_int(value: Any, where: str, minimum: int = 0, maximum: int = MAX_TOKENS) -> int:
     """An integer in [minimum, maximum]; integral floats (256.0) are accepted, bools are not."""
-    parsed: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        parsed = value
-    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        parsed = int(value)
-    elif isinstance(value, str) and len(value) <= 40:
+    parsed = whole_number(value)
+    if isinstance(value, str) and len(value) <= 40:
         try:
             parsed = int(value.strip())
         except ValueError:

@@ -20,6 +20,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from lmi_cache.errors import ConfigError
+from lmi_cache.plain_files import PlainFileError, read_text_file
 
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 MAX_CONFIG_FILE_BYTES = 1 << 20  # an LMCache YAML is a few hundred bytes; refuse anything absurd
@@ -47,20 +48,13 @@ def read_yaml_mapping(path: str) -> Mapping[str, Any]:
     a nesting too deep for the parser each give one clear line, never a traceback.
     """
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_CONFIG_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file; fix {CONFIG_FILE_ENV} or the path given") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, not an LMCache YAML file; name the file") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read config file ({err.strerror or err}); check the path") from None
-    if len(raw) > MAX_CONFIG_FILE_BYTES:
-        raise ConfigError(f"{path}: larger than {MAX_CONFIG_FILE_BYTES // 1024} KiB; is this an LMCache YAML file?")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {err.start}); save it as UTF-8") from None
+        text = read_text_file(path, MAX_CONFIG_FILE_BYTES)
+    except PlainFileError as err:
+        advice = {"missing": f"fix {CONFIG_FILE_ENV} or the path given",
+                  "too_large": "is this an LMCache YAML file?", "encoding": "save it as UTF-8"}
+        if err.kind == "directory":
+            raise ConfigError(f"{path}: is a directory, not an LMCache YAML file; name the file") from None
+        raise ConfigError(f"{path}: {err}; {advice.get(err.kind, 'check the path')}") from None
     try:
         data = load_yaml(text, path)  # duplicate keys and alias bombs are ConfigErrors naming the line
     except yaml.YAMLError as err:

@@ -17,6 +17,8 @@ import os
 import re
 from typing import Any, Awaitable, Callable, MutableMapping
 
+from lmi_cache.plain_files import refuse_json_constant
+
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
@@ -123,12 +125,8 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")  # NaN/Infinity: Python accepts them, vLLM's parser does not
-
-
 # Built once: json.loads with options builds a decoder per call, a measurable share of a small request.
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_DECODER = json.JSONDecoder(parse_constant=refuse_json_constant)  # NaN/Infinity: vLLM's parser refuses them
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _ASCII_ENCODER = json.JSONEncoder(separators=(",", ":"))
 

@@ -301,7 +301,7 @@ _BASE = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "nu
         ('{"hidden_size": Infinity}', "Infinity"),
         ('{"hidden_size": ' + "9" * 5000 + "}", "too many digits"),
         ("[" * 100000 + "]" * 100000, "nested too deeply"),
-        (b"\xff\xfe{}", "not a UTF-8"),
+        (b"\xff\xfe{}", "not UTF-8 text"),
     ],
 )
 def test_hostile_json_is_one_line(tmp_path: Path, raw: str | bytes, needle: str) -> None:
