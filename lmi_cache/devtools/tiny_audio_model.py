@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from lmi_cache.devtools.tiny_model import CHAT_TEMPLATE, _train_tokenizer
+from lmi_cache.devtools.tiny_model import CHAT_TEMPLATE, _train_tokenizer, seeded_init
 
 _RECIPE_VERSION = 1
 AUDIO_TOKENS = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
@@ -83,7 +83,6 @@ def _write_processor(out_dir: Path, tokenizer: Any) -> None:
 
 
 def _write_model(out_dir: Path, seed: int, audio_token_id: int, vocab_size: int) -> None:
-    import torch
     from safetensors.torch import load_file, save_file
     from transformers import Qwen2AudioConfig, Qwen2AudioEncoderConfig, Qwen2AudioForConditionalGeneration, Qwen2Config
 
@@ -95,8 +94,8 @@ def _write_model(out_dir: Path, seed: int, audio_token_id: int, vocab_size: int)
                        tie_word_embeddings=False)
     config = Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=audio_token_id)
     config.dtype = "float32"
-    torch.manual_seed(seed)
-    model = Qwen2AudioForConditionalGeneration(config).float().eval()
+    with seeded_init(seed):
+        model = Qwen2AudioForConditionalGeneration(config).float().eval()
     model.save_pretrained(str(out_dir), safe_serialization=True)
     for weights in out_dir.glob("*.safetensors"):
         tensors = load_file(str(weights))

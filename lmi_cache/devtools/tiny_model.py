@@ -25,12 +25,18 @@ from __future__ import annotations
 import fcntl
 import json
 import sysconfig
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 from pathlib import Path
 
 # Version of what this module writes: bump to invalidate cached model folders.
 _RECIPE_VERSION = 2
+# Transformers initialises weights from torch's process-wide RNG: two models built at once in two threads would
+# interleave their draws (different weights for the same seed), so building holds this lock.
+_BUILD_LOCK = threading.Lock()
 
 # vLLM arguments the hybrid shape needs on the CPU backend with prefix caching: every prefill
 # step then ends on a 128-token block boundary, where "align" mode keeps the Mamba state.
@@ -137,11 +143,24 @@ def _write_model(out_dir: Path, spec: TinyModelSpec, seed: int) -> None:
 
     config = _hf_config(spec)
     config.dtype = "float32"  # saved as the checkpoint dtype; vLLM then serves float32 when asked
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).float()
+    with seeded_init(seed):
+        model = AutoModelForCausalLM.from_config(config).float()
     if spec.family == "gemma2":
         _amplify_gemma2_blocks(model)
     model.save_pretrained(str(out_dir), safe_serialization=True)
+
+
+@contextmanager
+def seeded_init(seed: int) -> Iterator[None]:
+    """Weights initialised inside draw from torch's RNG seeded with ``seed``, one builder at a time.
+
+    The caller's RNG state is restored afterwards.
+    """
+    import torch
+
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def _amplify_gemma2_blocks(model: Any) -> None:
