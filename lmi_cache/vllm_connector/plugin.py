@@ -7,10 +7,15 @@ the model is built. It wraps ``BaseModelLoader.load_model`` (the one call every
 model loader goes through) to keep a weak reference to the result: no fork of
 vLLM, no change to the model, and nothing kept alive after vLLM drops it.
 Calling ``register`` twice wraps once.
+
+It also routes the ``lmi_cache`` loggers through vLLM's log handlers: they have
+none of their own, so without this Python's last-resort handler printed their
+warnings bare and their info lines never reached the server's log.
 """
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from typing import Any
 
@@ -33,8 +38,42 @@ def remember_model(model: Any) -> None:
         _model_ref = None
 
 
+class HostHandler(logging.Handler):
+    """Hands each record to the host logger's handlers as they are when it is emitted.
+
+    vLLM configures its logging lazily (per engine, from its LoggingConfig) and
+    may replace its handlers later, so they are looked up per record, not
+    copied once. Before vLLM has a handler (or with its logging turned off)
+    a record goes where Python would have put it (the root logger's handlers).
+    """
+
+    def __init__(self, host: logging.Logger) -> None:
+        super().__init__()
+        self.host = host
+
+    def emit(self, record: logging.LogRecord) -> None:
+        handlers = self.host.handlers
+        if not handlers:  # where the record went before it was routed: the root logger's handlers, else stderr
+            logging.getLogger().handle(record)
+            return
+        for handler in handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def route_logs_through(ours: logging.Logger, host: logging.Logger, level: str) -> None:
+    """``ours`` prints through ``host``'s handlers (vLLM's format and stream) from ``level`` up, unless set up already."""
+    if ours.handlers:  # configured by the user (or routed already)
+        return
+    ours.addHandler(HostHandler(host))
+    ours.setLevel(logging.getLevelName(level.upper()) if level.upper() in logging.getLevelNamesMapping() else logging.INFO)
+    ours.propagate = False  # the root logger of a host application would print each line twice
+
+
 def register() -> None:
     """The plugin entry point (``vllm.general_plugins``)."""
+    route_logs_through(logging.getLogger("lmi_cache"), logging.getLogger("vllm"),
+                       os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
     try:
         from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     except ImportError as err:  # a vLLM without this loader: blending will find the model another way

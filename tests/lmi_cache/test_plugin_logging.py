@@ -1,0 +1,53 @@
+"""The lmi_cache loggers print through vLLM's handlers once the plugin registers (fast tier: loggers made here)."""
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from lmi_cache.vllm_connector.plugin import route_logs_through
+
+
+def _add_handler(host: logging.Logger, stream: io.StringIO) -> None:
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("HOST %(name)s %(levelname)s %(message)s"))
+    host.addHandler(handler)
+
+
+def test_info_lines_reach_handlers_the_host_gets_later_in_its_format() -> None:
+    host, ours = logging.getLogger("fake-vllm-a"), logging.getLogger("lmi_cache_test_routing_a")
+    route_logs_through(ours, host, "INFO")
+    stream = io.StringIO()
+    _add_handler(host, stream)  # vLLM configures its logging after plugins load
+    logging.getLogger("lmi_cache_test_routing_a.tiers").info("adapter keyed")
+    ours.debug("below the level")
+    assert stream.getvalue() == "HOST lmi_cache_test_routing_a.tiers INFO adapter keyed\n"
+    assert ours.propagate is False
+
+
+def test_the_level_follows_vllms_setting() -> None:
+    host, ours = logging.getLogger("fake-vllm-b"), logging.getLogger("lmi_cache_test_routing_b")
+    stream = io.StringIO()
+    _add_handler(host, stream)
+    route_logs_through(ours, host, "debug")
+    ours.debug("detail")
+    assert stream.getvalue() == "HOST lmi_cache_test_routing_b DEBUG detail\n"
+
+
+def test_a_logger_with_its_own_handler_is_left_alone() -> None:
+    host, ours = logging.getLogger("fake-vllm-c"), logging.getLogger("lmi_cache_test_routing_c")
+    stream, own = io.StringIO(), io.StringIO()
+    _add_handler(host, stream)
+    ours.addHandler(logging.StreamHandler(own))
+    route_logs_through(ours, host, "INFO")
+    ours.warning("mine")
+    assert stream.getvalue() == "" and own.getvalue() == "mine\n"
+
+
+def test_records_go_to_the_root_logger_before_the_host_logs_anywhere(caplog: pytest.LogCaptureFixture) -> None:
+    ours = logging.getLogger("lmi_cache_test_routing_d")
+    route_logs_through(ours, logging.getLogger("fake-vllm-unconfigured"), "INFO")
+    ours.debug("below the level")
+    ours.warning("loud")
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [("lmi_cache_test_routing_d", "loud")]
