@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import zmq
-
 from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkFormatError, ChunkHeader, payload_checksum, unpack_header
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.peer.protocol import PROTOCOL, ChunkLocation, PeerIdentity, locations_from_wire, pack, unpack
+from lmi_cache.peer.control import PeerControl, PeerFault, PeerLink
+from lmi_cache.peer.hint import PeerAddress
+from lmi_cache.peer.protocol import ChunkLocation, PeerIdentity, locations_from_wire
 from lmi_cache.peer.transport import PeerTransport
 from lmi_cache.thread_affinity import unpin_current_thread
 
@@ -45,24 +45,6 @@ Allocate = Callable[[int], torch.Tensor | None]
 Recycle = Callable[[torch.Tensor], None]
 # Counts one fault of the peer tier by reason.
 CountFault = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class PeerAddress:
-    host: str
-    init_port: int  # the peer's p2p_init_ports port of rank 0 (what a router's hint names)
-
-
-@dataclass(frozen=True)
-class _Link:
-    session: str  # the peer engine's session id
-    lookup: str  # its lookup endpoint
-
-
-class PeerFault(Exception):
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 class PeerClient:
@@ -78,9 +60,7 @@ class PeerClient:
         self._allocate = allocate
         self._recycle = recycle
         self._count_fault = count_fault
-        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._links: dict[PeerAddress, _Link] = {}
-        self._refused: dict[PeerAddress, str] = {}
+        self._control = PeerControl(identity)
         self._lock = threading.Lock()  # one read at a time: the engine's sockets are cached per peer
         self._reads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmi-peer-read",
                                          initializer=unpin_current_thread)
@@ -93,8 +73,8 @@ class PeerClient:
         deadline = time.monotonic() + self.timeout_ms / 1000
         with self._lock:
             try:
-                link = self._link(peer, deadline)
-                reply = self._ask(link.lookup, {"op": "lookup", "digests": [k.digest for k in keys],
+                link = self._control.link(peer, self._rank, deadline)
+                reply = self._control.ask(link.lookup, {"op": "lookup", "digests": [k.digest for k in keys],
                                                 "lease_ms": self._lease_ms}, deadline)
                 lease = reply.get("lease")
                 try:
@@ -103,6 +83,8 @@ class PeerClient:
                 finally:
                     self._release(link, lease)
             except PeerFault as fault:
+                if fault.reason in ("unreachable", "timeout"):
+                    self._control.forget(peer)  # it may come back elsewhere (a restart picks a new engine port)
                 self._count_fault(fault.reason)
                 logger.debug("lmi-cache: peer %s:%d: %s", peer.host, peer.init_port, fault)
             except ValueError as err:
@@ -110,65 +92,15 @@ class PeerClient:
                 logger.debug("lmi-cache: peer %s:%d: %s", peer.host, peer.init_port, err)
         return results
 
-    def _link(self, peer: PeerAddress, deadline: float) -> _Link:
-        link = self._links.get(peer)
-        if link is not None:
-            return link
-        if peer in self._refused:
-            raise PeerFault("refused", self._refused[peer])
-        endpoint = f"tcp://{peer.host}:{peer.init_port}"
-        reply = self._ask(endpoint, {"op": "hello"}, deadline)
-        ports = reply.get("init_ports")
-        if self._rank and isinstance(ports, list) and len(ports) > self._rank:  # rank r reads rank r of the peer
-            reply = self._ask(f"tcp://{peer.host}:{int(ports[self._rank])}", {"op": "hello"}, deadline)
-        session, lookup_port = reply.get("session"), reply.get("lookup_port")
-        if not isinstance(session, str) or not isinstance(lookup_port, int):
-            raise PeerFault("bad_reply", "hello answer without session or lookup port")
-        link = _Link(session, f"tcp://{peer.host}:{lookup_port}")
-        self._links[peer] = link
-        return link
-
-    def _ask(self, endpoint: str, message: dict[str, Any], deadline: float) -> dict[str, Any]:
-        """One request and its reply within the deadline; a fresh socket each time (REQ cannot recover)."""
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0:
-            raise PeerFault("timeout", "no time left")
-        socket: zmq.Socket[bytes] = self._context.socket(zmq.REQ)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RCVTIMEO, remaining_ms)
-        socket.setsockopt(zmq.SNDTIMEO, remaining_ms)
-        try:
-            socket.connect(endpoint)
-            socket.send(pack({**message, "identity": self.identity.to_wire(), "protocol": PROTOCOL}))
-            reply = unpack(socket.recv())
-        except zmq.Again:
-            raise PeerFault("timeout", f"no answer from {endpoint}") from None
-        except zmq.ZMQError as err:
-            raise PeerFault("unreachable", f"{endpoint}: {err}") from None
-        finally:
-            socket.close(linger=0)
-        if not reply.get("ok"):
-            reason = str(reply.get("reason", "bad_reply"))
-            if reason == "refused":
-                self._refuse(endpoint, str(reply.get("detail", "")))
-            raise PeerFault(reason if reason in ("refused", "bad_request") else "bad_reply",
-                            str(reply.get("detail", "")))
-        return reply
-
-    def _refuse(self, endpoint: str, detail: str) -> None:
-        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-        self._refused[PeerAddress(host, int(port))] = detail
-        logger.warning("lmi-cache: peer %s refused (%s); not asked again", endpoint, detail)
-
-    def _release(self, link: _Link, lease: Any) -> None:
+    def _release(self, link: PeerLink, lease: Any) -> None:
         if not isinstance(lease, int):
             return
         try:
-            self._ask(link.lookup, {"op": "release", "lease": lease}, time.monotonic() + self.timeout_ms / 1000)
+            self._control.ask(link.lookup, {"op": "release", "lease": lease}, time.monotonic() + self.timeout_ms / 1000)
         except PeerFault:
             pass  # the lease ends on its own after lease_ms
 
-    def _read(self, link: _Link, keys: Sequence[ChunkKey], locations: list[ChunkLocation | None], deadline: float,
+    def _read(self, link: PeerLink, keys: Sequence[ChunkKey], locations: list[ChunkLocation | None], deadline: float,
               results: list[tuple[ChunkHeader, torch.Tensor] | None]) -> None:
         wanted: list[tuple[int, ChunkLocation, torch.Tensor]] = []
         for position, location in enumerate(locations):

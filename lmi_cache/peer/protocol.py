@@ -1,10 +1,12 @@
 """What peers say to each other over ZMQ (msgpack maps), and the identity they must share (worker process).
 
-Three requests, each answered by one reply on the same socket:
+Four requests, each answered by one reply on the same socket:
 
 - ``hello`` (the peer's ``p2p_init_ports`` port of the asker's rank): the
   asker's identity; the answer is the peer's transfer-engine session id and
   lookup port, or a refusal naming the field that differs.
+- ``has`` (the lookup port): digests; the answer says which the peer's CPU
+  tier holds now (the scheduler's question: nothing is pinned).
 - ``lookup`` (the lookup port): digests; the answer says, per digest, where
   the chunk object lies in the peer's registered memory (address, object
   bytes, payload checksum) or nothing, under one lease the peer keeps for
@@ -20,9 +22,12 @@ leasing nothing.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
+
+if TYPE_CHECKING:
+    from lmi_cache.keys.hashing import KeySpace
 
 # Bumped when the key scheme or the chunk format changes what a digest means.
 KEY_SCHEME = "lmi-cache-keys-1"
@@ -41,6 +46,11 @@ class PeerIdentity:
     tp_size: int
     pp_size: int
     key_scheme: str = KEY_SCHEME
+
+    @classmethod
+    def of(cls, space: KeySpace) -> PeerIdentity:
+        return cls(space.model, space.model_identity, space.kv_dtype, space.layout, space.chunk_size, space.tp_size,
+                   space.pp_size)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

@@ -3,7 +3,7 @@
 Each worker rank runs one: a thread serving two ZMQ reply sockets, the
 rank's ``p2p_init_ports`` port (``hello``: identity check, then the engine's
 session id and the lookup port) and its ``p2p_lookup_ports`` port
-(``lookup`` and ``release``, ``protocol`` says what they carry). A lookup
+(``has``, ``lookup`` and ``release``, ``protocol`` says what they carry). A lookup
 takes a reference to every chunk object the CPU tier holds among the
 digests and registers its buffer with the transfer engine, so eviction
 meanwhile only drops the tier's reference and the bytes stay put; the lease
@@ -126,6 +126,8 @@ class PeerServer:
             if op == "hello":
                 return {"ok": True, "session": self._transport.session_id, "lookup_port": self.lookup_port,
                         "init_ports": self._init_ports}
+            if op == "has":
+                return self._has(message.get("digests"))
             if op == "lookup":
                 return self._lease(message.get("digests"), message.get("lease_ms"))
             if op == "release":
@@ -137,8 +139,19 @@ class PeerServer:
         except Exception as err:  # noqa: BLE001 - a bad request never stops the server
             return {"ok": False, "reason": "bad_request", "detail": str(err)}
 
+    def _has(self, digests: Any) -> dict[str, Any]:
+        if not _digest_list(digests):
+            return {"ok": False, "reason": "bad_request", "detail": "digests must be a list of bytes"}
+        held = []
+        for digest in digests:
+            obj = self._holder(digest)
+            held.append(obj is not None)
+            if obj is not None:
+                obj.release()
+        return {"ok": True, "held": held}
+
     def _lease(self, digests: Any, lease_ms: Any) -> dict[str, Any]:
-        if not isinstance(digests, list) or not all(isinstance(d, bytes) for d in digests):
+        if not _digest_list(digests):
             return {"ok": False, "reason": "bad_request", "detail": "digests must be a list of bytes"}
         duration_ms = min(max(int(lease_ms or 0), 1), MAX_LEASE_MS)
         lease = _Lease(time.monotonic() + duration_ms / 1000)
@@ -186,6 +199,10 @@ class PeerServer:
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=5.0)
+
+
+def _digest_list(digests: Any) -> bool:
+    return isinstance(digests, list) and all(isinstance(d, bytes) for d in digests)
 
 
 def _bound_port(socket: zmq.Socket[bytes]) -> int:

@@ -11,7 +11,8 @@ import torch
 
 from lmi_cache.keys.chunk_format import ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.peer.client import PeerAddress, PeerClient
+from lmi_cache.peer.client import PeerClient
+from lmi_cache.peer.hint import PeerAddress
 from lmi_cache.peer.protocol import PeerIdentity
 from lmi_cache.peer.server import PeerServer
 from lmi_cache.peer.transport import PeerTransport, transport_available
