@@ -16,9 +16,10 @@ none): a reader checks the bytes it received against it and against its own
 key, so a buffer reused under a race, a damaged transfer or a hostile peer
 is a miss on the reader's side.
 
-``LMI_CACHE_TEST_PEER_CORRUPT=1`` (tests only) leases a copy of each chunk
-with one payload byte flipped, so end-to-end tests can prove a reader never
-loads bad bytes; the server warns at start when it is set.
+``LMI_CACHE_TEST_PEER_CORRUPT=<file>`` (tests only): while that file exists,
+the server leases a copy of each chunk with one payload byte flipped, so
+end-to-end tests can prove a reader never loads bad bytes from a live
+server; the server warns at start when the variable is set.
 """
 from __future__ import annotations
 
@@ -66,9 +67,11 @@ class PeerServer:
         self.identity = identity
         self._transport = transport
         self._holder = holder
-        self._corrupt = os.environ.get(CORRUPT_ENV) == "1" if corrupt_for_test is None else corrupt_for_test
-        if self._corrupt:
-            logger.warning("lmi-cache: %s=1: the peer server serves corrupted chunks (a test hook)", CORRUPT_ENV)
+        self._corrupt_flag = os.environ.get(CORRUPT_ENV, "")
+        self._corrupt_always = corrupt_for_test
+        if self._corrupt_flag:
+            logger.warning("lmi-cache: %s is set: the peer server serves corrupted chunks while %s exists (a test "
+                           "hook)", CORRUPT_ENV, self._corrupt_flag)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._init = self._bind(host, init_port)
         self._lookup = self._bind(host, lookup_port)
@@ -174,7 +177,7 @@ class PeerServer:
         """Register the object's bytes for the lease; its location, or None when the engine refuses."""
         buffer = obj.buffer[: obj.header.total_bytes]
         checksum = payload_checksum(obj.payload_array())
-        if self._corrupt:
+        if self._corrupting():
             buffer = buffer.clone()
             buffer[-1] ^= 0xFF
             lease.copies.append(buffer)
@@ -183,6 +186,11 @@ class PeerServer:
             return None
         lease.addresses.append(address)
         return [address, length, checksum]
+
+    def _corrupting(self) -> bool:
+        if self._corrupt_always is not None:
+            return self._corrupt_always
+        return bool(self._corrupt_flag) and os.path.exists(self._corrupt_flag)
 
     def _expire(self, now: float) -> None:
         for lease_id in [i for i, lease in self._leases.items() if lease.expires_at <= now]:
