@@ -11,22 +11,30 @@ worker leases chunks when it reads them), and it gives up after
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.metrics.series import RateLimitedWarner
 from lmi_cache.peer.control import PeerControl, PeerFault
 from lmi_cache.peer.hint import PeerAddress
 from lmi_cache.peer.protocol import PeerIdentity
 from lmi_cache.thread_affinity import unpin_current_thread
 
 
+logger = logging.getLogger(__name__)
+
+
 class PendingPeerLookup:
     """One in-flight question; ``poll()``: per key, whether the peer holds it, or None while asked."""
 
-    def __init__(self, future: Future[list[bool]], num_keys: int, deadline: float) -> None:
+    def __init__(self, future: Future[list[bool]], num_keys: int, deadline: float, peer: PeerAddress,
+                 warner: RateLimitedWarner) -> None:
         self._future = future
+        self._peer = peer
+        self._warner = warner
         self._num_keys = num_keys
         self._deadline = deadline
         self.outcome = "answered"
@@ -36,14 +44,18 @@ class PendingPeerLookup:
             try:
                 return self._future.result()
             except PeerFault as fault:
-                self.outcome = fault.reason
-            except Exception:  # noqa: BLE001 - any fault of the question is a miss
-                self.outcome = "bad_reply"
-            return [False] * self._num_keys
+                return self._miss(fault.reason, str(fault))
+            except Exception as err:  # noqa: BLE001 - any fault of the question is a miss
+                return self._miss("bad_reply", repr(err))
         if time.monotonic() > self._deadline:
-            self.outcome = "timeout"
-            return [False] * self._num_keys
+            return self._miss("timeout", "no answer in time")
         return None
+
+    def _miss(self, outcome: str, detail: str) -> list[bool]:
+        self.outcome = outcome
+        self._warner.warn(f"peer-{outcome}", f"lmi-cache: peer {self._peer.text} not asked ({detail}); its chunks "
+                                             "are misses")
+        return [False] * self._num_keys
 
 
 class PeerLookups:
@@ -53,6 +65,7 @@ class PeerLookups:
         self.timeout_ms = timeout_ms
         self._world_size = world_size
         self._control: PeerControl | None = None
+        self._warner = RateLimitedWarner(logger)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmi-peer-lookup",
                                         initializer=unpin_current_thread)
 
@@ -63,7 +76,7 @@ class PeerLookups:
         """``keys``: flat, every rank's key of a chunk in rank order, chunk after chunk."""
         deadline = time.monotonic() + self.timeout_ms / 1000
         future = self._pool.submit(self._ask, peer, list(keys), deadline)
-        return PendingPeerLookup(future, len(keys), deadline)
+        return PendingPeerLookup(future, len(keys), deadline, peer, self._warner)
 
     def _ask(self, peer: PeerAddress, keys: list[ChunkKey], deadline: float) -> list[bool]:
         control = self._control

@@ -102,6 +102,10 @@ def peer_series(server: Server, name: str) -> float:
     return sum(v for k, v in metric_values(server.url, name).items() if 'tier="peer"' in k)
 
 
+def peer_metrics(server: Server) -> dict[str, float]:
+    return {k: v for k, v in metric_values(server.url, "lmi_cache_").items() if "peer" in k}
+
+
 def cache_lines(server: Server) -> str:
     """The server's lmi-cache lines (what its peer tier said), for failure messages."""
     text = server.log_path.read_text(errors="replace")
@@ -118,7 +122,7 @@ def test_b_loads_a_document_from_a_and_answers_exactly(pair: dict[str, Any]) -> 
     loaded = peer_series(b, "lmi_cache_loaded_tokens_total") - before
     cached = on_b["usage"]["prompt_tokens_details"]["cached_tokens"]
     print(f"B: cold prefill {cold_s * 1000:.0f} ms, from peer A {peer_s * 1000:.0f} ms ({cached} tokens from A)")
-    assert loaded >= 2048 and cached >= 2048, cache_lines(a) + cache_lines(b)
+    assert loaded >= 2048 and cached >= 2048, (peer_metrics(b), cache_lines(a) + cache_lines(b))
     assert_same_answer(on_b, on_a)
     assert peer_series(b, "lmi_cache_tier_hit_tokens_total") >= loaded
 
@@ -132,7 +136,7 @@ def test_corrupted_bytes_from_a_are_misses_on_b(pair: dict[str, Any]) -> None:
         on_b, _ = complete(b, document("damaged"), pair["hint"])
     finally:
         pair["flag"].unlink()
-    assert peer_series(b, "lmi_cache_corrupted_reads_total") > before, b.log_tail()
+    assert peer_series(b, "lmi_cache_corrupted_reads_total") > before, (peer_metrics(b), cache_lines(b))
     assert_same_answer(on_b, on_a)
 
 
