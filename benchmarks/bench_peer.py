@@ -22,14 +22,16 @@ the CPU-tier hit measured in the same rounds.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from interleaved import medians  # noqa: E402
 
 from lmi_cache.config.cache_config import config_from_dict  # noqa: E402
 from lmi_cache.devtools.redis_server import RedisServer, free_port  # noqa: E402
@@ -78,8 +80,12 @@ def bench_size(redis_url: str, chunk_mib: float, doc_chunks: int, rounds: int) -
     nodes = [start_peer_node(e.config, identity, 0, 1, e) for e in (holder, reader)]
     try:
         assert all(nodes), "peer tier did not start"
+        def fill(outs: list[torch.Tensor]) -> None:
+            for out_chunk in outs:
+                out_chunk.copy_(data)
+
         for target in (holder, reader, shared):
-            target.save_many(keys, (numel,), torch.float32, lambda outs: [o.copy_(data) for o in outs])
+            target.save_many(keys, (numel,), torch.float32, fill)
         shared.flush(60.0)
         peer_source = f"peer@127.0.0.1:{holder.config.p2p_init_ports[0]}"
         out = torch.empty(numel)
@@ -103,14 +109,9 @@ def bench_size(redis_url: str, chunk_mib: float, doc_chunks: int, rounds: int) -
             assert engines[1].read(engines[0].session_id, [dst.data_ptr() + o for o in offsets],
                                    [src.data_ptr() + o for o in offsets], [numel * 4] * doc_chunks)
 
-        paths = {"cpu": lambda: load(reader, None), "peer": lambda: load(reader, [peer_source] * len(keys)),
+        paths: dict[str, Callable[[], object]] = {"cpu": lambda: load(reader, None), "peer": lambda: load(reader, [peer_source] * len(keys)),
                  "redis": lambda: load(shared, None), "transfer engine alone": raw_read}
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        for _ in range(rounds):
-            for name, run in paths.items():
-                started = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - started)
+        times = medians(rounds, paths, warm_up=True)
     finally:
         for node in nodes:
             if node is not None:
@@ -118,10 +119,9 @@ def bench_size(redis_url: str, chunk_mib: float, doc_chunks: int, rounds: int) -
         for target in (holder, reader, shared):
             target.close()
     doc_bytes = numel * 4 * doc_chunks
-    cpu = statistics.median(times["cpu"])
+    cpu = times["cpu"]
     rows = []
-    for name, samples in times.items():
-        median = statistics.median(samples)
+    for name, median in times.items():
         ratio = "1.00x" if name == "cpu" else f"{median / cpu:.2f}x slower"
         rows.append(f"| {chunk_mib:g} MiB | {doc_bytes / MIB:g} MiB | {name} | {median * 1000:.1f} | "
                     f"{doc_bytes / median / (1 << 30):.2f} | {ratio} |")

@@ -38,6 +38,7 @@ import zmq
 from lmi_cache.keys.chunk_format import payload_checksum
 from lmi_cache.peer.protocol import PROTOCOL, PeerIdentity, pack, unpack
 from lmi_cache.peer.transport import PeerTransport
+from lmi_cache.thread_affinity import unpin_current_thread
 from lmi_cache.tiers.host_memory import ChunkObject
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,10 @@ class PeerServer:
 
     # ------------------------------------------------------------ serving thread
     def _serve(self) -> None:
+        # Started from the worker's main thread, which vLLM's CPU backend binds to the core of its OpenMP
+        # master: left there, a peer's question waits for that core (measured: a 2 s lookup timeout while the
+        # host was busy). The engine's own threads are the transfer engine's, not this one.
+        unpin_current_thread()
         poller = zmq.Poller()
         poller.register(self._init, zmq.POLLIN)
         poller.register(self._lookup, zmq.POLLIN)

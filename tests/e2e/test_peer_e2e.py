@@ -31,6 +31,7 @@ from test_serve_e2e import Server, free_port, metric_values, post, running_serve
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "serving.properties.d" / "cpu-tiny-demo" / "serving.properties"
+TIMEOUT_MS = 10_000  # B's peer_timeout_ms
 
 
 def document(name: str) -> str:
@@ -48,7 +49,12 @@ def start(stack: ExitStack, tiny_model: Path, root: Path, corrupt_flag: Path | N
     lines += ["option.lmcache_enable_p2p=true", "option.lmcache_p2p_host=127.0.0.1",
               f"option.lmcache_p2p_init_ports={p2p}", f"option.lmcache_p2p_lookup_ports={lookup}"]
     (model_dir / "serving.properties").write_text("\n".join(lines) + "\n")
-    extra = {"LMI_CACHE_TEST_PEER_CORRUPT": str(corrupt_flag)} if corrupt_flag is not None else {}
+    # The default 2 s bound on a peer's answer is too short for a host where other test sessions' vLLM
+    # processes take every core (measured: a lookup over loopback missed it now and then); the bound itself
+    # is what the kill scenario checks.
+    extra = {"LMCACHE_EXTRA_CONFIG": f'{{"peer_timeout_ms": {TIMEOUT_MS}, "peer_lease_ms": {2 * TIMEOUT_MS}}}'}
+    if corrupt_flag is not None:
+        extra["LMI_CACHE_TEST_PEER_CORRUPT"] = str(corrupt_flag)
     server = stack.enter_context(running_serve(model_dir, root, serve_env(root, port, extra), port))
     return server, p2p
 
@@ -151,4 +157,5 @@ def test_a_killed_mid_request_costs_b_a_bounded_wait(pair: dict[str, Any]) -> No
     request.join(timeout=120)
     assert not request.is_alive(), f"B hangs on a dead peer:\n{b.log_tail()}"
     assert_same_answer(result["reply"], on_a)
-    assert result["seconds"] < 60, f"B took {result['seconds']:.0f} s"
+    # The bound, plus a cold prefill on a busy host.
+    assert result["seconds"] < TIMEOUT_MS / 1000 + 50, f"B took {result['seconds']:.0f} s"
