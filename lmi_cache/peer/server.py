@@ -113,10 +113,15 @@ class PeerServer:
                 for socket in (self._init, self._lookup):
                     if socket in ready:
                         socket.send(pack(self._answer(socket.recv())))
-                self._expire(time.monotonic())
+                try:
+                    self._expire(time.monotonic())
+                except Exception:  # noqa: BLE001 - the server must outlive a fault in one lease's clean-up
+                    logger.exception("lmi-cache: peer server: a lease's clean-up failed")
         except zmq.ZMQError as err:
             if not self._closed.is_set():
                 logger.warning("lmi-cache: peer server stopped (%s); peers now miss here", err)
+        except Exception:  # noqa: BLE001 - say so: peers then miss here until the server restarts
+            logger.exception("lmi-cache: peer server stopped; peers now miss here")
         finally:
             self._expire(float("inf"))
             for socket in (self._init, self._lookup):

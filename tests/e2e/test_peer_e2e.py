@@ -74,6 +74,9 @@ def pair(tiny_model: Path, e2e_dir: Path) -> Iterator[dict[str, Any]]:
         (a, a_port), (b, _) = servers["a"], servers["b"]
         yield {"a": a, "b": b, "hint": {"remote_kv_source": {"remote_host": "127.0.0.1", "remote_port": a_port}},
                "flag": flag}
+        for name, server in (("A", a), ("B", b)):  # what the peer tiers said, in the -s output
+            print(f"{name}:", "\n".join(line for line in server.log_path.read_text(errors="replace").splitlines()
+                                         if "peer" in line.lower() and "lmi" in line.lower())[-3000:])
 
 
 def complete(server: Server, prompt: str, hint: dict[str, Any] | None = None) -> tuple[dict[str, Any], float]:
@@ -112,6 +115,13 @@ def peer_metrics(server: Server) -> dict[str, float]:
     return {k: v for k, v in metric_values(server.url, "lmi_cache_").items() if "peer" in k}
 
 
+def peer_lines(server: Server) -> str:
+    """The server's log from its first peer-tier line on (tracebacks included), for failure messages."""
+    text = server.log_path.read_text(errors="replace")
+    start = text.find("lmi_cache.peer")
+    return text[start:][-8000:] if start >= 0 else text[-3000:]
+
+
 def cache_lines(server: Server) -> str:
     """The server's lmi-cache lines (what its peer tier said), for failure messages."""
     text = server.log_path.read_text(errors="replace")
@@ -142,7 +152,8 @@ def test_corrupted_bytes_from_a_are_misses_on_b(pair: dict[str, Any]) -> None:
         on_b, _ = complete(b, document("damaged"), pair["hint"])
     finally:
         pair["flag"].unlink()
-    assert peer_series(b, "lmi_cache_corrupted_reads_total") > before, (peer_metrics(b), cache_lines(b))
+    assert peer_series(b, "lmi_cache_corrupted_reads_total") > before, (peer_metrics(b), cache_lines(b),
+                                                                       peer_lines(a))
     assert_same_answer(on_b, on_a)
 
 
