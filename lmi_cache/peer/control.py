@@ -18,6 +18,7 @@ import zmq
 
 from lmi_cache.peer.hint import PeerAddress
 from lmi_cache.peer.protocol import PROTOCOL, PeerIdentity, pack, unpack
+from lmi_cache.peer.threads import peer_context
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class PeerControl:
 
     def __init__(self, identity: PeerIdentity) -> None:
         self.identity = identity
-        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._context = peer_context()
         self._lock = threading.Lock()
         self._links: dict[tuple[PeerAddress, int], PeerLink] = {}
         self._refused: dict[PeerAddress, str] = {}

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -22,16 +20,15 @@ from lmi_cache.config.peer import peer_ports
 from lmi_cache.peer.client import PeerClient
 from lmi_cache.peer.protocol import PeerIdentity
 from lmi_cache.peer.server import PeerServer
+from lmi_cache.peer.threads import run_unpinned
 from lmi_cache.peer.tier import PeerTier
 from lmi_cache.peer.transport import PeerTransport, TransportUnavailable
-from lmi_cache.thread_affinity import unpin_current_thread
 
 if TYPE_CHECKING:
     from lmi_cache.config.cache_config import CacheConfig
     from lmi_cache.engine import CacheEngine
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 DEFAULT_HOST = "127.0.0.1"
 
 
@@ -44,27 +41,6 @@ class PeerNode:
 
     def close(self) -> None:
         self.server.close()
-
-
-def _unpinned(build: Callable[[], T]) -> T:
-    """``build()`` on a thread with the container's CPUs: the transfer engine's own threads (its listener,
-    the reads it serves) inherit that affinity, not the OpenMP master's core the worker's main thread is on."""
-    result: list[T] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        unpin_current_thread()
-        try:
-            result.append(build())
-        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(err)
-
-    thread = threading.Thread(target=run, name="lmi-peer-start")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]
 
 
 def start_peer_node(config: CacheConfig, identity: PeerIdentity, rank: int, world_size: int,
@@ -81,7 +57,7 @@ def start_peer_node(config: CacheConfig, identity: PeerIdentity, rank: int, worl
     host = config.p2p_host or DEFAULT_HOST
     try:
         address = socket.gethostbyname(host)
-        transport = _unpinned(lambda: PeerTransport(address, config.peer_transport))
+        transport = run_unpinned(lambda: PeerTransport(address, config.peer_transport))
         init_ports = [p[0] for p in (peer_ports(config, r) for r in range(world_size)) if p is not None]
         server = PeerServer(identity, transport, cpu.peek, host=address, init_port=ports[0], lookup_port=ports[1],
                             init_ports=init_ports)

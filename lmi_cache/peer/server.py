@@ -37,6 +37,7 @@ import zmq
 
 from lmi_cache.keys.chunk_format import payload_checksum
 from lmi_cache.peer.protocol import PROTOCOL, PeerIdentity, pack, unpack
+from lmi_cache.peer.threads import peer_context
 from lmi_cache.peer.transport import PeerTransport
 from lmi_cache.thread_affinity import unpin_current_thread
 from lmi_cache.tiers.host_memory import ChunkObject
@@ -73,7 +74,7 @@ class PeerServer:
         if self._corrupt_flag:
             logger.warning("lmi-cache: %s is set: the peer server serves corrupted chunks while %s exists (a test "
                            "hook)", CORRUPT_ENV, self._corrupt_flag)
-        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._context = peer_context()
         self._init = self._bind(host, init_port)
         self._lookup = self._bind(host, lookup_port)
         self.init_port = _bound_port(self._init)
@@ -100,9 +101,7 @@ class PeerServer:
 
     # ------------------------------------------------------------ serving thread
     def _serve(self) -> None:
-        # Started from the worker's main thread, which vLLM's CPU backend binds to the core of its OpenMP
-        # master: left there, a peer's question waits for that core (measured: a 2 s lookup timeout while the
-        # host was busy). The engine's own threads are the transfer engine's, not this one.
+        # Off the OpenMP master's core the worker's main thread is bound to (``threads`` says why).
         unpin_current_thread()
         poller = zmq.Poller()
         poller.register(self._init, zmq.POLLIN)
