@@ -59,8 +59,9 @@ def plan_peer(settings: ServingSettings, rdma_drivers: list[str], why: list[str]
         return None
     ranks = settings.tp * settings.pp
     if settings.dp > 1:
-        raise PeerPlanError(f"option.lmcache_enable_p2p with data parallelism ({settings.dp} replicas) is not "
-                            "supported: the replicas would share the peer ports; run one replica per server")
+        warn.append(f"enable_p2p with {settings.dp} data-parallel replicas: they share one config and so the peer "
+                    "ports; only the replica that binds them first serves and reads peers (the others start "
+                    "without the peer tier). Run one replica per server to share every replica's CPU tier")
     init, lookup, source = _ports(asked.p2p_init_ports, asked.p2p_lookup_ports, ranks)
     transport, reason = pick_transport(rdma_drivers)
     host = asked.p2p_host or "127.0.0.1"
@@ -80,9 +81,9 @@ def _ports(init: tuple[int, ...] | None, lookup: tuple[int, ...] | None,
         return (tuple(DEFAULT_INIT_PORT + 2 * r for r in range(ranks)),
                 tuple(DEFAULT_INIT_PORT + 2 * r + 1 for r in range(ranks)), f"{DEFAULT_INIT_PORT} + 2 x rank")
     if not init or not lookup or len(init) < ranks or len(lookup) < ranks:
-        raise PeerPlanError(f"option.lmcache_p2p_init_ports and option.lmcache_p2p_lookup_ports need one port per rank "
+        raise PeerPlanError(f"p2p_init_ports and p2p_lookup_ports (option.lmcache_p2p_*) need one port per rank "
                             f"({ranks}: tp x pp) each; got {len(init or ())} and {len(lookup or ())}")
     if set(init) & set(lookup):
-        raise PeerPlanError("option.lmcache_p2p_init_ports and option.lmcache_p2p_lookup_ports share a port; "
+        raise PeerPlanError("p2p_init_ports and p2p_lookup_ports (option.lmcache_p2p_*) share a port; "
                             "give each its own")
     return init[:ranks], lookup[:ranks], "as given"

@@ -183,6 +183,14 @@ def test_peer_ports_that_do_not_fit_the_ranks_are_refused(tmp_path: Path) -> Non
                                "option.lmcache_p2p_init_ports=9100\noption.lmcache_p2p_lookup_ports=9101,9103\n")
     line = error_line(run(["plan", "--model-dir", str(mdir), "--instance-type", "ml.g5.12xlarge", "--tp", "2"],
                           tmp_path))
-    assert "one port per rank (2: tp x pp)" in line
+    assert "one port per rank (2: tp x pp)" in line and "p2p_lookup_ports" in line
     bad = model_dir(tmp_path / "bad", "option.lmcache_auto_config=true\noption.lmcache_p2p_init_ports=http\n")
     assert "option.lmcache_p2p_init_ports" in error_line(run(["plan", "--model-dir", str(bad), *SMALL], tmp_path))
+
+
+def test_validate_reports_peer_settings_that_do_not_pair_up(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.lmcache_config_file=lmcache.yaml\n",
+                     "chunk_size: 256\nmax_local_cpu_size: 4\nenable_p2p: true\np2p_init_ports: [9100]\n")
+    result = run(["validate", str(mdir / "lmcache.yaml"), "--model", str(MODEL), *SMALL], tmp_path)
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "enable_p2p with p2p_init_ports but not the other" in result.output

@@ -1,13 +1,18 @@
 """The peer tier's server and client over two real transfer engines on loopback (no vLLM)."""
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from local_ports import free_port_block  # noqa: E402
 
 from lmi_cache.keys.chunk_format import ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
@@ -186,3 +191,39 @@ def test_lease_expiry_releases_the_chunks(transports, holder) -> None:
         assert transports[0].num_registered == 0
     finally:
         server.close()
+
+
+def test_rank_r_asks_and_reads_rank_r_of_the_peer(transports, holder) -> None:
+    """Two ranks of one peer (TP 2): the hint names rank 0's port; rank 1's questions and reads go to rank 1."""
+    from lmi_cache.peer.lookup import PeerLookups
+
+    tp2 = replace(IDENTITY, tp_size=2)
+    rank1 = Holder()
+    rank1.objects[key_of(11).digest] = make_object(11)  # rank 1's key of chunk 0; its chunk 1 is missing
+    first = free_port_block(4)
+    init_ports = [first, first + 2]  # what start_peer_node passes: every rank's handshake port
+    servers = [PeerServer(tp2, transports[0], held, host="127.0.0.1", init_port=init_ports[rank],
+                          lookup_port=init_ports[rank] + 1, init_ports=init_ports)
+               for rank, held in enumerate((holder, rank1))]
+    peer = PeerAddress("127.0.0.1", init_ports[0])
+    lookups = PeerLookups(2000, world_size=2)
+    lookups.set_identity(tp2)
+    faults = _Faults()
+    client = make_client(transports, faults, identity=tp2)
+    reader = PeerClient(tp2, transports[1], rank=1, timeout_ms=2000, lease_ms=2000, allocate=ALLOC.allocate,
+                        recycle=ALLOC.recycle, count_fault=faults.update_one)
+    try:
+        pending = lookups.ask(peer, [key_of(1), key_of(11), key_of(2), key_of(12)])  # chunk 0, chunk 1; rank order
+        deadline = time.monotonic() + 3
+        while (held := pending.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert held == [True, True, True, False] and pending.outcome == "answered"
+        assert [e is not None for e in reader.read_many(peer, [key_of(11), key_of(1)])] == [True, False]
+        assert [e is not None for e in client.read_many(peer, [key_of(11), key_of(1)])] == [False, True]
+        assert not faults
+    finally:
+        lookups.close()
+        client.close()
+        reader.close()
+        for server in servers:
+            server.close()
