@@ -31,7 +31,7 @@ class TransportUnavailable(RuntimeError):
 
 
 def _engine_class() -> Any:
-    os.environ.setdefault("GLOG_minloglevel", "2")  # the engine logs every connection at INFO otherwise
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # the engine logs every connection at INFO otherwise
     try:
         from mooncake.engine import TransferEngine  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError as err:
