@@ -227,3 +227,35 @@ def test_rank_r_asks_and_reads_rank_r_of_the_peer(transports, holder) -> None:
         reader.close()
         for server in servers:
             server.close()
+
+
+def test_a_peer_killed_between_lease_and_read_is_a_bounded_miss(transports) -> None:
+    """The peer process dies once it has leased the chunks, as the reader starts moving the bytes."""
+    import subprocess
+
+    helper = Path(__file__).with_name("peer_process.py")
+    proc = subprocess.Popen([sys.executable, str(helper), "8", str(1 << 20)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        peer = PeerAddress("127.0.0.1", int(proc.stdout.readline()))
+        faults = _Faults()
+
+        def allocate_after_killing(num_bytes: int) -> torch.Tensor | None:
+            if proc.poll() is None:  # the lease is granted: the peer goes away now
+                proc.kill()
+                proc.wait()
+            return ALLOC.allocate(num_bytes)
+
+        client = PeerClient(IDENTITY, transports[1], rank=0, timeout_ms=1500, lease_ms=3000,
+                            allocate=allocate_after_killing, recycle=ALLOC.recycle, count_fault=faults.update_one)
+        try:
+            started = time.monotonic()
+            assert client.read_many(peer, [key_of(n) for n in range(1, 9)]) == [None] * 8
+            assert time.monotonic() - started < 4.0  # the 1.5 s bound plus slack for a loaded host
+            assert proc.returncode is not None and set(faults) <= {"transfer", "timeout"} and faults
+        finally:
+            client.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
