@@ -66,6 +66,7 @@ from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.peer.hint import PEER, source_tier
 from lmi_cache.placement.messages import REMOTE, TierEvent
 from lmi_cache.tiers.base import HitBatch, Tier
 from lmi_cache.tiers.buffers import dtype_name
@@ -203,12 +204,14 @@ class CacheEngine:
         # Undirected, every hit from behind the CPU tier is promoted; directed, only where the directory said so.
         promoted = [sources is None or bool(promote and promote[i]) for i in range(len(keys))]
         for number, tier in enumerate(self.tiers):
-            asked = remaining if sources is None else [i for i in remaining if sources[i] == _placement_name(tier)]
+            asked = remaining if sources is None else [i for i in remaining
+                                                          if source_tier(sources[i]) == _placement_name(tier)]
             if not asked:
                 continue
             found: set[int] = set()
             started = time.perf_counter()
-            batches = tier.get_many([keys[i] for i in asked])
+            batches = (tier.get_many([keys[i] for i in asked]) if sources is None
+                       else tier.get_many_from([keys[i] for i in asked], [sources[i] for i in asked]))
             try:
                 for batch in batches:
                     hits = [(asked[j], obj) for j, obj in batch]
@@ -320,8 +323,8 @@ class CacheEngine:
 
 def _placement_name(tier: Tier) -> str:
     """The tier's name in the placement directory's instructions: the shared store is "remote" whatever it runs on
-    (its metrics say "redis" or "s3")."""
-    return tier.name if tier.local else REMOTE
+    (its metrics say "redis" or "s3"); the peer tier is "peer" (its sources add which peer: ``peer@H:P``)."""
+    return tier.name if tier.local or tier.name == PEER else REMOTE
 
 
 def scan_persisted_digests(config: CacheConfig, replica: int = 0, world_size: int | None = None) -> set[bytes]:

@@ -32,6 +32,17 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 
+# The peer tier's transfer engine (Mooncake, from the [peer] extra) needs the verbs libraries at import,
+# even over TCP; without them the peer tier stays off with one line saying so.
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null; }
+  else
+    echo "setup: libibverbs1 is missing; install libibverbs1 librdmacm1 libnuma1 for the peer tier" >&2
+  fi
+fi
+
 # Native KV copy kernels: a C++ compiler (ninja comes from pip) and one compile
 # now into ~/.cache/lmi-cache/kernels, so no vLLM worker compiles at start-up.
 PY_H=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h

@@ -15,6 +15,9 @@ came from. Tier overrides the planner honours (per rank, LMCache semantics):
   sessions' chunks are evicted last (0 turns it off; default 0.5)
 - ``option.lmcache_remote_url``          the fleet's shared store: redis://, rediss://, valkey://,
   valkeys://, unix:// or s3://bucket/prefix (the remote tier behind CPU and disk)
+- ``option.lmcache_enable_p2p``          true/false: the peer tier (read a prefix from the server a
+  request's router names); with ``option.lmcache_p2p_host``, ``_p2p_init_ports``,
+  ``_p2p_lookup_ports`` (one port per rank, e.g. ``8200,8202``; planned when unset)
 - ``option.lmcache_engine``              ``lmi_cache`` (default) or ``lmcache`` (upstream
   LMCache's connector, when that package is installed)
 - ``option.lmcache_enable_blending``     true/false: blending in LmiCacheConnector; with
@@ -217,6 +220,10 @@ def resolve_properties(
             use_odirect=get.value("lmcache_use_odirect", parse_bool, None),
             remote_url=_remote_url(options),
             session_retention_share=get.value("lmcache_session_retention_share", share, None),
+            enable_p2p=get.value("lmcache_enable_p2p", parse_bool, None),
+            p2p_host=get.value("lmcache_p2p_host", nonempty, None),
+            p2p_init_ports=get.value("lmcache_p2p_init_ports", _ports, None),
+            p2p_lookup_ports=get.value("lmcache_p2p_lookup_ports", _ports, None),
         ),
     )
     auto = get.value("lmcache_auto_config", parse_bool, False)
@@ -290,6 +297,17 @@ class _Getter:
             return convert(opt.value.strip())
         except ValueError as err:
             raise PropertiesError(f"{opt.where}={opt.value!r}: {err}") from None
+
+
+def _ports(value: str) -> tuple[int, ...]:
+    """One port per rank: ``8200`` or ``8200,8202``."""
+    from lmi_cache.config.peer import parse_ports
+    from lmi_cache.errors import ConfigError
+
+    try:
+        return parse_ports(value, "ports")
+    except ConfigError as err:
+        raise ValueError(str(err).removeprefix("ports: ")) from None
 
 
 def _remote_url(options: Mapping[str, RawOption]) -> str | None:

@@ -63,6 +63,7 @@ def plan_tiers(
     user (CPU backend only); None lets the planner choose it.
     """
     from autoconfig.plan.blend import plan_blending
+    from autoconfig.plan.peer import plan_peer
     from autoconfig.render.lmcache_yaml import lmcache_dict
     from autoconfig.render.vllm_args import vllm_args
 
@@ -103,8 +104,9 @@ def plan_tiers(
     if remote_url:
         why.append(_remote_text(remote_url, bpt_rank * chunk, settings.engine))
     blend = plan_blending(m, settings, why, warn)
+    peer = plan_peer(settings, host.rdma_drivers, why, warn)
     plan = TierPlan(
-        remote_url=remote_url,
+        remote_url=remote_url, peer=peer,
         model_name=m.name, kv_dtype=m.layout.kv_dtype, kv_bytes_per_token=bpt,
         kv_bytes_per_token_per_rank=bpt_rank, weights_bytes=m.weights_bytes,
         max_model_len=max_model_len, tp=tp, pp=pp, dp=settings.dp, ranks_per_host=ranks,

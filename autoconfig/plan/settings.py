@@ -26,6 +26,12 @@ class TierOverrides:
     use_odirect: bool | None = None
     remote_url: str | None = None  # the fleet's shared store (LMCache remote_url): redis/valkey/unix/s3
     session_retention_share: float | None = None  # CPU-tier share kept for open stateful sessions; 0: off
+    # The peer tier (LMCache's P2P keys; autoconfig.plan.peer plans it): on, where peers reach us, ports per rank.
+    enable_p2p: bool | None = None
+    p2p_host: str | None = None
+    p2p_init_ports: tuple[int, ...] | None = None
+    p2p_lookup_ports: tuple[int, ...] | None = None
+    peer_timeout_ms: int | None = None
 
 
 @dataclass(frozen=True)

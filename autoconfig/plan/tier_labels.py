@@ -84,4 +84,9 @@ def overrides_of(cfg: "CacheConfig") -> TierOverrides:
         disk_path=cfg.local_disk[0] if disk_on else None,
         chunk_size=cfg.chunk_size,
         use_odirect=cfg.use_odirect if disk_on else None,
+        enable_p2p=cfg.enable_p2p or None,
+        p2p_host=cfg.p2p_host,
+        p2p_init_ports=cfg.p2p_init_ports or None,
+        p2p_lookup_ports=cfg.p2p_lookup_ports or None,
+        peer_timeout_ms=cfg.peer_timeout_ms if cfg.enable_p2p else None,
     )

@@ -14,6 +14,7 @@ from lmi_cache.kv_layout import KvLayout
 
 if TYPE_CHECKING:
     from autoconfig.model.ssm import StateLayout
+    from autoconfig.plan.peer import PeerPlan
     from lmi_cache.blend.settings import BlendSettings
 
 GIB = 1 << 30
@@ -195,6 +196,7 @@ class TierPlan:
     explanation: list[str] = field(default_factory=list)
     remote_url: str | None = None  # the fleet's shared store behind the local tiers (None: no remote tier)
     blend: BlendSettings | None = None  # blending in LmiCacheConnector (None: off or not ours)
+    peer: PeerPlan | None = None  # the peer tier (None: off)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``plan --json`` contract (issue 2); byte counts are ints; ``remote`` only with a remote tier."""
@@ -204,6 +206,8 @@ class TierPlan:
 
             data["tiers"]["remote"] = {"url": redact_url(self.remote_url),
                                        "chunk_bytes_per_rank": self.kv_bytes_per_token_per_rank * self.chunk_size}
+        if self.peer is not None:
+            data["tiers"]["peer"] = self.peer.to_dict()
         if self.blend is not None:  # only when on: plans without blending keep their documented shape
             data["blending"] = {"connector": "LmiCacheConnector", **self.blend.to_lmcache_dict()}
         return data

@@ -50,4 +50,17 @@ def probe_host(
             test_odirect=test_odirect,
         ),
         cpu_count=usable_cpu_count(),
+        rdma_drivers=probe_rdma_drivers(sys_root),
     )
+
+
+def probe_rdma_drivers(sys_root: str = "/sys") -> list[str]:
+    """The driver of each RDMA device (``efa`` on AWS EFA): what the peer tier's transport is planned from."""
+    import os
+
+    root = os.path.join(sys_root, "class", "infiniband")
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    return [os.path.basename(os.path.realpath(os.path.join(root, name, "device", "driver"))) for name in names]

@@ -68,6 +68,7 @@ class HostSnapshot:
     )
     disks: list[DiskInfo] = field(default_factory=list)
     cpu_count: int | None = None
+    rdma_drivers: list[str] = field(default_factory=list)  # driver of each /sys/class/infiniband device (efa, mlx5_core)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,7 +98,10 @@ class HostSnapshot:
             problem = _mount_problem(disk.mount)
             if problem:
                 raise SnapshotError(f"{source}: 'disks[{i}].mount' {problem}; run 'lmi-cache probe --json' for the format")
-        return cls(gpus=gpus, memory=memory, disks=disks, cpu_count=cpu_count)
+        drivers = data.get("rdma_drivers", [])
+        if not isinstance(drivers, list) or not all(isinstance(d, str) and len(d) < 64 for d in drivers[:_MAX_ITEMS]):
+            raise SnapshotError(f"{source}: 'rdma_drivers' must be a list of driver names (e.g. [\"efa\"])")
+        return cls(gpus=gpus, memory=memory, disks=disks, cpu_count=cpu_count, rdma_drivers=drivers[:_MAX_ITEMS])
 
 
 def load_snapshot_file(path: str) -> HostSnapshot:

@@ -36,6 +36,10 @@ def lmcache_dict(plan: "TierPlan") -> dict[str, Any]:
     data["extra_config"] = {"use_odirect": bool(plan.disk.enabled and plan.disk.use_odirect)}
     if plan.engine == "lmi_cache" and plan.cpu.enabled:  # explicit even when 0: the engine's default is on
         data["extra_config"]["session_retention_share"] = plan.cpu.session_retention_share
+    if plan.peer is not None:
+        data.update(plan.peer.lmcache_keys())
+        data["extra_config"]["peer_transport"] = plan.peer.transport
+        data["extra_config"]["peer_timeout_ms"] = plan.peer.timeout_ms
     if plan.blend is not None:  # LMCache's own top-level keys, read by LmiCacheConnector
         data.update(plan.blend.to_lmcache_dict())
     return data

@@ -37,6 +37,7 @@ def format_plan(plan: "TierPlan", host_label: str) -> str:
          "n/a (no /tmp)" if ref.disk_gib_per_rank is None else f"{ref.disk_gib_per_rank} GiB at {ref.disk_path}"),
         ("Session retention", _retention(plan), "none"),
         ("Remote tier", _remote(plan), "none"),
+        *([("Peer tier", _peer(plan), "none")] if plan.peer is not None else []),
         ("O_DIRECT", "yes" if plan.disk.enabled and plan.disk.use_odirect else "no", "always yes"),
         ("Chunk size", f"{plan.chunk_size} tokens (block {gpu.block_size})", "LMCache default (256)"),
         ("Ranks on this host", f"{plan.ranks_per_host} (tp {plan.tp} x pp {plan.pp} x dp {plan.dp})",
@@ -73,6 +74,12 @@ def _remote(plan: "TierPlan") -> str:
     from lmi_cache.remote.url import redact_url
 
     return f"{redact_url(plan.remote_url)}, shared by the fleet"
+
+
+def _peer(plan: "TierPlan") -> str:
+    peer = plan.peer
+    assert peer is not None
+    return f"on at {peer.host}, ports {list(peer.init_ports)} / {list(peer.lookup_ports)}, over {peer.transport}"
 
 
 def _tier(enabled: bool, num_bytes: int, tokens: int, path: str | None) -> str:

@@ -26,6 +26,7 @@ from lmi_cache.config.yaml_reader import (  # noqa: F401 (re-exported)
     MAX_CONFIG_FILE_BYTES,
     read_yaml_mapping,
 )
+from lmi_cache.config.peer import PEER_EXTRA_KEYS, check_peer, parse_peer_extra, parse_ports, parse_transfer_channel
 from lmi_cache.config.remote import REMOTE_EXTRA_KEYS, parse_lookup_timeout, parse_remote_extra, parse_serde, remote_settings
 from lmi_cache.config.env import env_names, env_override_names, env_where, misspelt_env_warnings  # noqa: F401 (re-exported)
 from lmi_cache.config.values import (
@@ -89,6 +90,15 @@ class CacheConfig:
     s3_endpoint_url: str | None = None  # S3-compatible endpoint
     s3_region: str | None = None  # S3 region (default: boto3's chain)
     remote_max_workers: int = 16  # parallel S3 requests per batch
+    # The peer tier (lmi_cache.config.peer documents each): LMCache's P2P keys, then extra_config keys.
+    enable_p2p: bool = False
+    p2p_host: str | None = None  # None: 127.0.0.1
+    p2p_init_ports: tuple[int, ...] = ()  # one per rank
+    p2p_lookup_ports: tuple[int, ...] = ()  # one per rank
+    transfer_channel: str | None = None  # only "mooncake" (the engine the peer tier uses)
+    peer_transport: str = "tcp"  # tcp | rdma | efa
+    peer_timeout_ms: int = 2000  # a peer read gives up after this; vLLM recomputes
+    peer_lease_ms: int = 5000  # a peer pins chunks for a reader at most this long
 
     @property
     def cpu_capacity_bytes(self) -> int:
@@ -121,6 +131,10 @@ _SIMPLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "min_retrieve_tokens": lambda v, w: parse_int(v, w, minimum=0),
     "remote_serde": parse_serde,
     "lookup_timeout_ms": parse_lookup_timeout,
+    "enable_p2p": parse_bool,
+    "p2p_host": parse_optional_str,
+    "p2p_init_ports": parse_ports,
+    "p2p_lookup_ports": parse_ports,
 }
 # extra_config integer keys -> their upper bound (threads and queue slots are allocated up front).
 _EXTRA_INT_MAX = {"disk_write_workers": MAX_DISK_WORKERS, "disk_read_workers": MAX_DISK_WORKERS,
@@ -158,6 +172,8 @@ def _parse_extra(
 def _parse_extra_value(key: str, value: Any, kw: str) -> Any:
     if key in REMOTE_EXTRA_KEYS:
         return parse_remote_extra(key, value, kw)
+    if key in PEER_EXTRA_KEYS:
+        return parse_peer_extra(key, value, kw)
     if key == "session_retention_share":
         return parse_retention_share(value, kw)
     if key in ("use_odirect", "disk_fsync"):
@@ -207,6 +223,8 @@ def _merge(
                                 "write file:///dir/")
         elif key == "cache_policy":
             fields[key] = _parse_policy(value, where, warnings)
+        elif key == "transfer_channel":
+            fields[key] = parse_transfer_channel(value, where, warnings)
         elif key == "remote_url":
             url = parse_remote_url_value(value, where)
             if url is not None and url.lower().startswith("file://"):
@@ -264,6 +282,7 @@ def _check(config: CacheConfig, source: str, warnings: list[str]) -> None:
     if remote is not None and not remote.served and config.remote_serde != "naive":
         warnings.append(f"{source}: remote_serde {config.remote_serde} is not used (no remote tier for "
                         f"{scheme}://); lmi_cache's remote tier stores KV losslessly (remote_serde: naive)")
+    check_peer(config, source)
     remote_settings(config, source)  # a served URL the store cannot use is an error now, not at the first request
 
 
@@ -308,6 +327,9 @@ def config_with_env(data: Mapping[str, Any] | None, env: Mapping[str, str],
     return config, warnings
 
 
+_PEER_KEYS = ("enable_p2p", "p2p_host", "p2p_init_ports", "p2p_lookup_ports", "transfer_channel")
+
+
 def config_to_dict(config: CacheConfig) -> dict[str, Any]:
     """The LMCache-format mapping of ``config`` (what autoconfig writes; round-trips)."""
     defaults = CacheConfig()
@@ -321,9 +343,9 @@ def config_to_dict(config: CacheConfig) -> dict[str, Any]:
         elif field.name == "local_disk":
             if value:
                 data[field.name] = ",".join(f"file://{p.rstrip('/')}/" for p in value)
-        elif field.name in ("remote_serde", "lookup_timeout_ms", "enable_blending"):
+        elif field.name in ("remote_serde", "lookup_timeout_ms", "enable_blending", *_PEER_KEYS):
             if value != getattr(defaults, field.name):
-                data[field.name] = value
+                data[field.name] = list(value) if isinstance(value, tuple) else value
         elif value is not None:
             data[field.name] = value
     if extra:

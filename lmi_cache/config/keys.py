@@ -180,7 +180,6 @@ UNSUPPORTED_FEATURES: dict[str, str] = {
     "enable_pd": "disaggregated prefill (KV sent from a prefill to a decode instance)",
     "enable_nixl": "disaggregated prefill over NIXL (LMCache 0.3/0.4)",
     "enable_xpyd": "disaggregated prefill (LMCache 0.3 name of enable_pd)",
-    "enable_p2p": "peer-to-peer KV sharing between instances",
     "enable_controller": "the LMCache controller",
     "use_layerwise": "layer-by-layer KV transfer",
 }
@@ -211,5 +210,6 @@ ENV_NON_KEY_PREFIXES: tuple[str, ...] = ("EC_",)
 EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(
     {"use_odirect", "disk_feed", "disk_fsync", "disk_write_workers", "disk_read_workers", "disk_queue_depth",
      "remote_compression", "remote_io_timeout_ms", "remote_put_queue_bytes", "remote_key_prefix", "remote_ttl_s",
-     "remote_cluster", "s3_endpoint_url", "s3_region", "remote_max_workers", "session_retention_share"}
+     "remote_cluster", "s3_endpoint_url", "s3_region", "remote_max_workers", "session_retention_share",
+     "peer_transport", "peer_timeout_ms", "peer_lease_ms"}
 )

@@ -169,7 +169,13 @@ class SchedulerMetrics:
             ("remote_checks", "lmi_cache_scheduler_remote_checks", "Batched remote existence checks sent"),
             ("remote_hit_chunks", "lmi_cache_scheduler_remote_hit_chunks",
              "Chunks a remote existence check found beyond the local hit"),
+            ("peer_checks", "lmi_cache_scheduler_peer_checks", "Batched peer existence checks sent"),
+            ("peer_hit_chunks", "lmi_cache_scheduler_peer_hit_chunks",
+             "Chunks a peer existence check found beyond the local hit"),
         )}
+        self._peer_lookups = Counter(
+            "lmi_cache_peer_lookups", "Batched peer existence checks of the scheduler, by outcome "
+            "(answered, or why not: timeout, unreachable, refused, bad_reply)", ["engine", "outcome"], registry=r)
 
     def count(self, name: str, amount: float = 1) -> None:
         """One of the scheduler's own counts (see ``_steps``) grows by ``amount``."""
@@ -190,8 +196,10 @@ class SchedulerMetrics:
         self._entries.labels(self.engine_label, tier).set(entries)
         self._retained.labels(self.engine_label, tier).set(retained_bytes)
 
-    def remote_lookup(self, outcome: str) -> None:
-        self._remote_lookups.labels(self.engine_label, outcome).inc()
+    def unmirrored_lookup(self, kind: str, outcome: str, hit_chunks: int) -> None:
+        """An existence check of the remote store or a peer (``kind``) answered (or given up: ``outcome``)."""
+        (self._remote_lookups if kind == "remote" else self._peer_lookups).labels(self.engine_label, outcome).inc()
+        self.count(f"{kind}_hit_chunks", hit_chunks)
 
     def lookup(self, requested_tokens: int, hit_tokens: int, load_tokens: int) -> None:
         self._lookups.labels(self.engine_label).inc()

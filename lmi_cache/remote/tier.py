@@ -29,7 +29,7 @@ from lmi_cache.remote.cache import RemoteCache
 from lmi_cache.remote.factory import open_remote
 from lmi_cache.remote.settings import RemoteSettings
 from lmi_cache.remote.value_codec import DecodedChunk
-from lmi_cache.tiers.base import HitBatch, Tier
+from lmi_cache.tiers.base import HitBatch, RemoteHeldTier
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 
 if TYPE_CHECKING:
@@ -39,10 +39,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class RemoteTier(Tier):
-    """Batched, verified reads and queued writes of chunk objects against one remote store."""
-
-    local = False  # whether it holds a chunk takes a round trip: the scheduler asks the store itself
+class RemoteTier(RemoteHeldTier):
+    """Batched, verified reads and queued writes of chunk objects against one remote store.
+    Whether it holds a chunk takes a round trip: the scheduler asks the store itself."""
 
     def __init__(
         self,
@@ -57,9 +56,6 @@ class RemoteTier(Tier):
         self._allocator = allocator if allocator is not None else HostAllocator(page_locked=False)
         logger.info("lmi-cache: remote tier on: %s store %s (compression %s, MAC %s)", self.name,
                     settings.display_url, settings.compression, "on" if self.cache.codec.has_mac else "off")
-
-    def contains(self, digest: bytes) -> bool:
-        return False
 
     def get_many(self, keys: Sequence[ChunkKey]) -> Iterator[HitBatch]:
         if not keys:
@@ -96,23 +92,6 @@ class RemoteTier(Tier):
     def put(self, obj: ChunkObject) -> bool:
         """Queue a copy of the object for the store; False when dropped (counted)."""
         return self.cache.write(obj.key, obj.object_array())
-
-    def remove(self, digest: bytes) -> bool:
-        return False
-
-    def clear(self) -> None:
-        return None
-
-    def digests(self) -> list[bytes]:
-        return []
-
-    @property
-    def used_bytes(self) -> int:
-        return 0
-
-    @property
-    def capacity_bytes(self) -> int:
-        return 0
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         return self.cache.flush(timeout_s)

@@ -65,6 +65,11 @@ class Tier(ABC):
     def get_many(self, keys: Sequence[ChunkKey]) -> Iterator[HitBatch]:
         """Verified hits among ``keys`` as batches, each object with a reference for the caller."""
 
+    def get_many_from(self, keys: Sequence[ChunkKey], sources: Sequence[str]) -> Iterator[HitBatch]:
+        """``get_many`` with the placement directory's source of each key (the peer tier reads from the peer
+        a source names); other tiers need only the keys."""
+        return self.get_many(keys)
+
     @abstractmethod
     def put(self, obj: ChunkObject) -> bool:
         """Keep ``obj`` (taking a reference if the buffer is used later); never blocks on I/O."""
@@ -108,3 +113,30 @@ class Tier(ABC):
     def close(self) -> None:
         """Release threads and handles; the tier is unusable afterwards."""
         return None
+
+
+class RemoteHeldTier(Tier):
+    """A tier whose chunks live on another machine (the shared store, a peer): this process holds, lists,
+    removes and budgets nothing of it, and whether it holds a chunk takes a round trip (``local = False``)."""
+
+    local = False
+
+    def contains(self, digest: bytes) -> bool:
+        return False
+
+    def remove(self, digest: bytes) -> bool:
+        return False
+
+    def clear(self) -> None:
+        return None
+
+    def digests(self) -> list[bytes]:
+        return []
+
+    @property
+    def used_bytes(self) -> int:
+        return 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return 0

@@ -27,6 +27,10 @@ make that the behaviour, the scheduler-side instance switches vLLM's
 ``kv_load_failure_policy`` from its default "fail" to "recompute" (a cache
 fault must never fail a request).
 
+Peer tier (``enable_p2p``): each worker rank serves its CPU tier to peers and
+reads chunks from the peer a request's router names (``lmi_cache.peer``); the
+scheduler asks that peer which chunks it holds, like the remote store.
+
 Hybrid state-space models (Mamba / linear-attention layers next to
 attention) are served with prefix caching in vLLM's "align" mode: the
 connector stores the state vLLM offers at each chunk boundary next to the
@@ -143,8 +147,10 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._tp_size, self._pp_size = parallel_sizes(vllm_config)
         self._dp_index = dp_index(vllm_config)
         # Keys are built by the scheduler only (workers get them in the metadata): identify the weights there.
+        # The peer tier's handshake compares it too, so with enable_p2p the workers identify the weights as well.
         self._model_identity = (weights_identity(vllm_config) + drafter_identity(vllm_config)
-                                if role == KVConnectorRole.SCHEDULER else "")
+                                if role == KVConnectorRole.SCHEDULER or self._config.enable_p2p else "")
+        self._peer_node: Any = None  # lmi_cache.peer.node.PeerNode of this worker rank (enable_p2p)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._remote_lookups: Any = None
@@ -209,8 +215,13 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                     metrics=metrics)
         reader = event_blocks_reader(self._vllm_config, self._kv_cache_config, block_size, self._config.chunk_size,
                                      directory, journal_path(self._config.local_disk, self._dp_index))
+        peer_lookups = None
+        if self._config.enable_p2p:
+            from lmi_cache.peer.lookup import PeerLookups
+
+            peer_lookups = PeerLookups(self._config.peer_timeout_ms, geometry.world_size)
         self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions,
-                                        key_rule=key_rule, chunk_blocks=reader)
+                                        key_rule=key_rule, chunk_blocks=reader, peer_lookups=peer_lookups)
 
     def _session_tracker(self) -> Any:
         """Which sessions are open (the directory evicts their chunks last), or None when retention is off."""
@@ -282,6 +293,16 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.rank_index = self._rank_index()
         self._worker.register_kv_caches(kv_caches)
+        if self._config.enable_p2p:
+            from lmi_cache.engine import CacheEngine
+            from lmi_cache.peer.node import start_peer_node
+            from lmi_cache.peer.protocol import PeerIdentity
+
+            engine = self._worker.engine
+            if isinstance(engine, CacheEngine):
+                identity = PeerIdentity.of(self.key_space(self._worker.layout_tag))
+                self._peer_node = start_peer_node(self._config, identity, self._worker.rank_index,
+                                                  self._tp_size * self._pp_size, engine)
         if self._blending is not None:
             assert self._worker.layout is not None
             self._blending.register(kv_caches, self._worker.layout, self._worker.rank_index)
@@ -328,6 +349,9 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return meta  # type: ignore[return-value]  # a registered virtual subclass (see above), which mypy does not see
 
     def shutdown(self) -> None:
+        if self._peer_node is not None:
+            self._peer_node.close()
+            self._peer_node = None
         if self._worker is not None:
             self._worker.shutdown()
         if self._remote_lookups is not None:

@@ -40,7 +40,8 @@ class ChunkTransfer:
     block_ids: tuple[int, ...]
     block_offset: int = 0
     group: int = 0
-    source: str = ""  # a load: the tier the placement directory says holds it ("": ask every tier in order)
+    source: str = ""  # a load: the tier the placement directory says holds it ("": ask every tier in order;
+    # "peer@H:P": the peer a request's router named, read through the peer tier)
     promote_to: str = ""  # a load: also put it into this tier (the first one; "": no)
     tiers: tuple[str, ...] = ()  # a save: the tiers to store it into
 

@@ -4,7 +4,9 @@
 and chunk size, ranks, vLLM's KV cache groups). ``RequestPlan`` is what it
 keeps per request: chunk keys per group and rank, block ids per group, how
 far the request's chunks are loaded or saved, its confirmed load and its
-remote lookup. ``plan_step`` turns a scheduled request into this step's
+remote and peer lookups (a chunk held locally loads from there, else from
+the peer its router named when that peer holds it, else from the remote
+store). ``plan_step`` turns a scheduled request into this step's
 loads (each from the tier the placement directory names) and saves (into the
 tiers it reserves room in).
 
@@ -43,6 +45,7 @@ from typing import Any
 
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.keys.kv_groups import NULL_BLOCK_ID, STATE, KvCacheGroup, is_single_full_group, longest_hit_tokens
+from lmi_cache.peer.hint import PEER, PeerAddress, peer_source
 from lmi_cache.placement.directory import REMOTE, Describe, PlacementDirectory
 from lmi_cache.placement.events import ChunkBlocks
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata
@@ -92,6 +95,15 @@ def usable_hit_tokens(geo: SchedulerGeometry, num_chunks: int, max_tokens: int,
 
 
 @dataclass
+class ExistenceCheck:
+    """A request's asynchronous question to a store the directory does not mirror (the remote store, a peer)."""
+
+    from_chunk: int = -1  # first chunk the question covers (-1: not asked yet)
+    pending: Any = None  # the in-flight question (``poll()`` answers), None once answered
+    found: set[tuple[int, int]] | None = None  # (group, chunk) from from_chunk present on every rank
+
+
+@dataclass
 class RequestPlan:
     chunk_keys: Sequence[Sequence[tuple[ChunkKey, ...]]]  # per KV cache group, per full prompt chunk, per rank
     num_prompt_tokens: int
@@ -99,9 +111,9 @@ class RequestPlan:
     num_done_chunks: int = 0  # chunks below this were loaded, saved or found cached
     load_range: tuple[int, int] | None = None  # tokens [start, end) to load
     load_confirmed: bool = False
-    remote_from: int = -1  # first chunk the remote lookup below covers (-1: none yet)
-    remote_pending: Any = None  # lmi_cache.remote.cache.PendingLookup while in flight
-    remote_found: set[tuple[int, int]] | None = None  # (group, chunk) from remote_from present on every rank
+    remote: ExistenceCheck = field(default_factory=ExistenceCheck)  # in the remote store
+    peer: PeerAddress | None = None  # the peer the request's router names (kv_transfer_params), if any
+    peer_check: ExistenceCheck = field(default_factory=ExistenceCheck)  # at that peer
     session_id: str | None = None  # vLLM's request.session_id (the front forwards LMI's session)
     saves_allowed: bool = True  # False once the request was blended: none of its chunks is exact KV to store
     # (group, chunk) -> what the chunk's KV events say (vLLM's block hashes and tokens); None: no events
@@ -154,14 +166,21 @@ def _plan_loads(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: s
     sources: dict[int, str] = {}  # chunk -> the tier it loads from
     for group, group_parts in parts.items():
         for keys, ids, offset, c in group_parts or ():
-            source = directory.lookup(keys) or REMOTE
+            source = directory.lookup(keys) or _unmirrored_source(plan, group, c)
             sources[c] = source
             placed = directory.prepare_load(keys, group, source, plan.describer(group, c))
-            meta.loads.append(ChunkTransfer(req_id, keys, ids, offset, group, source=placed.tier,
+            where = peer_source(plan.peer) if source == PEER and plan.peer is not None else placed.tier
+            meta.loads.append(ChunkTransfer(req_id, keys, ids, offset, group, source=where,
                                             promote_to=directory.first_tier_name if placed.promote else ""))
     chunk = geo.chunk_size_tokens
     for c, source in sources.items():  # each prompt token once, whatever the number of groups
         directory.metrics.tier_hit(source, min(end, (c + 1) * chunk) - max(start, c * chunk))
+
+
+def _unmirrored_source(plan: RequestPlan, group: int, chunk: int) -> str:
+    """A chunk no local tier holds loads from the request's peer when it holds it (one hop, no second copy),
+    else from the remote store."""
+    return PEER if plan.peer is not None and (group, chunk) in (plan.peer_check.found or ()) else REMOTE
 
 
 def _group_load_parts(geo: SchedulerGeometry, plan: RequestPlan, group: KvCacheGroup, start: int,

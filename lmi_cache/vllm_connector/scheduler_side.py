@@ -25,6 +25,11 @@ request it keeps a plan:
   flight the answer is ``None`` (vLLM asks again next step, the scheduler never
   waits); the check gives up after ``lookup_timeout_ms`` (those chunks are
   misses). Its answer is kept for the request until its local hit changes.
+  With the peer tier on (``enable_p2p``) and a request whose router names a
+  peer (``kv_transfer_params.remote_kv_source``), the same chunks are asked of
+  that peer the same way (``lmi_cache.peer.lookup``, bounded by
+  ``peer_timeout_ms``); a chunk the peer holds loads from it into a CPU-tier
+  place the directory reserves (``prepare_load`` with source ``peer``).
 * ``update_state_after_alloc``: confirms (or drops) the planned load. With
   ``saves=False`` (a blended request: its KV past the exact prefix is not
   exact) no chunk of the request is ever saved, even after a preemption.
@@ -62,17 +67,20 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.keys.key_inputs import KeyRule
 from lmi_cache.keys.kv_groups import is_single_full_group
 from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.peer.hint import peer_hint
+from lmi_cache.peer.protocol import PeerIdentity
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.events import ChunkBlocks
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 from lmi_cache.vllm_connector.request_plan import (
+    ExistenceCheck,
     RequestPlan,
     SchedulerGeometry,
     count_miss,
@@ -80,6 +88,9 @@ from lmi_cache.vllm_connector.request_plan import (
     plan_step,
     usable_hit_tokens,
 )
+
+if TYPE_CHECKING:
+    from lmi_cache.peer.lookup import PeerLookups
 
 logger = logging.getLogger(__name__)
 
@@ -131,11 +142,13 @@ class SchedulerSide:
         sessions: SessionTracker | None = None,
         key_rule: KeyRule | None = None,
         chunk_blocks: ChunkBlocksReader | None = None,
+        peer_lookups: PeerLookups | None = None,
     ) -> None:
         self.geometry = geometry
         self.key_rule = key_rule if key_rule is not None else KeyRule()
         self._chunk_blocks = chunk_blocks  # None: no KV events (the directory keeps no descriptions)
         self._sessions = sessions  # None: no session retention
+        self._peer_lookups = peer_lookups  # None: the peer tier is off (enable_p2p)
         # One set of series with the directory's (the connector passes the same object to both).
         self.metrics = metrics if metrics is not None else directory.metrics
         # req id -> hit tokens of its last answered lookup, until admission counts it.
@@ -174,7 +187,8 @@ class SchedulerSide:
             reader = self._chunk_blocks if self.directory.events is not None else None
             plan = RequestPlan(chunk_keys=self._chunk_keys(request), num_prompt_tokens=_num_prompt_tokens(request),
                                session_id=getattr(request, "session_id", None),
-                               describe=None if reader is None else functools.partial(reader, request))
+                               describe=None if reader is None else functools.partial(reader, request),
+                               peer=peer_hint(request) if self._peer_lookups is not None else None)
             self._plans[req_id] = plan
         plan.load_range, plan.load_confirmed = None, False
         self.metrics.count("match_queries")
@@ -185,17 +199,22 @@ class SchedulerSide:
         def held(group: int, chunk: int) -> bool:
             return directory.holds(keys[group][chunk])
 
-        remote: set[tuple[int, int]] = set()
-        if directory.remote is not None:
+        remote: set[tuple[int, int]] | None = set()
+        peer: set[tuple[int, int]] | None = set()
+        if directory.remote is not None or plan.peer is not None:
             useful_chunks = min(num_chunks, max(request.num_tokens - 1, 0) // geo.chunk_size_tokens)
             first = min(_leading(directory, group_keys) for group_keys in keys)
-            found = self._remote_hits(plan, first, useful_chunks)
-            if found is None:
-                return None, False  # the remote lookup is in flight: vLLM asks again next step
-            remote = found
+            if directory.remote is not None:
+                remote = self._unmirrored_hits(plan, plan.remote, directory.ask_remote, first, useful_chunks)
+            if plan.peer is not None and self._peer_lookups is not None:
+                peer = self._unmirrored_hits(plan, plan.peer_check, functools.partial(self._peer_lookups.ask,
+                                                                                      plan.peer), first, useful_chunks)
+            if remote is None or peer is None:
+                return None, False  # a lookup is in flight: vLLM asks again next step
+        elsewhere = (remote or set()) | (peer or set())
         # vLLM must compute at least one token to produce logits.
         hit_tokens = usable_hit_tokens(geo, num_chunks, request.num_tokens - 1,
-                                       lambda g, c: held(g, c) or (g, c) in remote)
+                                       lambda g, c: held(g, c) or (g, c) in elsewhere)
         self._answered[req_id] = max(hit_tokens, 0)
         self._gpu_hit[req_id] = num_computed_tokens
         num_new = hit_tokens - num_computed_tokens
@@ -204,31 +223,34 @@ class SchedulerSide:
         plan.load_range = (num_computed_tokens, hit_tokens)
         return num_new, geo.loads_async
 
-    def _remote_hits(self, plan: RequestPlan, first: int, end: int) -> set[tuple[int, int]] | None:
-        """(group, chunk) pairs of chunks ``first..end`` the remote store holds for every rank; None while asked."""
+    def _unmirrored_hits(self, plan: RequestPlan, check: ExistenceCheck, ask: Callable[[list[ChunkKey]], Any],
+                         first: int, end: int) -> set[tuple[int, int]] | None:
+        """(group, chunk) pairs of chunks ``first..end`` the remote store (``plan.remote``) or the request's peer
+        (``plan.peer_check``) holds for every rank; None while asked."""
         if first >= end:
             return set()
+        kind = "remote" if check is plan.remote else "peer"
         num_groups = len(plan.chunk_keys)
-        if plan.remote_from != first:
+        if check.from_chunk != first:
             flat = [key for c in range(first, end) for g in range(num_groups) for key in plan.chunk_keys[g][c]]
-            plan.remote_from, plan.remote_found = first, None
-            plan.remote_pending = self.directory.ask_remote(flat)
-            self.metrics.count("remote_checks")
-        if plan.remote_found is None:
-            found = plan.remote_pending.poll()
+            check.from_chunk, check.found = first, None
+            check.pending = ask(flat)
+            self.metrics.count(f"{kind}_checks")
+        if check.found is None:
+            found = check.pending.poll()
             if found is None:
                 return None
-            self.metrics.remote_lookup(getattr(plan.remote_pending, "outcome", "answered"))
+            outcome = getattr(check.pending, "outcome", "answered")
             ranks = self.geometry.world_size
             pairs = [(g, c) for c in range(first, end) for g in range(num_groups)]
-            plan.remote_found = {pair for i, pair in enumerate(pairs) if all(found[i * ranks : (i + 1) * ranks])}
-            plan.remote_pending = None
-            # Chunks every group holds remotely in one run from ``first`` (what a full-attention hit can use).
+            check.found = {pair for i, pair in enumerate(pairs) if all(found[i * ranks : (i + 1) * ranks])}
+            check.pending = None
+            # Chunks every group holds in one run from ``first`` (what a full-attention hit can use).
             run = first
-            while all((g, run) in plan.remote_found for g in range(num_groups)):
+            while all((g, run) in check.found for g in range(num_groups)):
                 run += 1
-            self.metrics.count("remote_hit_chunks", run - first)
-        return plan.remote_found
+            self.metrics.unmirrored_lookup(kind, outcome, run - first)
+        return check.found
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int, saves: bool = True,
                                  block_ids: Sequence[Sequence[int]] | None = None) -> None:
@@ -365,6 +387,8 @@ class SchedulerSide:
             logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
             return
         self._key_space = space
+        if self._peer_lookups is not None:
+            self._peer_lookups.set_identity(PeerIdentity.of(space))
         # One full-attention group keeps the keys of the group-unaware scheme; otherwise every group is named.
         single = is_single_full_group(geo.groups)
         self._group_spaces = tuple(space if single else replace(space, kv_group=g.key_tag) for g in geo.groups)

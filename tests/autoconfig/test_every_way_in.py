@@ -143,3 +143,54 @@ def test_a_planner_refusal_names_the_flag_as_typed(tmp_path: Path) -> None:
     assert line.startswith("--chunk-size=100: must be a positive multiple of vLLM's block size"), line
     line = error_line(run(["plan", "--model-dir", str(mdir), *SMALL, "--disk-size-gib", "100000"], tmp_path))
     assert line.startswith("--disk-size-gib=100000.0 GiB per rank does not fit"), line
+
+
+@pytest.mark.parametrize("way", ["option", "OPTION_env", "LMCACHE_env", "yaml"])
+def test_the_peer_tier_is_planned_alike_whichever_way_in(way: str, tmp_path: Path) -> None:
+    properties, env, yaml = "", {}, None
+    if way == "option":
+        properties = ("option.lmcache_auto_config=true\noption.lmcache_enable_p2p=true\n"
+                      "option.lmcache_p2p_init_ports=9100\noption.lmcache_p2p_lookup_ports=9101\n")
+    elif way == "OPTION_env":
+        env = {"OPTION_LMCACHE_AUTO_CONFIG": "true", "OPTION_LMCACHE_ENABLE_P2P": "true",
+               "OPTION_LMCACHE_P2P_INIT_PORTS": "9100", "OPTION_LMCACHE_P2P_LOOKUP_PORTS": "9101"}
+    elif way == "LMCACHE_env":
+        env = {"LMCACHE_ENABLE_P2P": "true", "LMCACHE_P2P_INIT_PORTS": "9100", "LMCACHE_P2P_LOOKUP_PORTS": "9101"}
+    else:
+        properties = "option.lmcache_config_file=lmcache.yaml\n"
+        yaml = "chunk_size: 256\nmax_local_cpu_size: 4\nenable_p2p: true\np2p_init_ports: [9100]\np2p_lookup_ports: [9101]\n"
+    mdir = model_dir(tmp_path, properties, yaml)
+    planned = run(["plan", "--model-dir", str(mdir), *SMALL, "--json"], tmp_path, **env)
+    assert planned.exit_code == 0, planned.output
+    plan = json.loads(planned.stdout)
+    assert plan["tiers"]["peer"] == {"host": "127.0.0.1", "init_ports": [9100], "lookup_ports": [9101],
+                                     "transport": "tcp", "timeout_ms": 2000}
+    text = run(["plan", "--model-dir", str(mdir), *SMALL], tmp_path, **env).stdout
+    assert "Peer tier" in text and "ports [9100] / [9101], over tcp" in text
+    served = dry_run(mdir, tmp_path, **env)
+    assert served.exit_code == 0 and "Traceback" not in served.output, served.output
+    assert (plan["serve"]["cache_mode"] == "auto") == (way in ("option", "OPTION_env"))
+    if plan["serve"]["cache_mode"] == "auto":  # the planned YAML (what serve writes) carries the plan
+        from lmi_cache.config.cache_config import config_from_dict
+
+        config, _ = config_from_dict(plan["lmcache_config"])
+        assert config.enable_p2p and config.p2p_init_ports == (9100,) and config.p2p_lookup_ports == (9101,)
+        assert config.peer_transport == "tcp"
+
+
+def test_peer_ports_that_do_not_fit_the_ranks_are_refused(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.lmcache_auto_config=true\noption.lmcache_enable_p2p=true\n"
+                               "option.lmcache_p2p_init_ports=9100\noption.lmcache_p2p_lookup_ports=9101,9103\n")
+    line = error_line(run(["plan", "--model-dir", str(mdir), "--instance-type", "ml.g5.12xlarge", "--tp", "2"],
+                          tmp_path))
+    assert "one port per rank (2: tp x pp)" in line and "p2p_lookup_ports" in line
+    bad = model_dir(tmp_path / "bad", "option.lmcache_auto_config=true\noption.lmcache_p2p_init_ports=http\n")
+    assert "option.lmcache_p2p_init_ports" in error_line(run(["plan", "--model-dir", str(bad), *SMALL], tmp_path))
+
+
+def test_validate_reports_peer_settings_that_do_not_pair_up(tmp_path: Path) -> None:
+    mdir = model_dir(tmp_path, "option.lmcache_config_file=lmcache.yaml\n",
+                     "chunk_size: 256\nmax_local_cpu_size: 4\nenable_p2p: true\np2p_init_ports: [9100]\n")
+    result = run(["validate", str(mdir / "lmcache.yaml"), "--model", str(MODEL), *SMALL], tmp_path)
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "enable_p2p with p2p_init_ports but not the other" in result.output

@@ -1,0 +1,89 @@
+"""The peer tier's plan: ports per rank and the transfer engine's transport (container-start process).
+
+Pure: the host facts come from the probe's snapshot (``rdma_drivers``: the
+driver of each device under ``/sys/class/infiniband``). Each rank of a
+replica gets two ports, a handshake port (``p2p_init_ports``, the one a
+router's hint names for rank 0) and a lookup port (``p2p_lookup_ports``):
+the user's, or 8200 + 2 x rank and the port after it. The transport is EFA
+when an ``efa`` device is there, RDMA when another verbs device is, TCP
+otherwise; ``extra_config.peer_transport`` carries it to the workers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autoconfig.plan.settings import ServingSettings
+from lmi_cache.config.peer import DEFAULT_INIT_PORT
+from lmi_cache.errors import UserError
+
+
+class PeerPlanError(UserError):
+    """P2P settings this deployment cannot run with."""
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    host: str
+    init_ports: tuple[int, ...]  # one per rank of a replica
+    lookup_ports: tuple[int, ...]
+    transport: str  # tcp | rdma | efa
+    timeout_ms: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"host": self.host, "init_ports": list(self.init_ports), "lookup_ports": list(self.lookup_ports),
+                "transport": self.transport, "timeout_ms": self.timeout_ms}
+
+    def lmcache_keys(self) -> dict[str, Any]:
+        return {"enable_p2p": True, "p2p_host": self.host, "p2p_init_ports": list(self.init_ports),
+                "p2p_lookup_ports": list(self.lookup_ports), "transfer_channel": "mooncake"}
+
+
+def pick_transport(rdma_drivers: list[str]) -> tuple[str, str]:
+    """(transport, why) from the drivers of the host's verbs devices."""
+    if any(driver == "efa" for driver in rdma_drivers):
+        return "efa", "an EFA device is under /sys/class/infiniband"
+    if rdma_drivers:
+        return "rdma", f"verbs devices under /sys/class/infiniband ({', '.join(sorted(set(rdma_drivers)))})"
+    return "tcp", "no RDMA or EFA device under /sys/class/infiniband"
+
+
+def plan_peer(settings: ServingSettings, rdma_drivers: list[str], why: list[str], warn: list[str]) -> PeerPlan | None:
+    """The peer tier's plan when ``option.lmcache_enable_p2p`` (or the LMCache key) asks for it, else None."""
+    asked = settings.overrides
+    if not asked.enable_p2p:
+        return None
+    if settings.engine != "lmi_cache":
+        warn.append("lmcache_enable_p2p ignored: upstream LMCache's P2P needs its own controller; the peer tier is "
+                    "lmi_cache's (option.lmcache_engine=lmi_cache)")
+        return None
+    ranks = settings.tp * settings.pp
+    if settings.dp > 1:
+        warn.append(f"enable_p2p with {settings.dp} data-parallel replicas: they share one config and so the peer "
+                    "ports; only the replica that binds them first serves and reads peers (the others start "
+                    "without the peer tier). Run one replica per server to share every replica's CPU tier")
+    init, lookup, source = _ports(asked.p2p_init_ports, asked.p2p_lookup_ports, ranks)
+    transport, reason = pick_transport(rdma_drivers)
+    host = asked.p2p_host or "127.0.0.1"
+    plan = PeerPlan(host, init, lookup, transport, asked.peer_timeout_ms or 2000)
+    why.append(f"peer tier = on (lmcache_enable_p2p): each rank serves its CPU tier to peers and reads a prefix a "
+               f"request's router names (kv_transfer_params.remote_kv_source) from that peer; rank r handshakes on "
+               f"p2p_init_ports[r] = {list(init)} and answers lookups on p2p_lookup_ports[r] = {list(lookup)} "
+               f"({source}), at {host} (p2p_host{'' if asked.p2p_host else ': 127.0.0.1 reaches this host only'}); "
+               f"transport {transport}: {reason}; a peer read gives up after {plan.timeout_ms} ms (peer_timeout_ms) "
+               f"and vLLM recomputes")
+    return plan
+
+
+def _ports(init: tuple[int, ...] | None, lookup: tuple[int, ...] | None,
+           ranks: int) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    if not init and not lookup:
+        return (tuple(DEFAULT_INIT_PORT + 2 * r for r in range(ranks)),
+                tuple(DEFAULT_INIT_PORT + 2 * r + 1 for r in range(ranks)), f"{DEFAULT_INIT_PORT} + 2 x rank")
+    if not init or not lookup or len(init) < ranks or len(lookup) < ranks:
+        raise PeerPlanError(f"p2p_init_ports and p2p_lookup_ports (option.lmcache_p2p_*) need one port per rank "
+                            f"({ranks}: tp x pp) each; got {len(init or ())} and {len(lookup or ())}")
+    if set(init) & set(lookup):
+        raise PeerPlanError("p2p_init_ports and p2p_lookup_ports (option.lmcache_p2p_*) share a port; "
+                            "give each its own")
+    return init[:ranks], lookup[:ranks], "as given"
