@@ -23,8 +23,9 @@ from lmi_cache.peer.server import PeerServer
 from lmi_cache.peer.transport import PeerTransport, transport_available
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 
-pytestmark = pytest.mark.skipif(transport_available() is not None,
-                                reason=f"needs the Mooncake transfer engine: {transport_available()}")
+def test_the_transfer_engine_is_installed() -> None:
+    # scripts/setup.sh installs it (the [peer] extra and Debian's verbs libraries); the tests below need it.
+    assert transport_available() is None
 
 IDENTITY = PeerIdentity(model="tiny", model_identity="sha:1", kv_dtype="float32", layout="cpu.s0123.float32",
                         chunk_size=16, tp_size=1, pp_size=1)

@@ -31,12 +31,9 @@ from lmi_cache.peer.hint import peer_hint, source_tier  # noqa: E402
 from lmi_cache.peer.lookup import PeerLookups  # noqa: E402
 from lmi_cache.peer.node import PeerNode, start_peer_node  # noqa: E402
 from lmi_cache.peer.protocol import PeerIdentity  # noqa: E402
-from lmi_cache.peer.transport import transport_available  # noqa: E402
 from lmi_cache.vllm_connector.metadata import LmiWorkerMeta  # noqa: E402
 from lmi_cache.vllm_connector.scheduler_side import SchedulerGeometry, SchedulerSide  # noqa: E402
 
-pytestmark = pytest.mark.skipif(transport_available() is not None,
-                                reason=f"needs the Mooncake transfer engine: {transport_available()}")
 
 PROMPT = list(range(1, 107))  # 106 tokens: 3 full chunks of 32
 IDENTITY = PeerIdentity.of(key_space(1)(TAG))
