@@ -121,10 +121,21 @@ _SNAPSHOT_KEYS: Final = {
     "lmi_cache_fingerprint_mismatches_total": "{tier}_fingerprint_mismatches",
     "lmi_cache_corrupted_reads_total": "{tier}_corrupted_reads",
     "lmi_cache_tier_errors_total": "{tier}_errors_{op}",
+    "lmi_cache_tier_safety_net_total": "{tier}_safety_net_{reason}",
     "lmi_cache_untrusted_files_total": "{tier}_untrusted_{reason}",
     "lmi_cache_tier_usage_bytes": "{tier}_usage_bytes",
     "lmi_cache_tier_capacity_bytes": "{tier}_capacity_bytes",
 }
+
+
+# Every tier safety net that fired in this process, whatever the registry (what tests read).
+_SAFETY_NET_FIRINGS = 0
+_SAFETY_NET_LOCK = threading.Lock()
+
+
+def safety_net_firings() -> int:
+    """How many planned puts the tiers of this process refused for lack of room (should stay 0)."""
+    return _SAFETY_NET_FIRINGS
 
 
 class SchedulerMetrics:
@@ -151,6 +162,9 @@ class SchedulerMetrics:
                                "reason (not_stored, evicted, failed_load, key_mismatch)", ["engine", "reason"],
                                registry=r)
         self._evictions = Counter("lmi_cache_placement_evictions", "Entries the placement directory evicted, by tier",
+                                  tiers, registry=r)
+        self._unplanned = Counter("lmi_cache_placement_unplanned_stores", "Stores a worker reported that the "
+                                  "placement directory never planned (refused and removed again), by tier",
                                   tiers, registry=r)
         self._dropped = Counter("lmi_cache_placement_dropped", "Entries a worker's tier lost on its own (damaged, "
                                 "unreadable, a full filesystem), by tier", tiers, registry=r)
@@ -182,6 +196,9 @@ class SchedulerMetrics:
 
     def evicted(self, tier: str, count: int) -> None:
         self._evictions.labels(self.engine_label, tier).inc(count)
+
+    def unplanned_store(self, tier: str) -> None:
+        self._unplanned.labels(self.engine_label, tier).inc()
 
     def dropped(self, tier: str, count: int) -> None:
         self._dropped.labels(self.engine_label, tier).inc(count)
@@ -231,6 +248,10 @@ class CacheMetrics:
         self._fp = Counter("lmi_cache_fingerprint_mismatches", "Loads with a foreign fingerprint", tier, registry=r)
         self._corrupt = Counter("lmi_cache_corrupted_reads", "Loads of damaged objects", tier, registry=r)
         self._errors = Counter("lmi_cache_tier_errors", "Faults turned into misses", [*tier, "op"], registry=r)
+        # A tier refused what the placement directory planned because its medium ran out (memory, disk space):
+        # the directory's sizes and the tier's disagree, a bug (tests assert it stays 0).
+        self._safety_net = Counter("lmi_cache_tier_safety_net", "Planned puts a tier refused for lack of room",
+                                   [*tier, "reason"], registry=r)
         self._untrusted = Counter("lmi_cache_untrusted_files", "Disk entries ignored as not ours", [*tier, "reason"],
                                   registry=r)
         self._usage = Gauge("lmi_cache_tier_usage_bytes", "Bytes held", tier, registry=r,
@@ -273,6 +294,13 @@ class CacheMetrics:
 
     def error(self, tier: str, op: str) -> None:
         self._errors.labels(*self._ids, tier, op).inc()
+
+    def safety_net(self, tier: str, reason: str) -> None:
+        """A put the tier refused because its medium ran out (never an eviction of its own)."""
+        global _SAFETY_NET_FIRINGS
+        self._safety_net.labels(*self._ids, tier, reason).inc()
+        with _SAFETY_NET_LOCK:
+            _SAFETY_NET_FIRINGS += 1
 
     def untrusted(self, tier: str, reason: str) -> None:
         self._untrusted.labels(*self._ids, tier, reason).inc()

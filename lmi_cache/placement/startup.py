@@ -1,36 +1,28 @@
 """The placement directory of a deployment, built at scheduler start (vLLM scheduler process).
 
-Budgets are the cache config's, per rank, with each tier's own rounding (the
-CPU tier's allocator size classes, the disk tier's file blocks), so the
-workers' tiers, which have the same budgets, never need to evict on their own.
-The disk tier's files of every rank of this replica are adopted oldest first
-(names and stat only: a file a worker later finds damaged is reported dropped).
+Budgets are the cache config's, per rank, with each tier's own rounding
+(``tiers.entry_sizes``: the CPU tier's allocator size classes, the disk tier's
+file blocks, the functions the tiers count with), so the workers' tiers, which
+have the same sizes, never need to evict on their own. The disk tier's files
+of every rank of this replica are adopted oldest first (names and stat only: a
+file a worker later finds damaged is reported dropped; files over the budget
+are evicted with the first step).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 from lmi_cache.config.cache_config import CacheConfig
-from lmi_cache.keys.chunk_format import HEADER_BYTES
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import PlacementDirectory, RemoteLookups
-from lmi_cache.tiers.buffers import size_class_bytes
 from lmi_cache.tiers.disk import object_files
 from lmi_cache.tiers.disk.ranks import prune_orphan_rank_dirs, replica_rank_dirs
+from lmi_cache.tiers.entry_sizes import cpu_entry_bytes, disk_entry_bytes
 
 logger = logging.getLogger(__name__)
-
-
-def cpu_entry_bytes(payload_bytes: int) -> int:
-    """What a chunk takes of the CPU tier: its allocator size class (``tiers.host_memory``)."""
-    return size_class_bytes(HEADER_BYTES + payload_bytes)
-
-
-def disk_entry_bytes(payload_bytes: int) -> int:
-    """What a chunk takes of the disk tier: its file, rounded up to the write alignment."""
-    return object_files.round_up(HEADER_BYTES + payload_bytes)
 
 
 def build_directory(config: CacheConfig, *, replica: int, world_size: int, remote: RemoteLookups | None = None,
@@ -39,7 +31,8 @@ def build_directory(config: CacheConfig, *, replica: int, world_size: int, remot
     specs = [
         TierSpec("cpu", config.cpu_capacity_bytes, cpu_entry_bytes, policy=config.cache_policy,
                  retention_share=config.session_retention_share if retention else 0.0),
-        TierSpec("disk", config.disk_capacity_bytes, disk_entry_bytes, num_shards=max(1, len(config.local_disk)),
+        TierSpec("disk", config.disk_capacity_bytes, functools.partial(disk_entry_bytes, odirect=config.use_odirect),
+                 num_shards=max(1, len(config.local_disk)),
                  policy=config.cache_policy),
     ]
     directory = PlacementDirectory(specs, chunk_tokens=config.chunk_size, write_through=() if demote else ("disk",),

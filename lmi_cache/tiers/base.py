@@ -12,17 +12,18 @@ in ``tiers.factory``, never a branch in the engine:
   (a memory tier yields one batch at once; the disk tier one per finished
   read; the remote tier one per batched round trip). Each yielded object
   carries a reference the caller must ``release``. Keys not yielded are misses.
-- ``put(obj)``: keep the chunk object. The tier takes its own reference
-  (``obj.acquire``) when it keeps or reads the buffer later, and never blocks
-  on I/O: queued work that cannot be queued is dropped and counted. True if
-  the tier holds or will hold it.
+- ``put(obj)``: keep the chunk object at the place the placement directory
+  reserved for it. The tier takes its own reference (``obj.acquire``) when it
+  keeps or reads the buffer later, and never blocks on I/O: queued work that
+  cannot be queued is dropped and counted. True if the tier holds or will
+  hold it. A local tier has no eviction policy: a put that does not fit is
+  refused (the safety net, ``CacheMetrics.safety_net``), never met by evicting.
 - ``remove``, ``clear``, ``digests``, ``used_bytes``, ``capacity_bytes``,
   ``flush``, ``stats``, ``close``: housekeeping.
 
 Flags the engine reads: ``local`` (above), ``promote_hits`` (hits in tiers
-behind this one are put here: the CPU tier), ``write_through`` (every stored
-chunk is put here at once; otherwise the tier is fed by evictions from the
-tier in front of it, ``disk_feed: demote``), ``holds_host_buffers`` (the tier
+behind this one are put here when the directory says so: the CPU tier),
+``holds_host_buffers`` (the tier
 keeps the allocator's buffers themselves, so its unused budget is host memory
 the allocator may keep warm: the CPU tier).
 
@@ -46,12 +47,11 @@ HitBatch = list[tuple[int, ChunkObject]]
 
 
 class Tier(ABC):
-    """A byte-bounded store of chunk objects keyed by digest."""
+    """A store of chunk objects keyed by digest (what it holds is the placement directory's decision)."""
 
     name: str = "tier"
     local: bool = True
     promote_hits: bool = False
-    write_through: bool = True
     holds_host_buffers: bool = False
 
     @abstractmethod

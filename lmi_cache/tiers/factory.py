@@ -19,7 +19,6 @@ from lmi_cache.tiers.host_memory import HostAllocator
 
 if TYPE_CHECKING:
     from lmi_cache.config.cache_config import CacheConfig
-    from lmi_cache.tiers.cpu_tier import EvictCallback
 
 
 @dataclass
@@ -30,7 +29,6 @@ class TierContext:
     metrics: CacheMetrics
     warner: RateLimitedWarner
     allocator: HostAllocator
-    on_evict: EvictCallback  # the CPU tier's eviction callback (demote-to-disk)
     on_remove: RemoveCallback  # a persistent tier's removal callback (reported to the placement directory)
 
 
@@ -41,8 +39,7 @@ TIER_BUILDERS: tuple[Builder, ...] = (cpu_tier.build, disk_tier.build, remote_ti
 
 
 def build_tiers(config: CacheConfig, context: TierContext, tiers: list[Tier]) -> None:
-    """Append the configured tiers to ``tiers`` in lookup order, each as soon as it is built
-    (later tiers' start-up callbacks may consult the earlier ones). On failure, closes what was built."""
+    """Append the configured tiers to ``tiers`` in lookup order. On failure, closes what was built."""
     try:
         for builder in TIER_BUILDERS:
             tier = builder(config, context)

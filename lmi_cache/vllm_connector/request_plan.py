@@ -102,6 +102,9 @@ class RequestPlan:
     remote_from: int = -1  # first chunk the remote lookup below covers (-1: none yet)
     remote_pending: Any = None  # lmi_cache.remote.cache.PendingLookup while in flight
     remote_found: set[tuple[int, int]] | None = None  # (group, chunk) from remote_from present on every rank
+    # The load spec the last lookup found: (group, chunk) -> the tier holding it on every rank ("remote" too), so
+    # planning the load asks the directory nothing again (vLLM's kv_offload keeps its load spec the same way).
+    sources: dict[tuple[int, int], str] = field(default_factory=dict)
     session_id: str | None = None  # vLLM's request.session_id (the front forwards LMI's session)
     saves_allowed: bool = True  # False once the request was blended: none of its chunks is exact KV to store
     # (group, chunk) -> what the chunk's KV events say (vLLM's block hashes and tokens); None: no events
@@ -154,7 +157,7 @@ def _plan_loads(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: s
     sources: dict[int, str] = {}  # chunk -> the tier it loads from
     for group, group_parts in parts.items():
         for keys, ids, offset, c in group_parts or ():
-            source = directory.lookup(keys) or REMOTE
+            source = plan.sources.get((group, c)) or directory.lookup(keys) or REMOTE
             sources[c] = source
             placed = directory.prepare_load(keys, group, source, plan.describer(group, c))
             meta.loads.append(ChunkTransfer(req_id, keys, ids, offset, group, source=placed.tier,

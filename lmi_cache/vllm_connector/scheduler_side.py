@@ -70,6 +70,7 @@ from lmi_cache.keys.kv_groups import is_single_full_group
 from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.directory import PlacementDirectory
+from lmi_cache.placement.messages import REMOTE
 from lmi_cache.placement.events import ChunkBlocks
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 from lmi_cache.vllm_connector.request_plan import (
@@ -146,6 +147,7 @@ class SchedulerSide:
         self._group_spaces: tuple[KeySpace, ...] = ()  # one per KV cache group
         self.directory = directory
         self.layout_tag: str | None = None
+        self._sized_ranks: set[int] = set()  # ranks whose chunk sizes arrived (they send them until all have)
         self._disabled_reason: str | None = None
         self._asks_without_layout = 0
         self._plans: dict[str, RequestPlan] = {}
@@ -181,21 +183,28 @@ class SchedulerSide:
         geo = self.geometry
         keys, directory = plan.chunk_keys, self.directory
         num_chunks = len(keys[0])
+        # One directory lookup per chunk for this decision; what it finds is the load spec the plan keeps.
+        where: dict[tuple[int, int], str | None] = {}
 
         def held(group: int, chunk: int) -> bool:
-            return directory.holds(keys[group][chunk])
+            pair = (group, chunk)
+            if pair not in where:
+                where[pair] = directory.lookup(keys[group][chunk])
+            return where[pair] is not None
 
         remote: set[tuple[int, int]] = set()
         if directory.remote is not None:
             useful_chunks = min(num_chunks, max(request.num_tokens - 1, 0) // geo.chunk_size_tokens)
-            first = min(_leading(directory, group_keys) for group_keys in keys)
+            first = min(_leading(held, group, num_chunks) for group in range(len(keys)))
             found = self._remote_hits(plan, first, useful_chunks)
             if found is None:
-                return None, False  # the remote lookup is in flight: vLLM asks again next step
+                return None, False  # the remote lookup is in flight ("pending"): vLLM asks again next step
             remote = found
         # vLLM must compute at least one token to produce logits.
         hit_tokens = usable_hit_tokens(geo, num_chunks, request.num_tokens - 1,
                                        lambda g, c: held(g, c) or (g, c) in remote)
+        plan.sources = {pair: tier for pair, tier in where.items() if tier is not None}
+        plan.sources.update({pair: REMOTE for pair in remote if pair not in plan.sources})
         self._answered[req_id] = max(hit_tokens, 0)
         self._gpu_hit[req_id] = num_computed_tokens
         num_new = hit_tokens - num_computed_tokens
@@ -311,6 +320,7 @@ class SchedulerSide:
     def finish_step(self, meta: LmiConnectorMetadata) -> None:
         """The step is planned (blending's jobs too): its evictions go out with it, its pins go."""
         meta.evictions = self.directory.take_evictions()
+        meta.layout_known = self.layout_tag is not None and len(self._sized_ranks) >= self.geometry.world_size
         self.directory.end_step()
 
     def _per_group(self, block_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:
@@ -349,6 +359,7 @@ class SchedulerSide:
             self._disabled_reason = f"KV layout changed from {self.layout_tag} to {sorted(tags)}"
             logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
         for rank, sizes in worker_meta.chunk_bytes.items():
+            self._sized_ranks.add(rank)
             for group, payload_bytes in sizes.items():
                 self.directory.set_chunk_bytes(rank, group, payload_bytes)
         for rank in set(worker_meta.stored) | set(worker_meta.failed) | set(worker_meta.dropped):
@@ -379,12 +390,10 @@ class SchedulerSide:
         return len(self._plans)
 
 
-def _leading(directory: PlacementDirectory, chunk_keys: Sequence[tuple[ChunkKey, ...]]) -> int:
-    """How many leading chunks the local tiers hold on every rank."""
+def _leading(held: Callable[[int, int], bool], group: int, num_chunks: int) -> int:
+    """How many of ``group``'s leading chunks the local tiers hold on every rank."""
     count = 0
-    for keys in chunk_keys:
-        if not directory.holds(keys):
-            break
+    while count < num_chunks and held(group, count):
         count += 1
     return count
 

@@ -20,8 +20,9 @@
   (``CacheEngine.save_many``; one copy) and puts it into the tiers the
   directory named; the disk and remote writes run asynchronously. The gather is the only cost on the step;
   ``stats.save_seconds`` measures it.
-* ``build_worker_meta``: this rank's layout tag and chunk sizes, the stores
-  that landed or failed, and entries its media lost on their own.
+* ``build_worker_meta``: the stores that landed or failed, entries its media
+  lost on their own, and (until the scheduler has them: ``layout_known``)
+  this rank's layout tag and chunk sizes.
 
 With vLLM's hybrid KV cache manager on, each KV cache group (full attention,
 sliding window) has its own copier over its own layers; a transfer names its
@@ -118,6 +119,7 @@ class WorkerSide:
         self._mismatched_loads = 0  # this step's loads refused for their token fingerprint, not yet attributed
         self._instructed: list[TierEvent] = []  # stores and promotions the directory planned this step
         self._num_warnings = 0
+        self._layout_known = False  # the scheduler has this rank's layout tag and chunk sizes
         self._last_event: Any = None  # the latest asynchronous scatter of this step (CUDA), or None
         self._pending_releases: list[tuple[Any, list[Any]]] = []  # (copy-done event or None, chunk objects)
 
@@ -206,7 +208,8 @@ class WorkerSide:
 
     def load(self, meta: LmiConnectorMetadata) -> None:
         engine = self.engine
-        if meta.evictions and engine is not None:
+        self._layout_known = self._layout_known or meta.layout_known
+        if engine is not None and meta.evictions.get(self.rank_index):
             self._apply_evictions(engine, meta)
         planned = {t.req_id for t in meta.loads}
         # A waiting request with nothing to load (its plan found no blocks) must still be answered, or it waits forever.
@@ -216,8 +219,7 @@ class WorkerSide:
         started = time.perf_counter()
         self._release_finished_loads()
         keys = [transfer.keys[self.rank_index] for transfer in meta.loads]
-        directed = all(t.source for t in meta.loads)
-        sources = [t.source for t in meta.loads] if directed else None
+        sources = [t.source for t in meta.loads]
         promote = [bool(t.promote_to) for t in meta.loads]
         for transfer, key in zip(meta.loads, keys):
             if transfer.promote_to:
@@ -233,7 +235,7 @@ class WorkerSide:
             # arrival (asynchronous copies overlap the reads still running); on the CPU backend all hits
             # are scattered in one call after the reads, so the copy's OpenMP threads never wait for cores
             # that reader threads hold.
-            for batch in engine.load(keys, sources, promote if directed else None):
+            for batch in engine.load(keys, sources, promote):
                 held.extend(obj for _, obj in batch)
                 if overlap:
                     loaded.update(self._scatter_groups(meta, batch))
@@ -253,11 +255,10 @@ class WorkerSide:
     def _apply_evictions(self, engine: Engine, meta: LmiConnectorMetadata) -> None:
         """The directory's evictions of this rank, before the loads (a load never reads what it evicts)."""
         try:
-            for eviction in meta.evictions:
-                if eviction.rank == self.rank_index:
-                    engine.evict(eviction.tier, eviction.digest, eviction.demote_to)
-                    if eviction.demote_to:
-                        self._instructed.append(TierEvent(eviction.demote_to, eviction.digest))
+            for eviction in meta.evictions.get(self.rank_index, ()):
+                engine.evict(eviction.tier, eviction.digest, eviction.demote_to)
+                if eviction.demote_to:
+                    self._instructed.append(TierEvent(eviction.demote_to, eviction.digest))
         except Exception as err:  # noqa: BLE001 - a tier that keeps an entry only wastes room
             self._fault("could not apply evictions", err, op="evict")
 
@@ -385,14 +386,13 @@ class WorkerSide:
     def _save_group(self, engine: Engine, transfers: list[ChunkTransfer],
                     copier: PagedChunkCopier | MixedPagedCopier | StateCopier) -> None:
         keys = [t.keys[self.rank_index] for t in transfers]
-        directed = all(t.tiers for t in transfers)
         block_ids = [t.block_ids for t in transfers]
         try:
             # Every full chunk of the step gathered in one kernel call, straight into engine memory.
             # (A state group's chunk is one block's state, gathered now: vLLM keeps an offered block this step only.)
             saved = engine.save_many(keys, copier.chunk_shape, copier.dtype,
                                      lambda outs: copier.gather_many(block_ids, outs),
-                                     [t.tiers for t in transfers] if directed else None)
+                                     [t.tiers for t in transfers])
             self.stats.add(WorkerStats.num_chunks_saved, sum(saved))
             self.stats.add(WorkerStats.num_saves_refused, len(saved) - sum(saved))
         except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
@@ -427,9 +427,10 @@ class WorkerSide:
         failed = [e for e in instructed if e.tier != REMOTE and (e.tier, e.digest) not in landed]
         self.stats.attach(self.engine.metrics)  # the series are present from the first step, at 0
         rank = self.rank_index
+        known = self._layout_known
         return LmiWorkerMeta(
-            layout_tags={rank: self.layout_tag},
-            chunk_bytes={rank: self._chunk_bytes()},
+            layout_tags={} if known else {rank: self.layout_tag},
+            chunk_bytes={} if known else {rank: self._chunk_bytes()},
             stored={rank: stored} if stored else {},
             failed={rank: failed} if failed else {},
             dropped={rank: dropped} if dropped else {},
