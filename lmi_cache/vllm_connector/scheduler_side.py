@@ -73,6 +73,7 @@ from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.messages import REMOTE
 from lmi_cache.placement.events import ChunkBlocks
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
+from lmi_cache.vllm_connector.scheduler_views import RequestView, SchedulerOutputView
 from lmi_cache.vllm_connector.request_plan import (
     RequestPlan,
     SchedulerGeometry,
@@ -156,11 +157,11 @@ class SchedulerSide:
 
     # -- lookups -------------------------------------------------------------------------
 
-    def _chunk_keys(self, request: Any) -> list[Sequence[tuple[ChunkKey, ...]]]:
+    def _chunk_keys(self, request: RequestView) -> list[Sequence[tuple[ChunkKey, ...]]]:
         inputs = self.key_rule.inputs(request)
         return [space.for_inputs(inputs).per_chunk for space in self._group_spaces]
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         if self._disabled_reason is not None:
             self._answered[req_id] = 0
@@ -239,7 +240,7 @@ class SchedulerSide:
             self.metrics.count("remote_hit_chunks", run - first)
         return plan.remote_found
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int, saves: bool = True,
+    def update_state_after_alloc(self, request: RequestView, num_external_tokens: int, saves: bool = True,
                                  block_ids: Sequence[Sequence[int]] | None = None) -> None:
         """``num_external_tokens``: what this side loads (the prefix path's share); ``saves``: False for a blended
         request; ``block_ids``: the request's blocks per group, which an asynchronous load is planned into now."""
@@ -267,7 +268,7 @@ class SchedulerSide:
 
     # -- per-step planning ---------------------------------------------------------------
 
-    def build_connector_meta(self, scheduler_output: Any) -> LmiConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> LmiConnectorMetadata:
         meta = LmiConnectorMetadata()
         for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
             self._plans.pop(req_id, None)
@@ -328,7 +329,7 @@ class SchedulerSide:
         ids = list(block_ids or ())
         return [list(ids[g.index]) if g.index < len(ids) else [] for g in self.geometry.groups]
 
-    def _plan_state_saves(self, scheduler_output: Any, meta: LmiConnectorMetadata) -> None:
+    def _plan_state_saves(self, scheduler_output: SchedulerOutputView, meta: LmiConnectorMetadata) -> None:
         """Saves of the Mamba boundary states vLLM offers this step (only while build_connector_meta runs)."""
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(block_state, "boundary_state_offloads", None) or {}
@@ -398,7 +399,7 @@ def _leading(held: Callable[[int, int], bool], group: int, num_chunks: int) -> i
     return count
 
 
-def _num_prompt_tokens(request: Any) -> int:
+def _num_prompt_tokens(request: RequestView) -> int:
     """The prompt's length, also for a prompt given as embeddings (no token ids)."""
     tokens = getattr(request, "prompt_token_ids", None)
     return len(tokens) if tokens is not None else int(getattr(request, "num_prompt_tokens", 0) or 0)
