@@ -34,7 +34,7 @@ The serving verbs (the vLLM connector uses exactly these):
   worker knows it once vLLM's KV cache is registered), so the allocator keeps
   touched buffers of that size ready instead of faulting fresh memory in on
   vLLM's critical path.
-- ``drain_events() -> (stored, removed)``: ``TierEvent``s of entries put
+- ``drain_events() -> (stored, dropped)``: ``TierEvent``s of entries put
   into a local tier, and of entries a local tier lost on its own (damaged,
   unreadable, a failed write) since the last call: what the worker reports to
   the placement directory.
@@ -110,7 +110,7 @@ class CacheEngine:
         self._warner = RateLimitedWarner(logger)
         self._events_lock = threading.Lock()
         self._stored_events: list[TierEvent] = []
-        self._removed_events: list[TierEvent] = []
+        self._dropped_events: list[TierEvent] = []
         self._closed = False
         # Warm free buffers (a fresh 4 MiB buffer costs ~1,000 page faults on vLLM's critical path):
         # at most 256 MiB, about a full disk write queue of 4 MiB chunks; with a CPU tier, at most a
@@ -120,7 +120,7 @@ class CacheEngine:
         pool_bytes = 256 << 20 if cpu_bytes <= 0 else min(256 << 20, max(cpu_bytes // 4, 32 << 20))
         self.allocator = HostAllocator(page_locked=page_locked, pool_limit_bytes=pool_bytes)
         self.tiers: list[Tier] = []
-        context = TierContext(rank_label, self.metrics, self._warner, self.allocator, self._on_removed)
+        context = TierContext(rank_label, self.metrics, self._warner, self.allocator, self._on_dropped)
         build_tiers(config, context, self.tiers)
         self.allocator.set_headroom(self._unused_buffer_budget)
 
@@ -236,9 +236,9 @@ class CacheEngine:
             self.metrics.evicted(source.name, 1)
 
     # ------------------------------------------------------------ events
-    def _on_removed(self, digest: bytes) -> None:
+    def _on_dropped(self, digest: bytes) -> None:
         """A persistent tier lost an entry on its own (damaged, unreadable, its filesystem filled up)."""
-        self._event(self._removed_events, TierEvent("disk", digest))
+        self._event(self._dropped_events, TierEvent("disk", digest))
 
     def _event(self, events: list[TierEvent], event: TierEvent) -> None:
         with self._events_lock:
@@ -247,9 +247,9 @@ class CacheEngine:
     def drain_events(self) -> tuple[list[TierEvent], list[TierEvent]]:
         """Entries stored into local tiers, and entries local tiers lost on their own, since the last call."""
         with self._events_lock:
-            stored, removed = self._stored_events, self._removed_events
-            self._stored_events, self._removed_events = [], []
-        return stored, removed
+            stored, dropped = self._stored_events, self._dropped_events
+            self._stored_events, self._dropped_events = [], []
+        return stored, dropped
 
     # ------------------------------------------------------------ housekeeping
     def flush(self, timeout_s: float = 30.0) -> None:
@@ -258,12 +258,12 @@ class CacheEngine:
                 logger.warning("%s tier: writes still queued after %.1f s", tier.name, timeout_s)
 
     def clear(self) -> None:
-        removed: list[TierEvent] = []
+        dropped: list[TierEvent] = []  # behind the directory's back (tools, tests): reported like a loss
         for tier in self.tiers:
-            removed.extend(TierEvent(tier.name, d) for d in tier.digests())  # a shared store lists nothing
+            dropped.extend(TierEvent(tier.name, d) for d in tier.digests())  # a shared store lists nothing
             tier.clear()
         with self._events_lock:
-            self._removed_events.extend(removed)
+            self._dropped_events.extend(dropped)
 
     def stats(self) -> dict[str, int | float]:
         stats: dict[str, int | float] = dict(self.metrics.snapshot())

@@ -28,7 +28,7 @@ keeps the allocator's buffers themselves, so its unused budget is host memory
 the allocator may keep warm: the CPU tier).
 
 Tier methods never raise for faults of their medium: a fault is a miss (or a
-refused put), a rate-limited warning and a metric. Callbacks (``on_remove``)
+refused put), a rate-limited warning and a metric. Callbacks (``on_drop``)
 are made without the tier's locks held, so the engine may query other tiers
 from them.
 """
@@ -40,8 +40,8 @@ from typing import Callable, Iterator, Sequence
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.tiers.host_memory import ChunkObject
 
-# Called with a digest that left the tier (evicted, damaged, failed write).
-RemoveCallback = Callable[[bytes], None]
+# Called with a digest the tier lost on its own (damaged, unreadable, a failed write): "dropped".
+DropCallback = Callable[[bytes], None]
 # A batch of hits: (position in the keys asked for, the chunk with a reference for the caller).
 HitBatch = list[tuple[int, ChunkObject]]
 

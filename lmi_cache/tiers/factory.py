@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.remote import tier as remote_tier
 from lmi_cache.tiers import cpu_tier
-from lmi_cache.tiers.base import RemoveCallback, Tier
+from lmi_cache.tiers.base import DropCallback, Tier
 from lmi_cache.tiers.disk import tier as disk_tier
 from lmi_cache.tiers.host_memory import HostAllocator
 
@@ -29,7 +29,7 @@ class TierContext:
     metrics: CacheMetrics
     warner: RateLimitedWarner
     allocator: HostAllocator
-    on_remove: RemoveCallback  # a persistent tier's removal callback (reported to the placement directory)
+    on_drop: DropCallback  # a persistent tier lost an entry on its own (reported to the placement directory)
 
 
 Builder = Callable[["CacheConfig", TierContext], "Tier | None"]

@@ -169,7 +169,7 @@ def test_full_queue_drops_without_waiting(tmp_path: Path, monkeypatch: pytest.Mo
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 def test_write_fault_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int) -> None:
     removed: list[bytes] = []
-    tier = make_tier([tmp_path], on_remove=removed.append)
+    tier = make_tier([tmp_path], on_drop=removed.append)
     real_write = os.write
 
     def failing_write(fd: int, data: Any) -> int:

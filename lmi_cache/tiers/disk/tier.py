@@ -38,7 +38,7 @@ from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.private_dir import UnsafeDirectoryError
 from lmi_cache.thread_affinity import unpin_current_thread
 from lmi_cache.tiers.disk import object_files, trust
-from lmi_cache.tiers.base import HitBatch, RemoveCallback, Tier
+from lmi_cache.tiers.base import HitBatch, DropCallback, Tier
 from lmi_cache.tiers.disk.index import DiskIndex
 from lmi_cache.tiers.disk.reads import DiskReader
 from lmi_cache.tiers.disk.space import FreeSpaceLimit
@@ -68,12 +68,12 @@ class DiskTier(Tier):
         num_workers: int = 2,
         num_readers: int = 4,
         queue_depth: int = 64,
-        on_remove: RemoveCallback | None = None,
+        on_drop: DropCallback | None = None,
     ) -> None:
         self._metrics = metrics
         self._warner = warner
         self._fsync = fsync
-        self._on_remove = on_remove
+        self._on_drop = on_drop
         self._index = DiskIndex(dirs, capacity_bytes, use_odirect)
         self._lock = threading.Lock()  # guards the write queue state; the index has its own
         self._pending: dict[bytes, ChunkObject] = {}  # queued or being written, each with our reference
@@ -249,7 +249,7 @@ class DiskTier(Tier):
             self._metrics.safety_net(self.name, "no_space")
             self._warner.warn("disk-full", f"disk tier: {shard.root} has no room for a planned write "
                                            f"({shard.used_bytes} of {shard.budget_bytes} bytes used); not stored")
-            self._notify_removed([digest])
+            self._notify_dropped([digest])
             return
         path = object_files.object_path(shard.root, digest)
         size = 0
@@ -267,7 +267,7 @@ class DiskTier(Tier):
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._space[number].invalidate()
             self._fault("write", err, path)
-            self._notify_removed([digest])
+            self._notify_dropped([digest])
             return
         self._index.commit(number, digest, reserve, size)
         with self._lock:
@@ -287,10 +287,10 @@ class DiskTier(Tier):
             except OSError as err:
                 self._fault("delete", err, root)
 
-    def _notify_removed(self, digests: list[bytes]) -> None:
-        if self._on_remove is not None:
+    def _notify_dropped(self, digests: list[bytes]) -> None:
+        if self._on_drop is not None:
             for digest in digests:
-                self._on_remove(digest)
+                self._on_drop(digest)
 
     def _fault(self, op: str, err: OSError, path: str) -> None:
         code = errno.errorcode.get(err.errno or 0, "error")
@@ -305,7 +305,7 @@ class DiskTier(Tier):
         if where is not None:
             if unlink:
                 self._delete(where[0], [digest])
-            self._notify_removed([digest])
+            self._notify_dropped([digest])
             self._report_usage()
 
     def _follow_free_space(self, number: int) -> None:
@@ -348,5 +348,5 @@ def build(config: CacheConfig, context: TierContext) -> DiskTier | None:
         rank_disk_dirs(config.local_disk, context.rank_label), config.disk_capacity_bytes, metrics=context.metrics, warner=context.warner,
         allocator=context.allocator, use_odirect=config.use_odirect,
         fsync=config.disk_fsync, num_workers=config.disk_write_workers, num_readers=config.disk_read_workers,
-        queue_depth=config.disk_queue_depth, on_remove=context.on_remove,
+        queue_depth=config.disk_queue_depth, on_drop=context.on_drop,
     )
