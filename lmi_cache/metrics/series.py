@@ -228,6 +228,32 @@ class SchedulerMetrics:
             self._misses.labels(self.engine_label, reason).inc(num_tokens)
 
 
+class SchedulerStats:
+    """The scheduler's counts, read back from its Prometheus series (each event is counted once, there)."""
+
+    _SERIES = {
+        "num_match_queries": "lmi_cache_scheduler_match_queries_total",
+        "num_hit_requests": "lmi_cache_scheduler_hit_requests_total",
+        "num_load_tokens": "lmi_cache_load_tokens_total",
+        "num_planned_saves": "lmi_cache_scheduler_planned_saves_total",
+        "num_preemptions": "lmi_cache_scheduler_preemptions_total",
+        "num_remote_lookups": "lmi_cache_scheduler_remote_checks_total",
+        "num_remote_hit_chunks": "lmi_cache_scheduler_remote_hit_chunks_total",
+    }
+
+    def __init__(self, metrics: SchedulerMetrics) -> None:
+        self._metrics = metrics
+
+    def __getattr__(self, name: str) -> float:
+        series = type(self)._SERIES.get(name)
+        if series is None:
+            raise AttributeError(name)
+        return self._metrics.value(series)
+
+    def snapshot(self) -> dict[str, float]:
+        return {name: self._metrics.value(series) for name, series in self._SERIES.items()}
+
+
 class CacheMetrics:
     """Counters and gauges of one engine (one worker rank); ``snapshot()`` reads them back for ``stats()``."""
 

@@ -11,20 +11,17 @@ request it keeps a plan:
   dtype, layout tag, TP/PP size) and the request's key inputs
   (``lmi_cache.keys.key_inputs``: its multimodal items, prompt embeddings,
   adapter content and ``cache_salt``; the prompt is hashed once, not once per
-  rank); leading chunks held by all ranks, capped so at least one
-  token is left to compute, aligned down to vLLM's block size, minus what
-  vLLM's prefix cache already covers; below ``min_retrieve_tokens`` it is 0;
-  one block shorter with an EAGLE-family drafter (``request_plan``).
-  Loads are synchronous (``(n, False)``): the worker loads before the forward;
-  except for models that are not one full-attention group (``loads_async``).
-  Until the first worker reports its layout tag the key namespace is unknown,
-  so the answer is ``None`` (vLLM asks again after one empty step).
-  With a remote store, the chunks beyond the local hit (every rank's keys) are
-  asked of it (through the directory's client) in one batched, asynchronous
-  existence check: while it is in
-  flight the answer is ``None`` (vLLM asks again next step, the scheduler never
-  waits); the check gives up after ``lookup_timeout_ms`` (those chunks are
-  misses). Its answer is kept for the request until its local hit changes.
+  rank); leading chunks held by all ranks (``hit_lookup``: one directory
+  lookup per chunk, kept as the request's load spec, and the remote check,
+  "pending" while in flight), capped so at least one token is left to
+  compute, aligned down to vLLM's block size, minus what vLLM's prefix cache
+  already covers; below ``min_retrieve_tokens`` it is 0; one block shorter
+  with an EAGLE-family drafter (``request_plan``). Loads are synchronous
+  (``(n, False)``): the worker loads before the forward; except for models
+  that are not one full-attention group (``loads_async``). Until the first
+  worker reports its layout tag the key namespace is unknown, so the answer is
+  ``None`` (vLLM asks again after one empty step); so it is while the remote
+  check is pending (it gives up after ``lookup_timeout_ms``).
 * ``update_state_after_alloc``: confirms (or drops) the planned load. With
   ``saves=False`` (a blended request: its KV past the exact prefix is not
   exact) no chunk of the request is ever saved, even after a preemption.
@@ -61,17 +58,17 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.keys.key_inputs import KeyRule
 from lmi_cache.keys.kv_groups import is_single_full_group
 from lmi_cache.eviction.session_tracker import SessionTracker
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.series import SchedulerMetrics, SchedulerStats
 from lmi_cache.placement.directory import PlacementDirectory
-from lmi_cache.placement.messages import REMOTE
 from lmi_cache.placement.events import ChunkBlocks
+from lmi_cache.vllm_connector.hit_lookup import find_hit_tokens
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 from lmi_cache.vllm_connector.scheduler_views import RequestView, SchedulerOutputView
 from lmi_cache.vllm_connector.request_plan import (
@@ -80,7 +77,6 @@ from lmi_cache.vllm_connector.request_plan import (
     count_miss,
     plan_state_saves,
     plan_step,
-    usable_hit_tokens,
 )
 
 logger = logging.getLogger(__name__)
@@ -93,32 +89,6 @@ ChunkBlocksReader = Callable[[Any, int, int], ChunkBlocks | None]
 
 # How many times a request may be deferred while no worker has reported its layout.
 MAX_ASKS_WITHOUT_LAYOUT = 200
-
-
-class SchedulerStats:
-    """The scheduler's counts, read back from its Prometheus series (each event is counted once, there)."""
-
-    _SERIES = {
-        "num_match_queries": "lmi_cache_scheduler_match_queries_total",
-        "num_hit_requests": "lmi_cache_scheduler_hit_requests_total",
-        "num_load_tokens": "lmi_cache_load_tokens_total",
-        "num_planned_saves": "lmi_cache_scheduler_planned_saves_total",
-        "num_preemptions": "lmi_cache_scheduler_preemptions_total",
-        "num_remote_lookups": "lmi_cache_scheduler_remote_checks_total",
-        "num_remote_hit_chunks": "lmi_cache_scheduler_remote_hit_chunks_total",
-    }
-
-    def __init__(self, metrics: SchedulerMetrics) -> None:
-        self._metrics = metrics
-
-    def __getattr__(self, name: str) -> float:
-        series = type(self)._SERIES.get(name)
-        if series is None:
-            raise AttributeError(name)
-        return self._metrics.value(series)
-
-    def snapshot(self) -> dict[str, float]:
-        return {name: self._metrics.value(series) for name, series in self._SERIES.items()}
 
 
 class SchedulerSide:
@@ -182,30 +152,9 @@ class SchedulerSide:
         plan.load_range, plan.load_confirmed = None, False
         self.metrics.count("match_queries")
         geo = self.geometry
-        keys, directory = plan.chunk_keys, self.directory
-        num_chunks = len(keys[0])
-        # One directory lookup per chunk for this decision; what it finds is the load spec the plan keeps.
-        where: dict[tuple[int, int], str | None] = {}
-
-        def held(group: int, chunk: int) -> bool:
-            pair = (group, chunk)
-            if pair not in where:
-                where[pair] = directory.lookup(keys[group][chunk])
-            return where[pair] is not None
-
-        remote: set[tuple[int, int]] = set()
-        if directory.remote is not None:
-            useful_chunks = min(num_chunks, max(request.num_tokens - 1, 0) // geo.chunk_size_tokens)
-            first = min(_leading(held, group, num_chunks) for group in range(len(keys)))
-            found = self._remote_hits(plan, first, useful_chunks)
-            if found is None:
-                return None, False  # the remote lookup is in flight ("pending"): vLLM asks again next step
-            remote = found
-        # vLLM must compute at least one token to produce logits.
-        hit_tokens = usable_hit_tokens(geo, num_chunks, request.num_tokens - 1,
-                                       lambda g, c: held(g, c) or (g, c) in remote)
-        plan.sources = {pair: tier for pair, tier in where.items() if tier is not None}
-        plan.sources.update({pair: REMOTE for pair in remote if pair not in plan.sources})
+        hit_tokens = find_hit_tokens(geo, self.directory, self.metrics, plan, request.num_tokens)
+        if hit_tokens is None:
+            return None, False  # the remote lookup is in flight ("pending"): vLLM asks again next step
         self._answered[req_id] = max(hit_tokens, 0)
         self._gpu_hit[req_id] = num_computed_tokens
         num_new = hit_tokens - num_computed_tokens
@@ -213,32 +162,6 @@ class SchedulerSide:
             return 0, False
         plan.load_range = (num_computed_tokens, hit_tokens)
         return num_new, geo.loads_async
-
-    def _remote_hits(self, plan: RequestPlan, first: int, end: int) -> set[tuple[int, int]] | None:
-        """(group, chunk) pairs of chunks ``first..end`` the remote store holds for every rank; None while asked."""
-        if first >= end:
-            return set()
-        num_groups = len(plan.chunk_keys)
-        if plan.remote_from != first:
-            flat = [key for c in range(first, end) for g in range(num_groups) for key in plan.chunk_keys[g][c]]
-            plan.remote_from, plan.remote_found = first, None
-            plan.remote_pending = self.directory.ask_remote(flat)
-            self.metrics.count("remote_checks")
-        if plan.remote_found is None:
-            found = plan.remote_pending.poll()
-            if found is None:
-                return None
-            self.metrics.remote_lookup(getattr(plan.remote_pending, "outcome", "answered"))
-            ranks = self.geometry.world_size
-            pairs = [(g, c) for c in range(first, end) for g in range(num_groups)]
-            plan.remote_found = {pair for i, pair in enumerate(pairs) if all(found[i * ranks : (i + 1) * ranks])}
-            plan.remote_pending = None
-            # Chunks every group holds remotely in one run from ``first`` (what a full-attention hit can use).
-            run = first
-            while all((g, run) in plan.remote_found for g in range(num_groups)):
-                run += 1
-            self.metrics.count("remote_hit_chunks", run - first)
-        return plan.remote_found
 
     def update_state_after_alloc(self, request: RequestView, num_external_tokens: int, saves: bool = True,
                                  block_ids: Sequence[Sequence[int]] | None = None) -> None:
@@ -389,14 +312,6 @@ class SchedulerSide:
     @property
     def num_tracked_requests(self) -> int:
         return len(self._plans)
-
-
-def _leading(held: Callable[[int, int], bool], group: int, num_chunks: int) -> int:
-    """How many of ``group``'s leading chunks the local tiers hold on every rank."""
-    count = 0
-    while count < num_chunks and held(group, count):
-        count += 1
-    return count
 
 
 def _num_prompt_tokens(request: RequestView) -> int:
