@@ -117,7 +117,7 @@ class PlacementDirectory:
         self.chunk_tokens = chunk_tokens
         self.remote = remote
         self._remote_writes = remote_writes and remote is not None
-        self._bytes_per_token: dict[tuple[int, int], float] = {}  # (rank, group) -> payload bytes per token
+        self._chunk_bytes: dict[tuple[int, int], int] = {}  # (rank, group) -> payload bytes of a full chunk
         self._evictions: list[Eviction] = []
         self._remote_recent = RecentDigests(REMOTE_RECENT_DIGESTS)
         self._lost = RecentDigests(LOST_RECENT_DIGESTS)  # evicted or dropped lately: a miss on them is "evicted"
@@ -150,13 +150,15 @@ class PlacementDirectory:
     # -- sizes ---------------------------------------------------------------------------
 
     def set_chunk_bytes(self, rank: int, group: int, payload_bytes: int) -> None:
-        self._bytes_per_token[(rank, group)] = payload_bytes / self.chunk_tokens
+        self._chunk_bytes[(rank, group)] = payload_bytes
 
     def payload_bytes(self, rank: int, group: int, num_tokens: int) -> int:
-        per_token = self._bytes_per_token.get((rank, group))
-        if per_token is None:  # an unreported group: the largest per-token size known (over-reserving is safe)
-            per_token = max(self._bytes_per_token.values(), default=0.0)
-        return int(per_token * num_tokens)
+        """Payload bytes of ``num_tokens`` of a group's KV on a rank, rounded up (integers: a full chunk is exactly
+        the size the worker reported, so the tiers, which count the same, never find more than was reserved)."""
+        chunk = self._chunk_bytes.get((rank, group))
+        if chunk is None:  # an unreported group: the largest size known (over-reserving is safe)
+            chunk = max(self._chunk_bytes.values(), default=0)
+        return -(-chunk * num_tokens // self.chunk_tokens)
 
     @property
     def first_tier(self) -> TierBook | None:
