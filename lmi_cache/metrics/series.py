@@ -32,7 +32,9 @@ is looked up again):
                                                   the scheduler's own counts (``SchedulerSide.stats`` reads them)
 - lmi_cache_placement_evictions_total{engine,tier} entries the placement directory evicted (every rank's)
 - lmi_cache_placement_dropped_total{engine,tier}  entries a worker's tier lost on its own (damaged or
-                                                  unreadable, a full filesystem, over its budget)
+                                                  unreadable, a failed write)
+- lmi_cache_placement_unplanned_stores_total{engine,tier}
+                                                  stores the directory never planned (refused, removed again)
 - lmi_cache_placement_entries{engine,tier}        entries the directory holds now (every rank's)
 - lmi_cache_session_retained_bytes{engine,tier}   bytes of open sessions' chunks evicted last (within
                                                   extra_config.session_retention_share of the tier)
@@ -43,9 +45,10 @@ Worker series (per rank; with TP every rank holds its own part of each token's K
 - lmi_cache_stored_chunks_total{tier}             chunks stored
 - lmi_cache_stored_tokens_total{tier}             tokens stored
 - lmi_cache_stored_bytes_total{tier}              chunk-object bytes stored
-- lmi_cache_evictions_total{tier}                 chunks evicted (as the placement directory decided, or,
-                                                  as a safety net, by a tier over its own budget)
-- lmi_cache_dropped_stores_total{tier,reason}     stores refused (full, queue_full, too_large, error)
+- lmi_cache_evictions_total{tier}                 chunks evicted, as the placement directory decided
+- lmi_cache_tier_safety_net_total{tier,reason}    planned puts a tier refused because its medium ran out
+                                                  (full, no_space): should stay 0
+- lmi_cache_dropped_stores_total{tier,reason}     stores refused (queue_full, too_large, tier_off, error)
 - lmi_cache_fingerprint_mismatches_total{tier}    loads whose token fingerprint differed (a miss)
 - lmi_cache_corrupted_reads_total{tier}           loads of damaged objects (a miss; file removed)
 - lmi_cache_tier_errors_total{tier,op}            faults turned into misses (ENOSPC, EIO, a missing chunk, ...)
