@@ -24,15 +24,11 @@
   lost on their own, and (until the scheduler has them: ``layout_known``)
   this rank's layout tag and chunk sizes.
 
-With vLLM's hybrid KV cache manager on, each KV cache group (full attention,
-sliding window) has its own copier over its own layers; a transfer names its
-group (``ChunkTransfer.group``), so a chunk holds one group's layers only. A
-state group (Mamba layers) has a :class:`StateCopier` instead: a save gathers
-one block's state of every layer into one uint8 payload, a load scatters it
-into the one block named; a payload of another geometry is a load fault.
-A group that also holds DeepSeek-V3.2's indexer keys has a
-:class:`MixedPagedCopier`: its chunks carry the latent's and the indexer's
-blocks, each in its own layout, and the rank's layout tag names both.
+With vLLM's hybrid KV cache manager on, each KV cache group has its own
+copier (``rank_copiers``); a transfer names its group
+(``ChunkTransfer.group``), so a chunk holds one group's layers only. A state
+group's load scatters one boundary state into the one block named; a payload
+of another geometry is a load fault.
 
 Every engine or transfer call is wrapped: a fault is a miss, a warning and a
 counter, never an exception into vLLM.
@@ -46,14 +42,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmi_cache.keys.kv_groups import KvCacheGroup, is_single_full_group
+from lmi_cache.keys.kv_groups import KvCacheGroup
 from lmi_cache.metrics.counts import Count, RankCounts
 from lmi_cache.placement.messages import REMOTE, TierEvent
-from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
+from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor
 from lmi_cache.transfer.mixed_copy import MixedPagedCopier
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
 from lmi_cache.transfer.state_copy import StateCopier
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
+from lmi_cache.vllm_connector.rank_copiers import build_rank_copiers
 
 if TYPE_CHECKING:
     from lmi_cache.keys.hashing import ChunkKey
@@ -124,24 +121,9 @@ class WorkerSide:
         self._pending_releases: list[tuple[Any, list[Any]]] = []  # (copy-done event or None, chunk objects)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        state_groups = [g for g in self._groups if g.is_state]
-        self._states = {g.index: StateCopier([kv_caches[name] for name in g.layer_names], g.state_shapes,
-                                             g.state_dtypes) for g in state_groups}
-        state_layers = {name for g in state_groups for name in g.layer_names}
-        indexer_layers = {name for g in self._groups for name in g.indexer_layers}
-        # The attention layers alone define the KV layout; state pages are raw bytes described by their group,
-        # DeepSeek-V3.2's indexer keys have a layout of their own (described below).
-        attention = {name: kv for name, kv in kv_caches.items() if name not in state_layers | indexer_layers}
-        self.layout = describe_kv_caches(attention, self._geometry)
-        if indexer_layers:
-            self._copiers = self._mixed_copiers(kv_caches)
-        elif not self._groups or is_single_full_group(self._groups):
-            self._copiers = {0: PagedChunkCopier(list(attention.values()), self.layout, self._blocks_per_chunk)}
-        else:
-            self._copiers = {
-                g.index: PagedChunkCopier([kv_caches[name] for name in g.layer_names], self.layout, self._blocks_per_chunk)
-                for g in self._groups if not g.is_state
-            }
+        copiers = build_rank_copiers(kv_caches, self._geometry, self._groups, self._blocks_per_chunk)
+        self.layout, self._copiers, self._states = copiers.layout, copiers.paged, copiers.states
+        self._indexer_tag = copiers.indexer_tag
         self.copier = next(iter(self._copiers.values()))
         self.engine = self._engine_factory()
         self.engine.expect_chunks(max(self._chunk_bytes().values()))
@@ -150,25 +132,6 @@ class WorkerSide:
             self.rank_index, len(kv_caches), len(self._copiers) + len(self._states), self.layout_tag,
             "/".join(str(n) for n in self._chunk_bytes().values()),
         )
-
-    def _mixed_copiers(self, kv_caches: Mapping[str, torch.Tensor]) -> dict[int, PagedChunkCopier | MixedPagedCopier]:
-        """Copiers when a group holds DeepSeek-V3.2's indexer keys: that group's chunks carry both layouts."""
-        assert self.layout is not None
-        copiers: dict[int, PagedChunkCopier | MixedPagedCopier] = {}
-        for g in self._groups:
-            latent = [kv_caches[name] for name in g.layer_names if name not in g.indexer_layers]
-            if not g.indexer_layers:
-                if not g.is_state:
-                    copiers[g.index] = PagedChunkCopier(latent, self.layout, self._blocks_per_chunk)
-                continue
-            geometry = ExpectedGeometry(self._geometry.block_size_tokens, 1, g.indexer_head_size, is_mla=True)
-            indexer = describe_kv_caches({name: kv_caches[name] for name in g.indexer_layers}, geometry)
-            self._indexer_tag = "+indexer.".join(f"{d.tag}.{'x'.join(map(str, d.block_shape))}"
-                                                 for d in (self.layout, indexer))
-            copiers[g.index] = MixedPagedCopier(
-                [(latent, self.layout), ([kv_caches[name] for name in g.indexer_layers], indexer)],
-                self._blocks_per_chunk)
-        return copiers
 
     @property
     def layout_tag(self) -> str:
