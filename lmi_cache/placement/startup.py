@@ -1,4 +1,7 @@
-"""The placement directory of a deployment, built at scheduler start (vLLM scheduler process).
+"""The placement directory of a deployment and what it consults, built at scheduler start (vLLM scheduler process).
+
+Besides the directory: the tracker of open sessions (whose chunks it evicts
+last) and the scheduler's client of the remote store (existence checks).
 
 Budgets are the cache config's, per rank, with each tier's own rounding
 (``tiers.entry_sizes``: the CPU tier's allocator size classes, the disk tier's
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
+from typing import TYPE_CHECKING
 
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.metrics.series import SchedulerMetrics
@@ -21,6 +26,10 @@ from lmi_cache.placement.directory import PlacementDirectory, RemoteLookups
 from lmi_cache.tiers.disk import object_files
 from lmi_cache.tiers.disk.ranks import prune_orphan_rank_dirs, replica_rank_dirs
 from lmi_cache.tiers.entry_sizes import cpu_entry_bytes, disk_entry_bytes
+
+if TYPE_CHECKING:
+    from lmi_cache.eviction.session_tracker import SessionTracker
+    from lmi_cache.remote.cache import RemoteCache
 
 logger = logging.getLogger(__name__)
 
@@ -58,3 +67,31 @@ def adopt_disk_files(directory: PlacementDirectory, config: CacheConfig, replica
     logger.info("lmi-cache: placement directory adopted %d persisted chunks in %.3f s", found,
                 time.perf_counter() - started)
     return found
+
+
+def session_tracker(config: CacheConfig) -> SessionTracker | None:
+    """Which sessions are open (the directory evicts their chunks last), or None when retention is off."""
+    if config.session_retention_share <= 0 or config.cpu_capacity_bytes <= 0:
+        return None
+    from lmi_cache.eviction.session_tracker import SessionSource, SessionTracker
+
+    source = SessionSource.from_env(os.environ)
+    logger.info("lmi-cache: open sessions keep up to %.0f%% of the CPU tier (sessions from %s)",
+                100 * config.session_retention_share,
+                source.store_path or f"requests, released after {source.expiration_s:.0f} s idle")
+    return SessionTracker(source)
+
+
+def open_remote_lookups(config: CacheConfig) -> RemoteCache | None:
+    """The scheduler's client of the remote store (existence checks only), or None without one."""
+    from lmi_cache.config.remote import remote_settings
+
+    settings = remote_settings(config, "lmi-cache config")
+    if settings is None:
+        return None
+    from lmi_cache.remote import open_remote
+
+    lookups = open_remote(settings)
+    logger.info("lmi-cache: scheduler looks up chunks in the %s store %s (timeout %d ms)", settings.kind,
+                settings.display_url, settings.lookup_timeout_ms)
+    return lookups
