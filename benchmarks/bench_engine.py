@@ -106,14 +106,18 @@ def save_steps(engine: CacheEngine, keys: Sequence[ChunkKey], sources: Sequence[
             for out, source in zip(outs, batch):
                 np_copy(out, source)
 
-        if not all(engine.save_many(keys[first : first + step], tuple(batch[0].shape), batch[0].dtype, fill)):
+        names = tuple(tier.name if tier.local else "remote" for tier in engine.tiers)  # an offline tool: every tier
+        if not all(engine.save_many(keys[first : first + step], tuple(batch[0].shape), batch[0].dtype, fill,
+                                    [names] * len(batch))):
             raise RuntimeError("save refused")
 
 
 def load_into(engine: CacheEngine, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor] | None) -> int:
     """``load(keys)`` as the connector uses it: copy each hit out (into ``outs[pos % len]``), then release."""
     hits = 0
-    for batch in engine.load(keys):
+    # An offline tool names the sources itself: the first local tier holding each chunk.
+    sources = [next((t.name for t in engine.tiers if t.local and t.contains(k.digest)), "remote") for k in keys]
+    for batch in engine.load(keys, sources):
         for position, obj in batch:
             try:
                 if outs:

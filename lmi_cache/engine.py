@@ -12,21 +12,19 @@ The serving verbs (the vLLM connector uses exactly these):
 
 - ``save_many(keys, shape, dtype, fill, tiers) -> list[bool]``: store one
   chunk per key, all of the same ``shape``/``dtype``, into the tiers named per
-  key (``tiers``; "remote" is the shared store whatever backs it). The engine
-  takes host buffers and calls ``fill(tensors)`` once with all of them (the
-  connector gathers every chunk of the step in one kernel call straight into
-  them); then each chunk object is put, by reference, into its tiers. Never
-  waits for disk or network I/O. A ``fill`` that raises refuses the whole
-  batch. Without ``tiers`` (tools, blending's segments): the first tier and
-  every write-through tier behind it, skipping chunks a local tier holds.
+  key (``tiers``, as the placement directory reserved them; "remote" is the
+  shared store whatever backs it). The engine takes host buffers and calls
+  ``fill(tensors)`` once with all of them (the connector gathers every chunk
+  of the step in one kernel call straight into them); then each chunk object
+  is put, by reference, into its tiers. Never waits for disk or network I/O.
+  A ``fill`` that raises refuses the whole batch.
 - ``load(keys, sources, promote) -> Iterator[list[(position, ChunkObject)]]``:
   the chunks found among ``keys``, each asked of its source tier, as batches
   yielded as they become ready: the CPU tier's hits at once (references to its
   own buffers: no copy), then each disk read as it finishes (reads run in
   parallel), then the remote store's hits from one batched round trip. A hit
-  is put into the CPU tier by reference where ``promote`` says so. Without
-  ``sources`` every tier is asked, in order, for what the ones before it
-  missed, and hits from behind the CPU tier are promoted. The caller must
+  is put into the CPU tier by reference where ``promote`` says so (the
+  directory reserved room there). The caller must
   ``release()`` every object it receives once its copies out of it are
   complete (on CUDA: once the asynchronous copy is done). Keys never yielded
   are misses.
@@ -36,21 +34,23 @@ The serving verbs (the vLLM connector uses exactly these):
   worker knows it once vLLM's KV cache is registered), so the allocator keeps
   touched buffers of that size ready instead of faulting fresh memory in on
   vLLM's critical path.
-- ``drain_events() -> (stored, removed)``: ``TierEvent``s of entries put
+- ``drain_events() -> (stored, dropped)``: ``TierEvent``s of entries put
   into a local tier, and of entries a local tier lost on its own (damaged,
-  unreadable, a full filesystem, over its budget) since the last call: what
-  the worker reports to the placement directory.
+  unreadable, a failed write) since the last call: what the worker reports to
+  the placement directory.
 - ``flush(timeout_s)``, ``clear()``, ``stats()``, ``close()``, ``metrics``,
   ``tiers``.
 
 ``Engine`` is the typed seam: the verbs the connector's worker side and its
 blending component call, which ``CacheEngine`` implements (test doubles too).
 
-CPU-to-disk feeding (``extra_config.disk_feed``): ``write_through`` (default)
-puts every saved chunk to disk at once, so a restart or crash loses at most
-the write queue and the directory's record of disk contents stays accurate;
-``demote`` gives the disk tier a chunk only when the CPU tier evicts it. The
-remote tier is always write-through (its put only queues a copy).
+There is no undirected mode: every put and every read names its tier, and
+the tiers never evict on their own (a tier short of room refuses the put and
+counts it, ``lmi_cache_tier_safety_net_total``). CPU-to-disk feeding
+(``extra_config.disk_feed``) is the directory's too: ``write_through``
+(default) plans every save into the disk tier as well; ``demote`` plans a
+chunk into the disk tier only when the directory evicts it from the CPU tier
+(``evict(..., demote_to="disk")``).
 """
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ class Engine(Protocol):
 
     def expect_chunks(self, payload_bytes: int) -> None: ...
     def save_many(self, keys: Sequence[ChunkKey], shape: tuple[int, ...], dtype: torch.dtype,
-                  fill: FillMany, tiers: Sequence[Sequence[str]] | None = None) -> list[bool]: ...
-    def load(self, keys: Sequence[ChunkKey], sources: Sequence[str] | None = None,
+                  fill: FillMany, tiers: Sequence[Sequence[str]]) -> list[bool]: ...
+    def load(self, keys: Sequence[ChunkKey], sources: Sequence[str],
              promote: Sequence[bool] | None = None) -> Iterator[HitBatch]: ...
     def evict(self, tier: str, digest: bytes, demote_to: str | None = None) -> None: ...
     def drain_events(self) -> tuple[list[TierEvent], list[TierEvent]]: ...
@@ -111,7 +111,7 @@ class CacheEngine:
         self._warner = RateLimitedWarner(logger)
         self._events_lock = threading.Lock()
         self._stored_events: list[TierEvent] = []
-        self._removed_events: list[TierEvent] = []
+        self._dropped_events: list[TierEvent] = []
         self._closed = False
         # Warm free buffers (a fresh 4 MiB buffer costs ~1,000 page faults on vLLM's critical path):
         # at most 256 MiB, about a full disk write queue of 4 MiB chunks; with a CPU tier, at most a
@@ -120,10 +120,8 @@ class CacheEngine:
         cpu_bytes = config.cpu_capacity_bytes
         pool_bytes = 256 << 20 if cpu_bytes <= 0 else min(256 << 20, max(cpu_bytes // 4, 32 << 20))
         self.allocator = HostAllocator(page_locked=page_locked, pool_limit_bytes=pool_bytes)
-        # Filled tier by tier: a tier's start-up may already call back (a disk tier over a shrunken
-        # budget evicts while it opens), and the callbacks look at the tiers built so far.
         self.tiers: list[Tier] = []
-        context = TierContext(rank_label, self.metrics, self._warner, self.allocator, self._on_evict, self._on_removed)
+        context = TierContext(rank_label, self.metrics, self._warner, self.allocator, self._on_dropped)
         build_tiers(config, context, self.tiers)
         self.allocator.set_headroom(self._unused_buffer_budget)
 
@@ -137,16 +135,13 @@ class CacheEngine:
 
     # ------------------------------------------------------------ save
     def save_many(self, keys: Sequence[ChunkKey], shape: tuple[int, ...], dtype: torch.dtype, fill: FillMany,
-                  tiers: Sequence[Sequence[str]] | None = None) -> list[bool]:
+                  tiers: Sequence[Sequence[str]]) -> list[bool]:
         results = [False] * len(keys)
         fresh: list[tuple[int, ChunkObject]] = []
         try:
             num_bytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
             for position, key in enumerate(keys):
-                if tiers is None and self._held_locally(key.digest):
-                    results[position] = True
-                    continue
-                if tiers is not None and not tiers[position]:
+                if not tiers[position]:
                     continue
                 header = ChunkHeader.for_key(key, num_bytes, dtype_name(dtype), tuple(shape))
                 obj = self.allocator.new_object(key, header)
@@ -164,20 +159,17 @@ class CacheEngine:
             return [False] * len(keys)
         for position, obj in fresh:
             try:
-                results[position] = self._put(obj, None if tiers is None else tiers[position])
+                results[position] = self._put(obj, tiers[position])
             finally:
                 obj.release()
         return results
 
-    def _put(self, obj: ChunkObject, names: Sequence[str] | None = None) -> bool:
-        """Into the named tiers, or (None) the first tier and every write-through tier behind it."""
+    def _put(self, obj: ChunkObject, names: Sequence[str]) -> bool:
+        """Into the named tiers."""
         stored = False
-        for position, tier in enumerate(self.tiers):
-            if names is not None and _placement_name(tier) not in names:
-                continue
-            if names is None and position > 0 and not tier.write_through:
-                continue  # fed by evictions from the tier in front (demote)
-            stored = self._tier_put(tier, obj) or stored
+        for tier in self.tiers:
+            if _placement_name(tier) in names:
+                stored = self._tier_put(tier, obj) or stored
         return stored
 
     def _tier_put(self, tier: Tier, obj: ChunkObject) -> bool:
@@ -191,27 +183,18 @@ class CacheEngine:
             self._event(self._stored_events, TierEvent(tier.name, obj.key.digest, obj.header.payload_bytes))
         return stored
 
-    def _held_locally(self, digest: bytes) -> bool:
-        return any(tier.local and tier.contains(digest) for tier in self.tiers)
-
     # ------------------------------------------------------------ load
-    def load(self, keys: Sequence[ChunkKey], sources: Sequence[str] | None = None,
+    def load(self, keys: Sequence[ChunkKey], sources: Sequence[str],
              promote: Sequence[bool] | None = None) -> Iterator[HitBatch]:
-        """Hits among ``keys``. With ``sources`` each key is asked of its named tier only, and promoted into
-        the first tier where ``promote`` says so (the placement directory decided both); without, every tier
-        is asked in order for what the ones before it missed, and hits from behind are promoted."""
-        remaining = list(range(len(keys)))
-        # Undirected, every hit from behind the CPU tier is promoted; directed, only where the directory said so.
-        promoted = [sources is None or bool(promote and promote[i]) for i in range(len(keys))]
+        """Hits among ``keys``, each asked of its ``sources`` tier only, and promoted into the first tier where
+        ``promote`` says so (the placement directory decided both)."""
+        promoted = [bool(promote and promote[i]) for i in range(len(keys))]
         for number, tier in enumerate(self.tiers):
-            asked = remaining if sources is None else [i for i in remaining
-                                                          if source_tier(sources[i]) == _placement_name(tier)]
+            asked = [i for i in range(len(keys)) if source_tier(sources[i]) == _placement_name(tier)]
             if not asked:
                 continue
-            found: set[int] = set()
             started = time.perf_counter()
-            batches = (tier.get_many([keys[i] for i in asked]) if sources is None
-                       else tier.get_many_from([keys[i] for i in asked], [sources[i] for i in asked]))
+            batches = tier.get_many_from([keys[i] for i in asked], [sources[i] for i in asked])
             try:
                 for batch in batches:
                     hits = [(asked[j], obj) for j, obj in batch]
@@ -220,17 +203,14 @@ class CacheEngine:
                         self.metrics.loaded_tokens(tier.name, obj.key.num_tokens)
                         if number and promoted[position]:
                             self._promote(obj, number)
-                    found.update(i for i, _ in hits)
                     yield hits
-            except Exception as err:  # a tier fault: its remaining keys are asked of the next tier
+            except Exception as err:  # a tier fault: its remaining keys are misses
                 self.metrics.error(tier.name, "load")
                 self._warner.warn(f"load-{tier.name}", f"{tier.name} tier: load failed ({err!r}); treated as a miss")
             finally:
                 close = getattr(batches, "close", None)
                 if close is not None:  # a caller that stopped early: the tier's reads in flight clean up now
                     close()
-            if sources is None:
-                remaining = [i for i in remaining if i not in found]
 
     def _promote(self, obj: ChunkObject, tier_number: int) -> None:
         """Put a hit from a slower tier into the faster ones that take hits (the CPU tier), by reference."""
@@ -257,20 +237,9 @@ class CacheEngine:
             self.metrics.evicted(source.name, 1)
 
     # ------------------------------------------------------------ events
-    def _on_evict(self, obj: ChunkObject) -> None:
-        """The CPU tier evicted ``obj`` on its own (over its budget): demote it to the tiers it feeds, and report it."""
-        try:
-            source = next((n for n, tier in enumerate(self.tiers) if tier.promote_hits), 0)
-            for tier in self.tiers[source + 1 :]:
-                if tier.local and not tier.write_through:
-                    self._tier_put(tier, obj)
-            self._event(self._removed_events, TierEvent(self.tiers[source].name, obj.key.digest))
-        except Exception as err:  # called from inside a tier: never raise there
-            self._warner.warn("evict", f"eviction bookkeeping failed ({err!r})")
-
-    def _on_removed(self, digest: bytes) -> None:
+    def _on_dropped(self, digest: bytes) -> None:
         """A persistent tier lost an entry on its own (damaged, unreadable, its filesystem filled up)."""
-        self._event(self._removed_events, TierEvent("disk", digest))
+        self._event(self._dropped_events, TierEvent("disk", digest))
 
     def _event(self, events: list[TierEvent], event: TierEvent) -> None:
         with self._events_lock:
@@ -279,9 +248,9 @@ class CacheEngine:
     def drain_events(self) -> tuple[list[TierEvent], list[TierEvent]]:
         """Entries stored into local tiers, and entries local tiers lost on their own, since the last call."""
         with self._events_lock:
-            stored, removed = self._stored_events, self._removed_events
-            self._stored_events, self._removed_events = [], []
-        return stored, removed
+            stored, dropped = self._stored_events, self._dropped_events
+            self._stored_events, self._dropped_events = [], []
+        return stored, dropped
 
     # ------------------------------------------------------------ housekeeping
     def flush(self, timeout_s: float = 30.0) -> None:
@@ -290,12 +259,12 @@ class CacheEngine:
                 logger.warning("%s tier: writes still queued after %.1f s", tier.name, timeout_s)
 
     def clear(self) -> None:
-        removed: list[TierEvent] = []
+        dropped: list[TierEvent] = []  # behind the directory's back (tools, tests): reported like a loss
         for tier in self.tiers:
-            removed.extend(TierEvent(tier.name, d) for d in tier.digests())  # a shared store lists nothing
+            dropped.extend(TierEvent(tier.name, d) for d in tier.digests())  # a shared store lists nothing
             tier.clear()
         with self._events_lock:
-            self._removed_events.extend(removed)
+            self._dropped_events.extend(dropped)
 
     def stats(self) -> dict[str, int | float]:
         stats: dict[str, int | float] = dict(self.metrics.snapshot())

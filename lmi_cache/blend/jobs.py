@@ -7,7 +7,9 @@ travel beside the blend work of this step.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata
 
@@ -19,6 +21,10 @@ class BlendPiece:
     start: int
     end: int
     keys: tuple[ChunkKey, ...] | None  # per rank (segment keys, start 0)
+    source: str = ""  # a cached segment: the tier the placement directory says holds it
+    promote_to: str = ""  # ... and the tier it is also put into on the way (the directory reserved room; "": none)
+    attention_source: str = ""  # its layer-0 attention object's tier ("": not held, layer 0 is attended in full)
+    attention_promote_to: str = ""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class SegmentStore:
     token_ids: tuple[int, ...]
     keys: tuple[ChunkKey, ...]  # per rank
     tiers: tuple[str, ...] = ()  # where the placement directory reserved room for it
+    attention_tiers: tuple[str, ...] = ()  # ... and for its layer-0 attention object (``layer0_reuse``; (): none)
 
 
 @dataclass
@@ -60,3 +67,20 @@ class BlendConnectorMetadata(LmiConnectorMetadata):
     @property
     def is_empty(self) -> bool:
         return super().is_empty and not self.blends and not self.segment_stores
+
+
+_ATTENTION_KEY_TAG = b"lmi-cache/blend/layer0-attention/v1"
+_ATTENTION_FINGERPRINT_TAG = int.from_bytes(hashlib.blake2b(_ATTENTION_KEY_TAG + b"/fingerprint", digest_size=8).digest(),
+                                            "little")
+
+
+def attention_key(segment: ChunkKey) -> ChunkKey:
+    """The key of a segment's layer-0 attention object (``layer0_reuse``): derived from the segment's own key (same
+    tokens, model, rank). Here, torch-free, because the scheduler places these objects too."""
+    digest = hashlib.blake2b(_ATTENTION_KEY_TAG + segment.digest, digest_size=16).digest()
+    return ChunkKey(digest, segment.start, segment.end, segment.fingerprint ^ _ATTENTION_FINGERPRINT_TAG)
+
+
+def attention_payload_bytes(num_tokens: int, num_heads: int, head_dim: int) -> int:
+    """Payload bytes of a layer-0 attention object: ``[T, H, D + 1]`` float32 (``layer0_reuse.packed_shape``)."""
+    return num_tokens * num_heads * (head_dim + 1) * 4

@@ -25,28 +25,20 @@ in full.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Callable
 
 import torch
 
 from lmi_cache.blend.attention import SegmentAttention, attend
 from lmi_cache.blend.blender import KVStack, LayerAttention, LayerwiseModel, segment_kv
-from lmi_cache.keys.hashing import ChunkKey
+from lmi_cache.blend.jobs import attention_key
 
-_KEY_TAG = b"lmi-cache/blend/layer0-attention/v1"
-_FINGERPRINT_TAG = int.from_bytes(hashlib.blake2b(_KEY_TAG + b"/fingerprint", digest_size=8).digest(), "little")
+__all__ = ["attention_key", "pack", "packed_shape", "segment_kv_and_attention", "unpack"]
 
 
 # (q [T, H, D] after RoPE, causal limits [T], k [T, H_kv, D], v, scale) -> (out [T, H*D], lse [T, H])
 AttendWithLse = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                          tuple[torch.Tensor, torch.Tensor]]
-
-
-def attention_key(segment: ChunkKey) -> ChunkKey:
-    """The key of a segment's layer-0 attention object: derived from the segment's own key (same tokens, model, rank)."""
-    digest = hashlib.blake2b(_KEY_TAG + segment.digest, digest_size=16).digest()
-    return ChunkKey(digest, segment.start, segment.end, segment.fingerprint ^ _FINGERPRINT_TAG)
 
 
 def segment_kv_and_attention(model: LayerwiseModel, token_ids: torch.Tensor, attention: LayerAttention | None,

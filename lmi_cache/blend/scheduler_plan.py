@@ -7,16 +7,22 @@ prompt, or explicit segment ends in ``kv_transfer_params["blend_segment_ends"]``
 * ``plan``: the segment keys (the deployment's ``KeySpace`` under its segment
   variant, with the request's own ``cache_salt`` and adapter identity from
   ``keys.key_inputs``, the segment's tokens alone; a request with multimodal
-  items or prompt embeddings is not blended), which segments the tiers hold (the connector's placement directory), and ``segments.plan_blend`` after the exact prefix: vLLM's
+  items or prompt embeddings is not blended), which segments the tiers hold
+  (one ``lookup`` per segment in the connector's placement directory, kept for
+  the job), and ``segments.plan_blend`` after the exact prefix: vLLM's
   own hit plus the chunks the prefix path loads. An exact prefix hit always
   wins: the blend starts where it ends, so a prompt whose prefix chunks are
   cached is served from them exactly, and only segments after them are blended.
   The answer is the number of tokens the blend provides, or None when the
   prefix path serves the request alone.
 * ``take_jobs``: on the step a request is first scheduled, its ``BlendJob``
-  (pieces, block ids) and one ``SegmentStore`` per segment no tier holds yet,
-  into the tiers the directory reserved room in (each issued once across
-  concurrent requests).
+  (pieces, block ids; each cached segment's load planned by the directory's
+  ``prepare_load``: its source tier, and a promotion with room reserved) and
+  one ``SegmentStore`` per segment no tier holds yet, into the tiers the
+  directory reserved room in with ``prepare_store`` (each issued once across
+  concurrent requests). A segment's layer-0 attention object (``layer0_reuse``)
+  is placed the same way beside it, when the deployment can use it
+  (``layer0_bytes_per_token``).
 
 The connector's blending component (``lmi_cache.vllm_connector.blending``)
 isolates a blended request's blocks from vLLM's prefix cache and keeps the
@@ -26,12 +32,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from lmi_cache.blend.jobs import BlendConnectorMetadata, BlendJob, BlendPiece, SegmentStore
+from lmi_cache.blend.jobs import BlendConnectorMetadata, BlendJob, BlendPiece, SegmentStore, attention_key
 from lmi_cache.blend.segments import BlendPlan, SegmentSplit, Span, plan_blend, split_segments
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
@@ -72,6 +78,7 @@ class _BlendState:
     prompt: list[int]
     split: SegmentSplit
     segment_keys: list[tuple[ChunkKey, ...]]  # per segment, per rank
+    sources: list[str | None] = field(default_factory=list)  # per segment: the tier holding it (the plan's lookup)
     opted_out: bool = False
     ratios: tuple[float, ...] | None = None
     blend: BlendPlan | None = None
@@ -124,6 +131,7 @@ class BlendScheduler:
     def __init__(
         self, settings: BlendSettings, separator_ids: Sequence[int], key_space: KeySpaceFactory,
         directory: PlacementDirectory, metrics: BlendSchedulerMetrics | None = None,
+        layer0_bytes_per_token: int = 0,
     ) -> None:
         self.settings = settings
         self._sep = tuple(separator_ids)
@@ -131,6 +139,9 @@ class BlendScheduler:
         self._key_rule = KeyRule()  # the same rule as the prefix path's keys (adapter content, salt)
         self._segment_spaces: dict[str, KeySpace] = {}  # per layout tag
         self.directory = directory  # the connector's: segments are placed like every other entry
+        # Each rank's bytes per token of a segment's layer-0 attention object (0: the workers cannot reuse it,
+        # none is placed).
+        self._layer0_bytes_per_token = layer0_bytes_per_token
         self._states: dict[str, _BlendState] = {}
         # lmi_cache_blend_* series of this scheduler (None: in a registry of its own); ``stats`` reads them.
         self.metrics = metrics if metrics is not None else BlendSchedulerMetrics(CollectorRegistry())
@@ -201,7 +212,8 @@ class BlendScheduler:
         state.blend, state.confirmed = None, False
         if not self.settings.enabled or state.opted_out:
             return None
-        cached = [self.directory.holds(keys) for keys in state.segment_keys]
+        state.sources = [self.directory.lookup(keys) for keys in state.segment_keys]
+        cached = [source is not None for source in state.sources]
         blend = plan_blend(state.split, max(prefix_path_end, num_computed_tokens), cached, self.settings.min_tokens)
         if blend is None or blend.tail.num_tokens == 0:
             return None
@@ -241,8 +253,7 @@ class BlendScheduler:
             blend = state.blend
             pieces: list[BlendPiece] = []
             for span, hit in blend.pieces:
-                keys = self._keys_of(state, span) if hit else None
-                pieces.append(BlendPiece(span.start, span.end, keys))
+                pieces.append(self._piece(state, span) if hit else BlendPiece(span.start, span.end, None))
             tokens = tuple(state.prompt[blend.prefix_tokens : blend.tail.start])
             meta.blends.append(
                 BlendJob(req_id, blend.prefix_tokens, tokens, tuple(pieces), tuple(block_ids), state.ratios)
@@ -255,15 +266,31 @@ class BlendScheduler:
             tiers = self.directory.prepare_store(keys, 0, span.end - span.start)
             if not tiers:
                 continue  # held, being stored, or no room now
-            meta.segment_stores.append(SegmentStore(req_id, tuple(state.prompt[span.start : span.end]), keys, tiers))
+            attention_tiers: tuple[str, ...] = ()
+            if self._layer0_bytes_per_token:
+                attention_tiers = self.directory.prepare_store(
+                    [attention_key(k) for k in keys], 0, payload_bytes=self._attention_bytes(span))
+            meta.segment_stores.append(SegmentStore(req_id, tuple(state.prompt[span.start : span.end]), keys, tiers,
+                                                    attention_tiers))
             self.metrics.segment_stores()
 
-    @staticmethod
-    def _keys_of(state: _BlendState, span: Span) -> tuple[ChunkKey, ...]:
-        for seg, keys in zip(state.split.segments, state.segment_keys):
-            if seg == span:
-                return keys
-        raise ValueError(f"no segment {span} in the request's split")
+    def _attention_bytes(self, span: Span) -> int:
+        return (span.end - span.start) * self._layer0_bytes_per_token
+
+    def _piece(self, state: _BlendState, span: Span) -> BlendPiece:
+        """A cached segment's piece, its loads planned (the source the plan's lookup found, promotions)."""
+        number = state.split.segments.index(span)
+        keys, source = state.segment_keys[number], state.sources[number]
+        assert source is not None, "a blend piece from a segment no tier holds"
+        first = self.directory.first_tier_name
+        placed = self.directory.prepare_load(keys, 0, source)
+        piece = BlendPiece(span.start, span.end, keys, source, first if placed.promote else "")
+        attention = [attention_key(k) for k in keys]
+        found = self.directory.lookup(attention) if self._layer0_bytes_per_token else None
+        if found is None:
+            return piece
+        placed = self.directory.prepare_load(attention, 0, found, payload_bytes=self._attention_bytes(span))
+        return replace(piece, attention_source=found, attention_promote_to=first if placed.promote else "")
 
     def finished(self, req_id: str) -> _BlendState | None:
         return self._states.pop(req_id, None)

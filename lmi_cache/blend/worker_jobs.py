@@ -153,10 +153,16 @@ class BlendWorker:
         cached: list[KVStack | None] = []
         wanted = [(i, piece.keys[self.rank_index]) for i, piece in enumerate(job.pieces) if piece.keys is not None]
         reuse = self._reuses_layer0()
-        keys = [key for _, key in wanted] + ([layer0_reuse.attention_key(key) for _, key in wanted] if reuse else [])
-        found = load_segments(engine, keys)
+        # Each segment from the tier the directory named; its layer-0 attention object too, where one is held.
+        with_attention = [(i, key) for i, key in wanted if reuse and job.pieces[i].attention_source]
+        keys = [key for _, key in wanted] + [layer0_reuse.attention_key(key) for _, key in with_attention]
+        pieces = [job.pieces[i] for i, _ in wanted]
+        sources = [p.source for p in pieces] + [job.pieces[i].attention_source for i, _ in with_attention]
+        promote = [bool(p.promote_to) for p in pieces] + \
+            [bool(job.pieces[i].attention_promote_to) for i, _ in with_attention]
+        found = load_segments(engine, keys, sources, promote)
         loaded = dict(zip((i for i, _ in wanted), found))
-        stored_attention = dict(zip((i for i, _ in wanted), found[len(wanted):]))
+        stored_attention = dict(zip((i for i, _ in with_attention), found[len(wanted):]))
         within: list[SegmentAttention | None] = []
         for i, piece in enumerate(job.pieces):
             seg_tokens.append(tokens[piece.start - job.prefix_tokens : piece.end - job.prefix_tokens])
@@ -239,32 +245,34 @@ class BlendWorker:
                     out[:, 0].copy_(kv.k.to(out.dtype))
                     out[:, 1].copy_(kv.v.to(out.dtype))
 
-                if save_segment(engine, key, tuple(int(s) for s in shape), dtype, fill):
+                if save_segment(engine, key, tuple(int(s) for s in shape), dtype, fill, store.tiers):
                     self.stats.add(BlendWorkerStats.num_segments_stored)
-                    if layer0 is not None:
-                        self._store_layer0_attention(engine, key, layer0)
+                    if layer0 is not None and store.attention_tiers:
+                        self._store_layer0_attention(engine, key, layer0, store.attention_tiers)
             except Exception as err:  # noqa: BLE001 - a missed store is only a later miss
                 self.stats.add(BlendWorkerStats.num_segment_store_faults)
                 logger.warning("lmi-cache: segment KV of request %s not stored (%r)", store.req_id, err)
             self.stats.add(BlendWorkerStats.store_seconds, time.perf_counter() - started)
 
-    def _store_layer0_attention(self, engine: Engine, key: ChunkKey, att: SegmentAttention) -> None:
+    def _store_layer0_attention(self, engine: Engine, key: ChunkKey, att: SegmentAttention,
+                                tiers: Sequence[str]) -> None:
         """Store the segment's layer-0 attention over itself (``layer0_reuse``) beside its KV.
 
         A failure here is logged, not a store fault: the segment's KV is stored, and a blend
         without its attention object attends layer 0 in full.
         """
         try:
-            self._save_layer0_attention(engine, key, att)
+            self._save_layer0_attention(engine, key, att, tiers)
         except Exception as err:  # noqa: BLE001 - a missing attention object only costs layer 0 in full
             logger.warning("lmi-cache: layer-0 attention of a segment not stored (%r)", err)
 
-    def _save_layer0_attention(self, engine: Engine, key: ChunkKey, att: SegmentAttention) -> None:
+    def _save_layer0_attention(self, engine: Engine, key: ChunkKey, att: SegmentAttention,
+                               tiers: Sequence[str]) -> None:
         if not (bool(torch.isfinite(att.out.sum())) and bool(torch.isfinite(att.lse.sum()))):
             raise ValueError("layer-0 attention is not finite")
         shape = layer0_reuse.packed_shape(*att.out.shape)
         if save_segment(engine, layer0_reuse.attention_key(key), shape, torch.float32,
-                        lambda out: layer0_reuse.pack(att, out)):
+                        lambda out: layer0_reuse.pack(att, out), tiers):
             self.stats.add(BlendWorkerStats.num_layer0_attention_stored)
 
 

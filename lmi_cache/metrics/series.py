@@ -32,7 +32,9 @@ is looked up again):
                                                   the scheduler's own counts (``SchedulerSide.stats`` reads them)
 - lmi_cache_placement_evictions_total{engine,tier} entries the placement directory evicted (every rank's)
 - lmi_cache_placement_dropped_total{engine,tier}  entries a worker's tier lost on its own (damaged or
-                                                  unreadable, a full filesystem, over its budget)
+                                                  unreadable, a failed write)
+- lmi_cache_placement_unplanned_stores_total{engine,tier}
+                                                  stores the directory never planned (refused, removed again)
 - lmi_cache_placement_entries{engine,tier}        entries the directory holds now (every rank's)
 - lmi_cache_session_retained_bytes{engine,tier}   bytes of open sessions' chunks evicted last (within
                                                   extra_config.session_retention_share of the tier)
@@ -43,9 +45,10 @@ Worker series (per rank; with TP every rank holds its own part of each token's K
 - lmi_cache_stored_chunks_total{tier}             chunks stored
 - lmi_cache_stored_tokens_total{tier}             tokens stored
 - lmi_cache_stored_bytes_total{tier}              chunk-object bytes stored
-- lmi_cache_evictions_total{tier}                 chunks evicted (as the placement directory decided, or,
-                                                  as a safety net, by a tier over its own budget)
-- lmi_cache_dropped_stores_total{tier,reason}     stores refused (full, queue_full, too_large, error)
+- lmi_cache_evictions_total{tier}                 chunks evicted, as the placement directory decided
+- lmi_cache_tier_safety_net_total{tier,reason}    planned puts a tier refused because its medium ran out
+                                                  (full, no_space): should stay 0
+- lmi_cache_dropped_stores_total{tier,reason}     stores refused (queue_full, too_large, tier_off, error)
 - lmi_cache_fingerprint_mismatches_total{tier}    loads whose token fingerprint differed (a miss)
 - lmi_cache_corrupted_reads_total{tier}           loads of damaged objects (a miss; file removed)
 - lmi_cache_tier_errors_total{tier,op}            faults turned into misses (ENOSPC, EIO, a missing chunk, ...)
@@ -121,10 +124,21 @@ _SNAPSHOT_KEYS: Final = {
     "lmi_cache_fingerprint_mismatches_total": "{tier}_fingerprint_mismatches",
     "lmi_cache_corrupted_reads_total": "{tier}_corrupted_reads",
     "lmi_cache_tier_errors_total": "{tier}_errors_{op}",
+    "lmi_cache_tier_safety_net_total": "{tier}_safety_net_{reason}",
     "lmi_cache_untrusted_files_total": "{tier}_untrusted_{reason}",
     "lmi_cache_tier_usage_bytes": "{tier}_usage_bytes",
     "lmi_cache_tier_capacity_bytes": "{tier}_capacity_bytes",
 }
+
+
+# Every tier safety net that fired in this process, whatever the registry (what tests read).
+_SAFETY_NET_FIRINGS = 0
+_SAFETY_NET_LOCK = threading.Lock()
+
+
+def safety_net_firings() -> int:
+    """How many planned puts the tiers of this process refused for lack of room (should stay 0)."""
+    return _SAFETY_NET_FIRINGS
 
 
 class SchedulerMetrics:
@@ -151,6 +165,9 @@ class SchedulerMetrics:
                                "reason (not_stored, evicted, failed_load, key_mismatch)", ["engine", "reason"],
                                registry=r)
         self._evictions = Counter("lmi_cache_placement_evictions", "Entries the placement directory evicted, by tier",
+                                  tiers, registry=r)
+        self._unplanned = Counter("lmi_cache_placement_unplanned_stores", "Stores a worker reported that the "
+                                  "placement directory never planned (refused and removed again), by tier",
                                   tiers, registry=r)
         self._dropped = Counter("lmi_cache_placement_dropped", "Entries a worker's tier lost on its own (damaged, "
                                 "unreadable, a full filesystem), by tier", tiers, registry=r)
@@ -189,6 +206,9 @@ class SchedulerMetrics:
     def evicted(self, tier: str, count: int) -> None:
         self._evictions.labels(self.engine_label, tier).inc(count)
 
+    def unplanned_store(self, tier: str) -> None:
+        self._unplanned.labels(self.engine_label, tier).inc()
+
     def dropped(self, tier: str, count: int) -> None:
         self._dropped.labels(self.engine_label, tier).inc(count)
 
@@ -219,6 +239,32 @@ class SchedulerMetrics:
             self._misses.labels(self.engine_label, reason).inc(num_tokens)
 
 
+class SchedulerStats:
+    """The scheduler's counts, read back from its Prometheus series (each event is counted once, there)."""
+
+    _SERIES = {
+        "num_match_queries": "lmi_cache_scheduler_match_queries_total",
+        "num_hit_requests": "lmi_cache_scheduler_hit_requests_total",
+        "num_load_tokens": "lmi_cache_load_tokens_total",
+        "num_planned_saves": "lmi_cache_scheduler_planned_saves_total",
+        "num_preemptions": "lmi_cache_scheduler_preemptions_total",
+        "num_remote_lookups": "lmi_cache_scheduler_remote_checks_total",
+        "num_remote_hit_chunks": "lmi_cache_scheduler_remote_hit_chunks_total",
+    }
+
+    def __init__(self, metrics: SchedulerMetrics) -> None:
+        self._metrics = metrics
+
+    def __getattr__(self, name: str) -> float:
+        series = type(self)._SERIES.get(name)
+        if series is None:
+            raise AttributeError(name)
+        return self._metrics.value(series)
+
+    def snapshot(self) -> dict[str, float]:
+        return {name: self._metrics.value(series) for name, series in self._SERIES.items()}
+
+
 class CacheMetrics:
     """Counters and gauges of one engine (one worker rank); ``snapshot()`` reads them back for ``stats()``."""
 
@@ -239,6 +285,10 @@ class CacheMetrics:
         self._fp = Counter("lmi_cache_fingerprint_mismatches", "Loads with a foreign fingerprint", tier, registry=r)
         self._corrupt = Counter("lmi_cache_corrupted_reads", "Loads of damaged objects", tier, registry=r)
         self._errors = Counter("lmi_cache_tier_errors", "Faults turned into misses", [*tier, "op"], registry=r)
+        # A tier refused what the placement directory planned because its medium ran out (memory, disk space):
+        # the directory's sizes and the tier's disagree, a bug (tests assert it stays 0).
+        self._safety_net = Counter("lmi_cache_tier_safety_net", "Planned puts a tier refused for lack of room",
+                                   [*tier, "reason"], registry=r)
         self._untrusted = Counter("lmi_cache_untrusted_files", "Disk entries ignored as not ours", [*tier, "reason"],
                                   registry=r)
         self._usage = Gauge("lmi_cache_tier_usage_bytes", "Bytes held", tier, registry=r,
@@ -281,6 +331,13 @@ class CacheMetrics:
 
     def error(self, tier: str, op: str) -> None:
         self._errors.labels(*self._ids, tier, op).inc()
+
+    def safety_net(self, tier: str, reason: str) -> None:
+        """A put the tier refused because its medium ran out (never an eviction of its own)."""
+        global _SAFETY_NET_FIRINGS
+        self._safety_net.labels(*self._ids, tier, reason).inc()
+        with _SAFETY_NET_LOCK:
+            _SAFETY_NET_FIRINGS += 1
 
     def untrusted(self, tier: str, reason: str) -> None:
         self._untrusted.labels(*self._ids, tier, reason).inc()

@@ -12,6 +12,12 @@ Eviction order is the tier's ``cache_policy`` (LRU or FIFO), with open
 sessions' chunks evicted last within ``session_retention_share`` of the CPU
 tier (``eviction.retaining``). Entries loaded or stored in the step being
 planned are pinned: a store never evicts what the same step reads or writes.
+A lease (``lease``/``end_lease``) pins an entry across steps, for a reader
+outside the step (a peer server reading a CPU chunk).
+
+This is the only budget-and-evict implementation: the workers' tiers hold what
+they are told, with sizes from ``tiers.entry_sizes`` (the same functions the
+specs here name).
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from typing import cast
 
 from lmi_cache.eviction import EvictionPolicy, make_policy
 from lmi_cache.eviction.retaining import RetainingPolicy
-from lmi_cache.tiers.disk.index import shard_index
+from lmi_cache.tiers.disk.index import shard_index  # a chunk's disk directory, as the disk tier picks it
 
 # An entry evicted to make room: its digest and payload bytes.
 Victim = tuple[bytes, int]
@@ -51,12 +57,14 @@ class _Entry:
 class _Budget:
     """One byte budget: entries (ready flag, bytes) in the policy's order; pinned digests are never victims."""
 
-    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, pinned: set[bytes]) -> None:
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, pinned: set[bytes],
+                 leased: dict[bytes, int]) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.policy = policy
         self.entries: dict[bytes, _Entry] = {}
         self._pinned = pinned
+        self._leased = leased
 
     def size_of(self, digest: object) -> int | None:
         entry = self.entries.get(cast(bytes, digest))
@@ -71,7 +79,7 @@ class _Budget:
         for candidate in self.policy.candidates():  # collect first: the policy must not change mid-iteration
             if need <= 0:
                 break
-            if candidate in self._pinned:
+            if candidate in self._pinned or candidate in self._leased:
                 continue
             entry = self.entries[cast(bytes, candidate)]
             victims.append((cast(bytes, candidate), entry.payload_bytes))
@@ -99,6 +107,7 @@ class TierBook:
         self._budgets: dict[tuple[int, int], _Budget] = {}
         self._where: dict[bytes, tuple[int, int]] = {}  # digest -> (rank, shard)
         self._pinned: set[bytes] = set()
+        self._leased: dict[bytes, int] = {}  # digest -> open leases (pinned across steps)
         self._retaining: dict[tuple[int, int], RetainingPolicy] = {}
         self._sessions: dict[str, list[bytes]] = {}  # open sessions' digests, for budgets made later
 
@@ -116,7 +125,7 @@ class TierBook:
                 retaining = RetainingPolicy(policy, int(spec.capacity_bytes // spec.num_shards * spec.retention_share),
                                             lambda digest: budget.size_of(digest) if budget is not None else None)
                 policy = retaining
-            budget = _Budget(spec.capacity_bytes // spec.num_shards, policy, self._pinned)
+            budget = _Budget(spec.capacity_bytes // spec.num_shards, policy, self._pinned, self._leased)
             self._budgets[(rank, shard)] = budget
             if retaining is not None:
                 self._retaining[(rank, shard)] = retaining
@@ -164,21 +173,23 @@ class TierBook:
         self._where[digest] = (rank, shard)
         return victims
 
-    def adopt(self, rank: int, shard: int, digest: bytes, size_bytes: int) -> None:
-        """A ready entry found at start-up (disk files, oldest first). Over the budget the oldest go, as the
-        disk tier's own start-up trims them (no eviction is sent: the worker has done it or will do it)."""
-        if digest not in self._where:
-            self._admit(rank, digest, size_bytes, size_bytes, ready=True, shard=shard)
-
-    def confirm(self, rank: int, digest: bytes, payload_bytes: int) -> list[Victim]:
-        """A worker stored ``digest`` here: ready now. A store the directory did not plan (a worker's own
-        demotion) is taken in too; the digests evicted for it are returned."""
-        where = self._where.get(digest)
-        if where is not None:
-            self._budgets[where].entries[digest].ready = True
+    def adopt(self, rank: int, shard: int, digest: bytes, size_bytes: int) -> list[Victim]:
+        """A ready entry found at start-up (disk files, oldest first); the older entries evicted for it (over the
+        budget: the directory tells the worker to delete them). An entry larger than the budget is itself
+        returned as a victim."""
+        if digest in self._where:
             return []
-        victims = self._admit(rank, digest, self.spec.entry_bytes(payload_bytes), payload_bytes, ready=True)
-        return victims or []
+        victims = self._admit(rank, digest, size_bytes, size_bytes, ready=True, shard=shard)
+        return [(digest, size_bytes)] if victims is None else victims
+
+    def confirm(self, digest: bytes) -> bool:
+        """A worker stored ``digest`` here: ready now. False for a store the directory did not plan (or has
+        evicted since): it is not taken in, and the caller has the worker remove it."""
+        where = self._where.get(digest)
+        if where is None:
+            return False
+        self._budgets[where].entries[digest].ready = True
+        return True
 
     def drop(self, digest: bytes) -> bool:
         """The entry is gone (evicted by instruction, a failed store, a fault); True if it was here."""
@@ -198,6 +209,20 @@ class TierBook:
 
     def unpin_all(self) -> None:
         self._pinned.clear()
+
+    def lease(self, digest: bytes) -> bool:
+        """Pin a ready entry until ``end_lease`` (across steps); False when it is not held."""
+        if not self.holds(digest):
+            return False
+        self._leased[digest] = self._leased.get(digest, 0) + 1
+        return True
+
+    def end_lease(self, digest: bytes) -> None:
+        count = self._leased.get(digest, 0) - 1
+        if count > 0:
+            self._leased[digest] = count
+        else:
+            self._leased.pop(digest, None)
 
     def retain_for_session(self, session: str, digests: Sequence[bytes]) -> None:
         """Evict ``digests`` last while ``session`` is open (held now or stored later; a tier with a share)."""

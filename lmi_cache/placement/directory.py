@@ -14,18 +14,26 @@ workers only carry out what it decided:
   (the first local tier, every write-through tier behind it, the remote
   store), with room reserved in each local one; () when every tier already
   holds or expects it, or nothing can fit.
+- ``prepare_receive(keys, group, tier)``: room in one tier for a chunk
+  another component writes there (a peer server's read into a CPU slot);
+  completed like a store.
+- ``lease(keys, tier)`` / ``end_lease(keys, tier)``: keep a held chunk from
+  eviction across steps (a reader outside the step, such as a peer server).
 - ``complete(rank, stored, failed, dropped)``: what the workers report back.
-- ``take_evictions()``: the evictions decided since the last call, for this
-  step's metadata (a victim of the first tier is demoted to the disk tier when
-  ``disk_feed: demote``).
+  A store it never planned (or evicted since) is refused, counted
+  (``lmi_cache_placement_unplanned_stores_total``) and evicted from that rank.
+- ``take_evictions()``: the evictions decided since the last call, by rank,
+  for this step's metadata (a victim of the first tier is demoted to the disk
+  tier when ``disk_feed: demote``: the only demotion there is).
 - ``end_step()``: the step is planned; its pins go.
 
-Budgets are per rank (every rank's tiers have the configured sizes) and use
-each tier's own rounding, so a worker's tier never has to evict on its own;
-if its medium disagrees (a damaged file, a full filesystem) the worker
-reports the entry dropped and the directory forgets it. A worker that cannot
-serve a planned load makes vLLM recompute, so a stale entry costs time, never
-correctness.
+This is the only budget-and-evict implementation. Budgets are per rank (every
+rank's tiers have the configured sizes) and use each tier's own rounding
+(``tiers.entry_sizes``, which the tiers use too), so a worker's tier never
+evicts: it holds what it is told and, if its medium disagrees (a damaged
+file, a full filesystem), reports the entry dropped and the directory forgets
+it. A worker that cannot serve a planned load makes vLLM recompute, so a
+stale entry costs time, never correctness.
 
 Sizes: an entry's payload is ``num_tokens`` x the per-token bytes of its KV
 cache group on its rank, which each worker reports once with its layout
@@ -109,7 +117,7 @@ class PlacementDirectory:
         self.chunk_tokens = chunk_tokens
         self.remote = remote
         self._remote_writes = remote_writes and remote is not None
-        self._bytes_per_token: dict[tuple[int, int], float] = {}  # (rank, group) -> payload bytes per token
+        self._chunk_bytes: dict[tuple[int, int], int] = {}  # (rank, group) -> payload bytes of a full chunk
         self._evictions: list[Eviction] = []
         self._remote_recent = RecentDigests(REMOTE_RECENT_DIGESTS)
         self._lost = RecentDigests(LOST_RECENT_DIGESTS)  # evicted or dropped lately: a miss on them is "evicted"
@@ -142,13 +150,15 @@ class PlacementDirectory:
     # -- sizes ---------------------------------------------------------------------------
 
     def set_chunk_bytes(self, rank: int, group: int, payload_bytes: int) -> None:
-        self._bytes_per_token[(rank, group)] = payload_bytes / self.chunk_tokens
+        self._chunk_bytes[(rank, group)] = payload_bytes
 
     def payload_bytes(self, rank: int, group: int, num_tokens: int) -> int:
-        per_token = self._bytes_per_token.get((rank, group))
-        if per_token is None:  # an unreported group: the largest per-token size known (over-reserving is safe)
-            per_token = max(self._bytes_per_token.values(), default=0.0)
-        return int(per_token * num_tokens)
+        """Payload bytes of ``num_tokens`` of a group's KV on a rank, rounded up (integers: a full chunk is exactly
+        the size the worker reported, so the tiers, which count the same, never find more than was reserved)."""
+        chunk = self._chunk_bytes.get((rank, group))
+        if chunk is None:  # an unreported group: the largest size known (over-reserving is safe)
+            chunk = max(self._chunk_bytes.values(), default=0)
+        return -(-chunk * num_tokens // self.chunk_tokens)
 
     @property
     def first_tier(self) -> TierBook | None:
@@ -178,8 +188,9 @@ class PlacementDirectory:
     # -- loads and stores ----------------------------------------------------------------
 
     def prepare_load(self, keys: Sequence[ChunkKey], group: int, source: str,
-                     describe: Describe | None = None) -> LoadSource:
-        """Plan a load from ``source``; promote it into the first tier when it comes from behind it."""
+                     describe: Describe | None = None, payload_bytes: int | None = None) -> LoadSource:
+        """Plan a load from ``source``; promote it into the first tier when it comes from behind it.
+        ``payload_bytes``: each rank's entry's size when it is not the group's chunks' (blending's objects)."""
         self._describe(keys, describe)
         digests = [key.digest for key in keys]
         book = self._by_name.get(source)
@@ -193,11 +204,12 @@ class PlacementDirectory:
         first.pin(digests)
         if all(first.knows(d) for d in digests):
             return LoadSource(source)  # already on its way into the first tier
-        return LoadSource(source, self._reserve_all(first, keys, group, None))
+        return LoadSource(source, self._reserve_all(first, keys, group, None, payload_bytes))
 
     def prepare_store(self, keys: Sequence[ChunkKey], group: int, num_tokens: int | None = None,
-                      describe: Describe | None = None) -> tuple[str, ...]:
-        """The tiers to store a chunk into (room reserved), or () when there is nothing to store."""
+                      describe: Describe | None = None, payload_bytes: int | None = None) -> tuple[str, ...]:
+        """The tiers to store a chunk into (room reserved), or () when there is nothing to store.
+        ``payload_bytes``: each rank's entry's size when it is not the group's chunks' (blending's objects)."""
         tiers: list[str] = []
         digests = [key.digest for key in keys]
         for position, book in enumerate(self.books):
@@ -206,7 +218,7 @@ class PlacementDirectory:
             book.pin(digests)
             if all(book.knows(d) for d in digests):
                 continue
-            if self._reserve_all(book, keys, group, num_tokens):
+            if self._reserve_all(book, keys, group, num_tokens, payload_bytes):
                 tiers.append(book.name)
             # else: no room that this step does not use (or larger than a budget): not stored there
         if self._remote_writes and self._remote_recent.admit(digests):
@@ -214,11 +226,39 @@ class PlacementDirectory:
         self._describe(keys, describe)
         return tuple(tiers)
 
-    def _reserve_all(self, book: TierBook, keys: Sequence[ChunkKey], group: int, num_tokens: int | None) -> bool:
+    def prepare_receive(self, keys: Sequence[ChunkKey], group: int, tier: str) -> bool:
+        """Room in ``tier`` for a chunk another component writes there (a peer read into a CPU slot): True when
+        reserved (pending, pinned this step; the writer reports it stored or failed like a store)."""
+        book = self._by_name.get(tier)
+        if book is None:
+            return False
+        digests = [key.digest for key in keys]
+        book.pin(digests)
+        return not all(book.knows(d) for d in digests) and self._reserve_all(book, keys, group, None)
+
+    def lease(self, keys: Sequence[ChunkKey], tier: str) -> bool:
+        """Keep every rank's entry of a held chunk in ``tier`` until ``end_lease``; False (nothing leased) when
+        the tier does not hold it on every rank."""
+        book = self._by_name.get(tier)
+        if book is None or not all(book.holds(key.digest) for key in keys):
+            return False
+        for key in keys:
+            book.lease(key.digest)
+        return True
+
+    def end_lease(self, keys: Sequence[ChunkKey], tier: str) -> None:
+        book = self._by_name.get(tier)
+        if book is not None:
+            for key in keys:
+                book.end_lease(key.digest)
+
+    def _reserve_all(self, book: TierBook, keys: Sequence[ChunkKey], group: int, num_tokens: int | None,
+                     payload_bytes: int | None = None) -> bool:
         """Reserve every rank's entry, or none of them (a half-reserved chunk would never be confirmed)."""
         done: list[bytes] = []
         for rank, key in enumerate(keys):
-            payload = self.payload_bytes(rank, group, key.num_tokens if num_tokens is None else num_tokens)
+            payload = payload_bytes if payload_bytes is not None else \
+                self.payload_bytes(rank, group, key.num_tokens if num_tokens is None else num_tokens)
             knew = book.knows(key.digest)
             victims = book.reserve(rank, key.digest, payload)
             if victims is None:
@@ -264,10 +304,13 @@ class PlacementDirectory:
         """One rank's report: stores that landed, planned ones that did not, entries its media lost."""
         for event in stored:
             book = self._by_name.get(event.tier)
-            if book is not None:
-                self._evicted(book, rank, book.confirm(rank, event.digest, event.payload_bytes))
-                if self.events is not None:
-                    self.events.on_ready(book.name, event.digest)
+            if book is None:
+                continue
+            if not book.confirm(event.digest):  # not planned (or evicted since): the worker removes it again
+                self.metrics.unplanned_store(book.name)
+                self._evictions.append(Eviction(rank, book.name, event.digest))
+            elif self.events is not None:
+                self.events.on_ready(book.name, event.digest)
         for event in failed:  # the worker counted why (lmi_cache_dropped_stores_total)
             book = self._by_name.get(event.tier)
             if book is not None:
@@ -281,9 +324,13 @@ class PlacementDirectory:
                 self.metrics.dropped(book.name, 1)
                 self._gone(book.name, event.digest)
 
-    def take_evictions(self) -> list[Eviction]:
-        evictions, self._evictions = self._evictions, []
-        return evictions
+    def take_evictions(self) -> dict[int, list[Eviction]]:
+        """The evictions decided since the last call, by the rank whose tier they concern."""
+        by_rank: dict[int, list[Eviction]] = {}
+        for eviction in self._evictions:
+            by_rank.setdefault(eviction.rank, []).append(eviction)
+        self._evictions = []
+        return by_rank
 
     def end_step(self) -> None:
         for book in self.books:
@@ -293,10 +340,17 @@ class PlacementDirectory:
     # -- start-up and sessions -----------------------------------------------------------
 
     def adopt(self, tier: str, rank: int, shard: int, digest: bytes, size_bytes: int) -> None:
-        """An entry a tier already holds at start-up (disk files, oldest first)."""
+        """An entry a tier already holds at start-up (disk files, oldest first); entries over the budget are
+        evicted (the worker deletes them with the first step)."""
         book = self._by_name.get(tier)
-        if book is not None:
-            book.adopt(rank, shard, digest, size_bytes)
+        if book is None:
+            return
+        victims = book.adopt(rank, shard, digest, size_bytes)
+        if victims:
+            self.metrics.evicted(book.name, len(victims))
+        for victim, _ in victims:
+            self._evictions.append(Eviction(rank, book.name, victim))
+            self._gone(book.name, victim)
 
     def retain_for_session(self, session: str, digests: Sequence[bytes]) -> None:
         for book in self.books:

@@ -5,9 +5,8 @@ by each worker to its own rank before the step's loads. Workers -> scheduler
 (in their per-step metadata): ``TierEvent``s: a store or promotion that
 landed in a tier (``stored``), one that was planned and did not (``failed``),
 and entries a worker's medium lost on its own (``dropped``: a damaged or
-unreadable file, a filesystem that filled up, a tier over its budget because
-the directory's estimate was short). Only ``dropped`` is news to the
-directory; the others complete what it planned.
+unreadable file, a write that failed or that a full filesystem refused). Only
+``dropped`` is news to the directory; the others complete what it planned.
 """
 from __future__ import annotations
 

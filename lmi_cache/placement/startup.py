@@ -1,36 +1,37 @@
-"""The placement directory of a deployment, built at scheduler start (vLLM scheduler process).
+"""The placement directory of a deployment and what it consults, built at scheduler start (vLLM scheduler process).
 
-Budgets are the cache config's, per rank, with each tier's own rounding (the
-CPU tier's allocator size classes, the disk tier's file blocks), so the
-workers' tiers, which have the same budgets, never need to evict on their own.
-The disk tier's files of every rank of this replica are adopted oldest first
-(names and stat only: a file a worker later finds damaged is reported dropped).
+Besides the directory: the tracker of open sessions (whose chunks it evicts
+last) and the scheduler's client of the remote store (existence checks).
+
+Budgets are the cache config's, per rank, with each tier's own rounding
+(``tiers.entry_sizes``: the CPU tier's allocator size classes, the disk tier's
+file blocks, the functions the tiers count with), so the workers' tiers, which
+have the same sizes, never need to evict on their own. The disk tier's files
+of every rank of this replica are adopted oldest first (names and stat only: a
+file a worker later finds damaged is reported dropped; files over the budget
+are evicted with the first step).
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
+from typing import TYPE_CHECKING
 
 from lmi_cache.config.cache_config import CacheConfig
-from lmi_cache.keys.chunk_format import HEADER_BYTES
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import PlacementDirectory, RemoteLookups
-from lmi_cache.tiers.buffers import size_class_bytes
 from lmi_cache.tiers.disk import object_files
 from lmi_cache.tiers.disk.ranks import prune_orphan_rank_dirs, replica_rank_dirs
+from lmi_cache.tiers.entry_sizes import cpu_entry_bytes, disk_entry_bytes
+
+if TYPE_CHECKING:
+    from lmi_cache.eviction.session_tracker import SessionTracker
+    from lmi_cache.remote.cache import RemoteCache
 
 logger = logging.getLogger(__name__)
-
-
-def cpu_entry_bytes(payload_bytes: int) -> int:
-    """What a chunk takes of the CPU tier: its allocator size class (``tiers.host_memory``)."""
-    return size_class_bytes(HEADER_BYTES + payload_bytes)
-
-
-def disk_entry_bytes(payload_bytes: int) -> int:
-    """What a chunk takes of the disk tier: its file, rounded up to the write alignment."""
-    return object_files.round_up(HEADER_BYTES + payload_bytes)
 
 
 def build_directory(config: CacheConfig, *, replica: int, world_size: int, remote: RemoteLookups | None = None,
@@ -39,7 +40,8 @@ def build_directory(config: CacheConfig, *, replica: int, world_size: int, remot
     specs = [
         TierSpec("cpu", config.cpu_capacity_bytes, cpu_entry_bytes, policy=config.cache_policy,
                  retention_share=config.session_retention_share if retention else 0.0),
-        TierSpec("disk", config.disk_capacity_bytes, disk_entry_bytes, num_shards=max(1, len(config.local_disk)),
+        TierSpec("disk", config.disk_capacity_bytes, functools.partial(disk_entry_bytes, odirect=config.use_odirect),
+                 num_shards=max(1, len(config.local_disk)),
                  policy=config.cache_policy),
     ]
     directory = PlacementDirectory(specs, chunk_tokens=config.chunk_size, write_through=() if demote else ("disk",),
@@ -65,3 +67,31 @@ def adopt_disk_files(directory: PlacementDirectory, config: CacheConfig, replica
     logger.info("lmi-cache: placement directory adopted %d persisted chunks in %.3f s", found,
                 time.perf_counter() - started)
     return found
+
+
+def session_tracker(config: CacheConfig) -> SessionTracker | None:
+    """Which sessions are open (the directory evicts their chunks last), or None when retention is off."""
+    if config.session_retention_share <= 0 or config.cpu_capacity_bytes <= 0:
+        return None
+    from lmi_cache.eviction.session_tracker import SessionSource, SessionTracker
+
+    source = SessionSource.from_env(os.environ)
+    logger.info("lmi-cache: open sessions keep up to %.0f%% of the CPU tier (sessions from %s)",
+                100 * config.session_retention_share,
+                source.store_path or f"requests, released after {source.expiration_s:.0f} s idle")
+    return SessionTracker(source)
+
+
+def open_remote_lookups(config: CacheConfig) -> RemoteCache | None:
+    """The scheduler's client of the remote store (existence checks only), or None without one."""
+    from lmi_cache.config.remote import remote_settings
+
+    settings = remote_settings(config, "lmi-cache config")
+    if settings is None:
+        return None
+    from lmi_cache.remote import open_remote
+
+    lookups = open_remote(settings)
+    logger.info("lmi-cache: scheduler looks up chunks in the %s store %s (timeout %d ms)", settings.kind,
+                settings.display_url, settings.lookup_timeout_ms)
+    return lookups

@@ -12,22 +12,23 @@ in ``tiers.factory``, never a branch in the engine:
   (a memory tier yields one batch at once; the disk tier one per finished
   read; the remote tier one per batched round trip). Each yielded object
   carries a reference the caller must ``release``. Keys not yielded are misses.
-- ``put(obj)``: keep the chunk object. The tier takes its own reference
-  (``obj.acquire``) when it keeps or reads the buffer later, and never blocks
-  on I/O: queued work that cannot be queued is dropped and counted. True if
-  the tier holds or will hold it.
+- ``put(obj)``: keep the chunk object at the place the placement directory
+  reserved for it. The tier takes its own reference (``obj.acquire``) when it
+  keeps or reads the buffer later, and never blocks on I/O: queued work that
+  cannot be queued is dropped and counted. True if the tier holds or will
+  hold it. A local tier has no eviction policy: a put that does not fit is
+  refused (the safety net, ``CacheMetrics.safety_net``), never met by evicting.
 - ``remove``, ``clear``, ``digests``, ``used_bytes``, ``capacity_bytes``,
   ``flush``, ``stats``, ``close``: housekeeping.
 
 Flags the engine reads: ``local`` (above), ``promote_hits`` (hits in tiers
-behind this one are put here: the CPU tier), ``write_through`` (every stored
-chunk is put here at once; otherwise the tier is fed by evictions from the
-tier in front of it, ``disk_feed: demote``), ``holds_host_buffers`` (the tier
+behind this one are put here when the directory says so: the CPU tier),
+``holds_host_buffers`` (the tier
 keeps the allocator's buffers themselves, so its unused budget is host memory
 the allocator may keep warm: the CPU tier).
 
 Tier methods never raise for faults of their medium: a fault is a miss (or a
-refused put), a rate-limited warning and a metric. Callbacks (``on_remove``)
+refused put), a rate-limited warning and a metric. Callbacks (``on_drop``)
 are made without the tier's locks held, so the engine may query other tiers
 from them.
 """
@@ -39,19 +40,18 @@ from typing import Callable, Iterator, Sequence
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.tiers.host_memory import ChunkObject
 
-# Called with a digest that left the tier (evicted, damaged, failed write).
-RemoveCallback = Callable[[bytes], None]
+# Called with a digest the tier lost on its own (damaged, unreadable, a failed write): "dropped".
+DropCallback = Callable[[bytes], None]
 # A batch of hits: (position in the keys asked for, the chunk with a reference for the caller).
 HitBatch = list[tuple[int, ChunkObject]]
 
 
 class Tier(ABC):
-    """A byte-bounded store of chunk objects keyed by digest."""
+    """A store of chunk objects keyed by digest (what it holds is the placement directory's decision)."""
 
     name: str = "tier"
     local: bool = True
     promote_hits: bool = False
-    write_through: bool = True
     holds_host_buffers: bool = False
 
     @abstractmethod

@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING, Callable
 from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.remote import tier as remote_tier
 from lmi_cache.tiers import cpu_tier
-from lmi_cache.tiers.base import RemoveCallback, Tier
+from lmi_cache.tiers.base import DropCallback, Tier
 from lmi_cache.tiers.disk import tier as disk_tier
 from lmi_cache.tiers.host_memory import HostAllocator
 
 if TYPE_CHECKING:
     from lmi_cache.config.cache_config import CacheConfig
-    from lmi_cache.tiers.cpu_tier import EvictCallback
 
 
 @dataclass
@@ -30,8 +29,7 @@ class TierContext:
     metrics: CacheMetrics
     warner: RateLimitedWarner
     allocator: HostAllocator
-    on_evict: EvictCallback  # the CPU tier's eviction callback (demote-to-disk)
-    on_remove: RemoveCallback  # a persistent tier's removal callback (reported to the placement directory)
+    on_drop: DropCallback  # a persistent tier lost an entry on its own (reported to the placement directory)
 
 
 Builder = Callable[["CacheConfig", TierContext], "Tier | None"]
@@ -41,8 +39,7 @@ TIER_BUILDERS: tuple[Builder, ...] = (cpu_tier.build, disk_tier.build, remote_ti
 
 
 def build_tiers(config: CacheConfig, context: TierContext, tiers: list[Tier]) -> None:
-    """Append the configured tiers to ``tiers`` in lookup order, each as soon as it is built
-    (later tiers' start-up callbacks may consult the earlier ones). On failure, closes what was built."""
+    """Append the configured tiers to ``tiers`` in lookup order. On failure, closes what was built."""
     try:
         for builder in TIER_BUILDERS:
             tier = builder(config, context)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmi_cache.blend.jobs import BlendConnectorMetadata
+from lmi_cache.blend.jobs import BlendConnectorMetadata, attention_key, attention_payload_bytes
 from lmi_cache.blend.scheduler_plan import BlendScheduler, KeySpaceFactory
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
 from lmi_cache.metrics.series import BlendSchedulerMetrics
@@ -114,6 +114,18 @@ def _separator_ids(vllm_config: VllmConfig, special_str: str) -> tuple[int, ...]
     return separator_ids(lambda text: tokenizer.encode(text, add_special_tokens=False), special_str)
 
 
+def _layer0_bytes_per_token(vllm_config: VllmConfig) -> int:
+    """Each rank's bytes per token of a segment's layer-0 attention object, or 0 where the workers cannot reuse one
+    (``layer0_reuse`` needs float32 KV stored as is: ``CpuPagedAttention.native_scattered``)."""
+    import torch
+
+    model_config = vllm_config.model_config
+    if model_config.dtype != torch.float32 or vllm_config.cache_config.cache_dtype != "auto":
+        return 0
+    heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
+    return attention_payload_bytes(1, heads, model_config.get_head_size())
+
+
 def _layer_index(name: str) -> int:
     """``model.layers.7.self_attn.attn`` -> 7 (registration order is not promised to be layer order)."""
     parts = name.split(".")
@@ -138,7 +150,7 @@ class ConnectorBlending:
             sep = _separator_ids(context.vllm_config, settings.special_str)
             assert context.directory is not None, "the scheduler's blending needs the placement directory"
             self.scheduler = BlendScheduler(settings, sep, context.key_space, context.directory,
-                                            self._scheduler_metrics())
+                                            self._scheduler_metrics(), _layer0_bytes_per_token(context.vllm_config))
             logger.info("lmi-cache: blending on (separator %r = token ids %s, check layers %s, ratios %s)",
                         settings.special_str, list(sep), list(settings.check_layers), list(settings.recompute_ratios))
 
@@ -241,6 +253,12 @@ class ConnectorBlending:
                 self._failed_blocks.update(job.block_ids[job.prefix_tokens // block : -(-job.end // block)])
             else:
                 jobs.append(job)
+        # Every promotion the directory planned is answered to it: stored, or failed (a skipped job's too).
+        rank = side.rank_index
+        side.expect_stores([TierEvent(p.promote_to, p.keys[rank].digest) for job in meta.blends for p in job.pieces
+                            if p.keys is not None and p.promote_to]
+                           + [TierEvent(p.attention_promote_to, attention_key(p.keys[rank]).digest)
+                              for job in meta.blends for p in job.pieces if p.keys is not None and p.attention_promote_to])
         self._failed_blocks |= self.worker.run_blends(jobs, side.engine)
 
     def run_stores(self, meta: object, side: WorkerSide) -> None:
@@ -248,8 +266,11 @@ class ConnectorBlending:
                 or not meta.segment_stores:
             return
         # Every segment store is answered to the directory: stored, or failed.
-        side.expect_stores(TierEvent(tier, store.keys[side.rank_index].digest)
-                           for store in meta.segment_stores for tier in store.tiers)
+        rank = side.rank_index
+        side.expect_stores([TierEvent(tier, store.keys[rank].digest) for store in meta.segment_stores
+                            for tier in store.tiers]
+                           + [TierEvent(tier, attention_key(store.keys[rank]).digest) for store in meta.segment_stores
+                              for tier in store.attention_tiers])
         self.worker.run_stores(meta.segment_stores, side.engine)
 
     def take_failed_block_ids(self) -> set[int]:

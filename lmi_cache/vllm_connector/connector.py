@@ -58,10 +58,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmi_cache.blend.settings import BlendSettings, load_blend_settings
-from lmi_cache.errors import ConfigError
 from lmi_cache.keys.hashing import KeySpace
 from lmi_cache.keys.key_inputs import KeyRule, environment_trusts_mm_ids
-from lmi_cache.keys.kv_groups import KvCacheGroup, UnsupportedKvGroups, kv_groups_of
 from lmi_cache.transfer.layouts import ExpectedGeometry
 from lmi_cache.vllm_connector.blending import BlendContext, ConnectorBlending, check_model
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
@@ -73,9 +71,10 @@ from lmi_cache.vllm_connector.startup import (
     drafter_identity,
     drafter_planning,
     kv_dtype_name,
+    kv_groups,
     load_cache_config,
     parallel_sizes,
-    refuse_indexer_caches,
+    warn_on_sparse_state_retention,
     weights_identity,
 )
 from lmi_cache.vllm_connector.worker_side import WorkerSide
@@ -100,23 +99,6 @@ KVConnectorMetadata.register(LmiConnectorMetadata)
 KVConnectorWorkerMetadata.register(LmiWorkerMeta)
 
 
-def _kv_groups(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
-    refuse_indexer_caches(kv_cache_config)  # named for what it is, before the generic refusal below
-    try:
-        return kv_groups_of(kv_cache_config)
-    except UnsupportedKvGroups as err:
-        raise ConfigError(f"{err}; serve this model without the lmi-cache connector") from None
-
-
-def _warn_on_sparse_state_retention(groups: tuple[KvCacheGroup, ...], kv_cache_config: Any, chunk: int) -> None:
-    """A state group caches the boundaries vLLM retains; say so when not every chunk boundary is one of them."""
-    interval = getattr(kv_cache_config, "prefix_cache_retention_interval", 0)
-    if any(g.is_state for g in groups) and interval is not None and (interval <= 0 or chunk % interval):
-        logger.warning("lmi-cache: vLLM retains Mamba states every %s tokens, so not every %d-token chunk boundary "
-                       "can be cached; pass --prefix-cache-retention-interval %d for hits at every chunk",
-                       interval or "(prompt end only)", chunk, chunk)
-
-
 class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector storing prompt chunks in lmi_cache tiers (CPU RAM, disk, remote), blending when configured.
 
@@ -139,9 +121,9 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._config = load_cache_config()
         block_size = int(vllm_config.cache_config.block_size)
         check_chunk_size(self._config.chunk_size, block_size)
-        self._kv_groups = _kv_groups(kv_cache_config)
+        self._kv_groups = kv_groups(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            _warn_on_sparse_state_retention(self._kv_groups, kv_cache_config, self._config.chunk_size)
+            warn_on_sparse_state_retention(self._kv_groups, kv_cache_config, self._config.chunk_size)
         self._model_id = str(vllm_config.model_config.model)
         self._kv_dtype = kv_dtype_name(vllm_config)
         self._tp_size, self._pp_size = parallel_sizes(vllm_config)
@@ -205,11 +187,11 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         metrics = SchedulerMetrics(engine_label=str(self._dp_index))
         note_where_metrics_go()
         serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
-        from lmi_cache.placement.startup import build_directory
+        from lmi_cache.placement.startup import build_directory, session_tracker
         from lmi_cache.placement.event_journal import journal_path
         from lmi_cache.vllm_connector.kv_events import event_blocks_reader
 
-        sessions = self._session_tracker()
+        sessions = session_tracker(self._config)
         directory = build_directory(self._config, replica=self._dp_index, world_size=geometry.world_size,
                                     remote=self._open_remote_lookups(), retention=sessions is not None,
                                     metrics=metrics)
@@ -223,30 +205,11 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions,
                                         key_rule=key_rule, chunk_blocks=reader, peer_lookups=peer_lookups)
 
-    def _session_tracker(self) -> Any:
-        """Which sessions are open (the directory evicts their chunks last), or None when retention is off."""
-        if self._config.session_retention_share <= 0 or self._config.cpu_capacity_bytes <= 0:
-            return None
-        from lmi_cache.eviction.session_tracker import SessionSource, SessionTracker
-
-        source = SessionSource.from_env(os.environ)
-        logger.info("lmi-cache: open sessions keep up to %.0f%% of the CPU tier (sessions from %s)",
-                    100 * self._config.session_retention_share,
-                    source.store_path or f"requests, released after {source.expiration_s:.0f} s idle")
-        return SessionTracker(source)
-
     def _open_remote_lookups(self) -> Any:
-        """The scheduler's client of the remote store (existence checks only), or None without one."""
-        from lmi_cache.config.remote import remote_settings
+        """The scheduler's client of the remote store (existence checks only, closed at shutdown), or None."""
+        from lmi_cache.placement.startup import open_remote_lookups
 
-        settings = remote_settings(self._config, "lmi-cache config")
-        if settings is None:
-            return None
-        from lmi_cache.remote import open_remote
-
-        self._remote_lookups = open_remote(settings)
-        logger.info("lmi-cache: scheduler looks up chunks in the %s store %s (timeout %d ms)", settings.kind,
-                    settings.display_url, settings.lookup_timeout_ms)
+        self._remote_lookups = open_remote_lookups(self._config)
         return self._remote_lookups
 
     def _init_worker(self, vllm_config: VllmConfig, block_size: int) -> None:

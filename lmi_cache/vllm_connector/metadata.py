@@ -2,12 +2,13 @@
 
 Scheduler -> workers: ``LmiConnectorMetadata`` (built once per step in the
 scheduler process, bound on every worker): the placement directory's
-evictions, then which chunks to load into which block ids (from which tier)
+evictions (by rank: each worker applies its own), then which chunks to load into which block ids (from which tier)
 before the forward pass, and which full chunks to save (into which tiers)
 after it. Workers -> scheduler: ``LmiWorkerMeta`` (built per step on each
 worker, aggregated across ranks by vLLM): per rank, the stores that landed or
-failed and the entries its media lost (``placement.messages.TierEvent``), the
-KV layout tag and chunk sizes it recognised, and load faults. Everything here is
+failed and the entries its media lost (``placement.messages.TierEvent``), and
+the KV layout tag and chunk sizes it recognised (sent until the scheduler's
+metadata says it has every rank's: ``layout_known``). Everything here is
 plain data so it pickles across vLLM's process boundaries; no tensors, and no
 vLLM import: vLLM only duck-types these objects (it binds the metadata on the
 workers and calls ``aggregate`` on the workers' metadata), so its abstract
@@ -40,8 +41,8 @@ class ChunkTransfer:
     block_ids: tuple[int, ...]
     block_offset: int = 0
     group: int = 0
-    source: str = ""  # a load: the tier the placement directory says holds it ("": ask every tier in order;
-    # "peer@H:P": the peer a request's router named, read through the peer tier)
+    source: str = ""  # a load: the tier the placement directory says holds it ("peer@H:P": the peer a
+    # request's router named, read through the peer tier)
     promote_to: str = ""  # a load: also put it into this tier (the first one; "": no)
     tiers: tuple[str, ...] = ()  # a save: the tiers to store it into
 
@@ -50,12 +51,14 @@ class ChunkTransfer:
 class LmiConnectorMetadata:
     """What every worker must do this step."""
 
-    evictions: list[Eviction] = field(default_factory=list)  # applied before the loads
+    evictions: dict[int, list[Eviction]] = field(default_factory=dict)  # rank -> its evictions, before the loads
     loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
     # Requests whose loads above vLLM waits for between steps (sliding-window or multi-group models): each worker
     # reports them finished, or failed (vLLM then recomputes the request), once its loads are done.
     async_loads: list[str] = field(default_factory=list)
+    # The scheduler has every rank's layout tag and chunk sizes: the workers stop sending them.
+    layout_known: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -114,6 +114,10 @@ class RequestPlan:
     remote: ExistenceCheck = field(default_factory=ExistenceCheck)  # in the remote store
     peer: PeerAddress | None = None  # the peer the request's router names (kv_transfer_params), if any
     peer_check: ExistenceCheck = field(default_factory=ExistenceCheck)  # at that peer
+    # The load spec the last lookup found: (group, chunk) -> the tier holding it on every rank ("remote" and
+    # "peer" too), so planning the load asks the directory nothing again (vLLM's kv_offload keeps its load spec
+    # the same way).
+    sources: dict[tuple[int, int], str] = field(default_factory=dict)
     session_id: str | None = None  # vLLM's request.session_id (the front forwards LMI's session)
     saves_allowed: bool = True  # False once the request was blended: none of its chunks is exact KV to store
     # (group, chunk) -> what the chunk's KV events say (vLLM's block hashes and tokens); None: no events
@@ -166,7 +170,7 @@ def _plan_loads(geo: SchedulerGeometry, directory: PlacementDirectory, req_id: s
     sources: dict[int, str] = {}  # chunk -> the tier it loads from
     for group, group_parts in parts.items():
         for keys, ids, offset, c in group_parts or ():
-            source = directory.lookup(keys) or _unmirrored_source(plan, group, c)
+            source = plan.sources.get((group, c)) or directory.lookup(keys) or _unmirrored_source(plan, group, c)
             sources[c] = source
             placed = directory.prepare_load(keys, group, source, plan.describer(group, c))
             where = peer_source(plan.peer) if source == PEER and plan.peer is not None else placed.tier

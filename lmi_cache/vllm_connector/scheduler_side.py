@@ -11,23 +11,21 @@ request it keeps a plan:
   dtype, layout tag, TP/PP size) and the request's key inputs
   (``lmi_cache.keys.key_inputs``: its multimodal items, prompt embeddings,
   adapter content and ``cache_salt``; the prompt is hashed once, not once per
-  rank); leading chunks held by all ranks, capped so at least one
-  token is left to compute, aligned down to vLLM's block size, minus what
-  vLLM's prefix cache already covers; below ``min_retrieve_tokens`` it is 0;
-  one block shorter with an EAGLE-family drafter (``request_plan``).
+  rank); leading chunks held by all ranks (``hit_lookup``: one directory
+  lookup per chunk, kept as the request's load spec, and the checks of the
+  stores the directory does not mirror, "pending" while in flight), capped so
+  at least one token is left to compute, aligned down to vLLM's block size,
+  minus what vLLM's prefix cache already covers; below ``min_retrieve_tokens``
+  it is 0; one block shorter with an EAGLE-family drafter (``request_plan``).
   Loads are synchronous (``(n, False)``): the worker loads before the forward;
   except for models that are not one full-attention group (``loads_async``).
   Until the first worker reports its layout tag the key namespace is unknown,
-  so the answer is ``None`` (vLLM asks again after one empty step).
-  With a remote store, the chunks beyond the local hit (every rank's keys) are
-  asked of it (through the directory's client) in one batched, asynchronous
-  existence check: while it is in
-  flight the answer is ``None`` (vLLM asks again next step, the scheduler never
-  waits); the check gives up after ``lookup_timeout_ms`` (those chunks are
-  misses). Its answer is kept for the request until its local hit changes.
-  With the peer tier on (``enable_p2p``) and a request whose router names a
-  peer (``kv_transfer_params.remote_kv_source``), the same chunks are asked of
-  that peer the same way (``lmi_cache.peer.lookup``, bounded by
+  so the answer is ``None`` (vLLM asks again after one empty step); so it is
+  while a check is pending. With a remote store the chunks beyond the local
+  hit are asked of it (through the directory's client; the check gives up
+  after ``lookup_timeout_ms``). With the peer tier on (``enable_p2p``) and a
+  request whose router names a peer (``kv_transfer_params.remote_kv_source``),
+  the same chunks are asked of that peer (``lmi_cache.peer.lookup``, bounded by
   ``peer_timeout_ms``); a chunk the peer holds loads from it into a CPU-tier
   place the directory reserves (``prepare_load`` with source ``peer``).
 * ``update_state_after_alloc``: confirms (or drops) the planned load. With
@@ -66,27 +64,27 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.keys.key_inputs import KeyRule
 from lmi_cache.keys.kv_groups import is_single_full_group
 from lmi_cache.eviction.session_tracker import SessionTracker
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.series import SchedulerMetrics, SchedulerStats
 from lmi_cache.peer.hint import peer_hint
 from lmi_cache.peer.protocol import PeerIdentity
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.events import ChunkBlocks
+from lmi_cache.vllm_connector.hit_lookup import find_hit_tokens
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
+from lmi_cache.vllm_connector.scheduler_views import RequestView, SchedulerOutputView
 from lmi_cache.vllm_connector.request_plan import (
-    ExistenceCheck,
     RequestPlan,
     SchedulerGeometry,
     count_miss,
     plan_state_saves,
     plan_step,
-    usable_hit_tokens,
 )
 
 if TYPE_CHECKING:
@@ -102,32 +100,6 @@ ChunkBlocksReader = Callable[[Any, int, int], ChunkBlocks | None]
 
 # How many times a request may be deferred while no worker has reported its layout.
 MAX_ASKS_WITHOUT_LAYOUT = 200
-
-
-class SchedulerStats:
-    """The scheduler's counts, read back from its Prometheus series (each event is counted once, there)."""
-
-    _SERIES = {
-        "num_match_queries": "lmi_cache_scheduler_match_queries_total",
-        "num_hit_requests": "lmi_cache_scheduler_hit_requests_total",
-        "num_load_tokens": "lmi_cache_load_tokens_total",
-        "num_planned_saves": "lmi_cache_scheduler_planned_saves_total",
-        "num_preemptions": "lmi_cache_scheduler_preemptions_total",
-        "num_remote_lookups": "lmi_cache_scheduler_remote_checks_total",
-        "num_remote_hit_chunks": "lmi_cache_scheduler_remote_hit_chunks_total",
-    }
-
-    def __init__(self, metrics: SchedulerMetrics) -> None:
-        self._metrics = metrics
-
-    def __getattr__(self, name: str) -> float:
-        series = type(self)._SERIES.get(name)
-        if series is None:
-            raise AttributeError(name)
-        return self._metrics.value(series)
-
-    def snapshot(self) -> dict[str, float]:
-        return {name: self._metrics.value(series) for name, series in self._SERIES.items()}
 
 
 class SchedulerSide:
@@ -159,6 +131,7 @@ class SchedulerSide:
         self._group_spaces: tuple[KeySpace, ...] = ()  # one per KV cache group
         self.directory = directory
         self.layout_tag: str | None = None
+        self._sized_ranks: set[int] = set()  # ranks whose chunk sizes arrived (they send them until all have)
         self._disabled_reason: str | None = None
         self._asks_without_layout = 0
         self._plans: dict[str, RequestPlan] = {}
@@ -167,11 +140,11 @@ class SchedulerSide:
 
     # -- lookups -------------------------------------------------------------------------
 
-    def _chunk_keys(self, request: Any) -> list[Sequence[tuple[ChunkKey, ...]]]:
+    def _chunk_keys(self, request: RequestView) -> list[Sequence[tuple[ChunkKey, ...]]]:
         inputs = self.key_rule.inputs(request)
         return [space.for_inputs(inputs).per_chunk for space in self._group_spaces]
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         if self._disabled_reason is not None:
             self._answered[req_id] = 0
@@ -193,28 +166,9 @@ class SchedulerSide:
         plan.load_range, plan.load_confirmed = None, False
         self.metrics.count("match_queries")
         geo = self.geometry
-        keys, directory = plan.chunk_keys, self.directory
-        num_chunks = len(keys[0])
-
-        def held(group: int, chunk: int) -> bool:
-            return directory.holds(keys[group][chunk])
-
-        remote: set[tuple[int, int]] | None = set()
-        peer: set[tuple[int, int]] | None = set()
-        if directory.remote is not None or plan.peer is not None:
-            useful_chunks = min(num_chunks, max(request.num_tokens - 1, 0) // geo.chunk_size_tokens)
-            first = min(_leading(directory, group_keys) for group_keys in keys)
-            if directory.remote is not None:
-                remote = self._unmirrored_hits(plan, plan.remote, directory.ask_remote, first, useful_chunks)
-            if plan.peer is not None and self._peer_lookups is not None:
-                peer = self._unmirrored_hits(plan, plan.peer_check, functools.partial(self._peer_lookups.ask,
-                                                                                      plan.peer), first, useful_chunks)
-            if remote is None or peer is None:
-                return None, False  # a lookup is in flight: vLLM asks again next step
-        elsewhere = (remote or set()) | (peer or set())
-        # vLLM must compute at least one token to produce logits.
-        hit_tokens = usable_hit_tokens(geo, num_chunks, request.num_tokens - 1,
-                                       lambda g, c: held(g, c) or (g, c) in elsewhere)
+        hit_tokens = find_hit_tokens(geo, self.directory, self.metrics, plan, request.num_tokens, self._peer_lookups)
+        if hit_tokens is None:
+            return None, False  # a remote or peer check is in flight ("pending"): vLLM asks again next step
         self._answered[req_id] = max(hit_tokens, 0)
         self._gpu_hit[req_id] = num_computed_tokens
         num_new = hit_tokens - num_computed_tokens
@@ -223,36 +177,7 @@ class SchedulerSide:
         plan.load_range = (num_computed_tokens, hit_tokens)
         return num_new, geo.loads_async
 
-    def _unmirrored_hits(self, plan: RequestPlan, check: ExistenceCheck, ask: Callable[[list[ChunkKey]], Any],
-                         first: int, end: int) -> set[tuple[int, int]] | None:
-        """(group, chunk) pairs of chunks ``first..end`` the remote store (``plan.remote``) or the request's peer
-        (``plan.peer_check``) holds for every rank; None while asked."""
-        if first >= end:
-            return set()
-        kind = "remote" if check is plan.remote else "peer"
-        num_groups = len(plan.chunk_keys)
-        if check.from_chunk != first:
-            flat = [key for c in range(first, end) for g in range(num_groups) for key in plan.chunk_keys[g][c]]
-            check.from_chunk, check.found = first, None
-            check.pending = ask(flat)
-            self.metrics.count(f"{kind}_checks")
-        if check.found is None:
-            found = check.pending.poll()
-            if found is None:
-                return None
-            outcome = getattr(check.pending, "outcome", "answered")
-            ranks = self.geometry.world_size
-            pairs = [(g, c) for c in range(first, end) for g in range(num_groups)]
-            check.found = {pair for i, pair in enumerate(pairs) if all(found[i * ranks : (i + 1) * ranks])}
-            check.pending = None
-            # Chunks every group holds in one run from ``first`` (what a full-attention hit can use).
-            run = first
-            while all((g, run) in check.found for g in range(num_groups)):
-                run += 1
-            self.metrics.unmirrored_lookup(kind, outcome, run - first)
-        return check.found
-
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int, saves: bool = True,
+    def update_state_after_alloc(self, request: RequestView, num_external_tokens: int, saves: bool = True,
                                  block_ids: Sequence[Sequence[int]] | None = None) -> None:
         """``num_external_tokens``: what this side loads (the prefix path's share); ``saves``: False for a blended
         request; ``block_ids``: the request's blocks per group, which an asynchronous load is planned into now."""
@@ -280,7 +205,7 @@ class SchedulerSide:
 
     # -- per-step planning ---------------------------------------------------------------
 
-    def build_connector_meta(self, scheduler_output: Any) -> LmiConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> LmiConnectorMetadata:
         meta = LmiConnectorMetadata()
         for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
             self._plans.pop(req_id, None)
@@ -333,6 +258,7 @@ class SchedulerSide:
     def finish_step(self, meta: LmiConnectorMetadata) -> None:
         """The step is planned (blending's jobs too): its evictions go out with it, its pins go."""
         meta.evictions = self.directory.take_evictions()
+        meta.layout_known = self.layout_tag is not None and len(self._sized_ranks) >= self.geometry.world_size
         self.directory.end_step()
 
     def _per_group(self, block_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:
@@ -340,7 +266,7 @@ class SchedulerSide:
         ids = list(block_ids or ())
         return [list(ids[g.index]) if g.index < len(ids) else [] for g in self.geometry.groups]
 
-    def _plan_state_saves(self, scheduler_output: Any, meta: LmiConnectorMetadata) -> None:
+    def _plan_state_saves(self, scheduler_output: SchedulerOutputView, meta: LmiConnectorMetadata) -> None:
         """Saves of the Mamba boundary states vLLM offers this step (only while build_connector_meta runs)."""
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(block_state, "boundary_state_offloads", None) or {}
@@ -371,6 +297,7 @@ class SchedulerSide:
             self._disabled_reason = f"KV layout changed from {self.layout_tag} to {sorted(tags)}"
             logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
         for rank, sizes in worker_meta.chunk_bytes.items():
+            self._sized_ranks.add(rank)
             for group, payload_bytes in sizes.items():
                 self.directory.set_chunk_bytes(rank, group, payload_bytes)
         for rank in set(worker_meta.stored) | set(worker_meta.failed) | set(worker_meta.dropped):
@@ -403,17 +330,7 @@ class SchedulerSide:
         return len(self._plans)
 
 
-def _leading(directory: PlacementDirectory, chunk_keys: Sequence[tuple[ChunkKey, ...]]) -> int:
-    """How many leading chunks the local tiers hold on every rank."""
-    count = 0
-    for keys in chunk_keys:
-        if not directory.holds(keys):
-            break
-        count += 1
-    return count
-
-
-def _num_prompt_tokens(request: Any) -> int:
+def _num_prompt_tokens(request: RequestView) -> int:
     """The prompt's length, also for a prompt given as embeddings (no token ids)."""
     tokens = getattr(request, "prompt_token_ids", None)
     return len(tokens) if tokens is not None else int(getattr(request, "num_prompt_tokens", 0) or 0)

@@ -5,7 +5,9 @@ connector. A chunk size vLLM's paged cache cannot hold is refused here with one
 line naming the setting, and so is a model whose sparse-attention indexer keys
 sit in a KV cache group other than the one vLLM builds for DeepSeek-V3.2 (its
 latents and indexer keys together, cached like MLA latent groups of DeepSeek
-V2/V3, Kimi K2, Mistral Large 3: ``lmi_cache.keys.kv_groups``).
+V2/V3, Kimi K2, Mistral Large 3: ``lmi_cache.keys.kv_groups``). vLLM's KV cache
+groups become ours here (``kv_groups``), refused with one line where the
+connector cannot cache them.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lmi_cache.errors import ConfigError
-from lmi_cache.keys.kv_groups import is_indexer, latent_with_indexer
+from lmi_cache.keys.kv_groups import KvCacheGroup, UnsupportedKvGroups, is_indexer, kv_groups_of, latent_with_indexer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -125,3 +127,19 @@ def refuse_indexer_caches(kv_cache_config: Any) -> None:
             "without KV offloading (option.lmcache_auto_config=false, no --kv-transfer-config)"
         )
 
+
+def kv_groups(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
+    refuse_indexer_caches(kv_cache_config)  # named for what it is, before the generic refusal below
+    try:
+        return kv_groups_of(kv_cache_config)
+    except UnsupportedKvGroups as err:
+        raise ConfigError(f"{err}; serve this model without the lmi-cache connector") from None
+
+
+def warn_on_sparse_state_retention(groups: tuple[KvCacheGroup, ...], kv_cache_config: Any, chunk: int) -> None:
+    """A state group caches the boundaries vLLM retains; say so when not every chunk boundary is one of them."""
+    interval = getattr(kv_cache_config, "prefix_cache_retention_interval", 0)
+    if any(g.is_state for g in groups) and interval is not None and (interval <= 0 or chunk % interval):
+        logger.warning("lmi-cache: vLLM retains Mamba states every %s tokens, so not every %d-token chunk boundary "
+                       "can be cached; pass --prefix-cache-retention-interval %d for hits at every chunk",
+                       interval or "(prompt end only)", chunk, chunk)

@@ -20,18 +20,15 @@
   (``CacheEngine.save_many``; one copy) and puts it into the tiers the
   directory named; the disk and remote writes run asynchronously. The gather is the only cost on the step;
   ``stats.save_seconds`` measures it.
-* ``build_worker_meta``: this rank's layout tag and chunk sizes, the stores
-  that landed or failed, and entries its media lost on their own.
+* ``build_worker_meta``: the stores that landed or failed, entries its media
+  lost on their own, and (until the scheduler has them: ``layout_known``)
+  this rank's layout tag and chunk sizes.
 
-With vLLM's hybrid KV cache manager on, each KV cache group (full attention,
-sliding window) has its own copier over its own layers; a transfer names its
-group (``ChunkTransfer.group``), so a chunk holds one group's layers only. A
-state group (Mamba layers) has a :class:`StateCopier` instead: a save gathers
-one block's state of every layer into one uint8 payload, a load scatters it
-into the one block named; a payload of another geometry is a load fault.
-A group that also holds DeepSeek-V3.2's indexer keys has a
-:class:`MixedPagedCopier`: its chunks carry the latent's and the indexer's
-blocks, each in its own layout, and the rank's layout tag names both.
+With vLLM's hybrid KV cache manager on, each KV cache group has its own
+copier (``rank_copiers``); a transfer names its group
+(``ChunkTransfer.group``), so a chunk holds one group's layers only. A state
+group's load scatters one boundary state into the one block named; a payload
+of another geometry is a load fault.
 
 Every engine or transfer call is wrapped: a fault is a miss, a warning and a
 counter, never an exception into vLLM.
@@ -45,14 +42,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmi_cache.keys.kv_groups import KvCacheGroup, is_single_full_group
+from lmi_cache.keys.kv_groups import KvCacheGroup
 from lmi_cache.metrics.counts import Count, RankCounts
 from lmi_cache.placement.messages import REMOTE, TierEvent
-from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor, describe_kv_caches
+from lmi_cache.transfer.layouts import ExpectedGeometry, LayoutDescriptor
 from lmi_cache.transfer.mixed_copy import MixedPagedCopier
 from lmi_cache.transfer.paged_copy import PagedChunkCopier
 from lmi_cache.transfer.state_copy import StateCopier
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata, LmiWorkerMeta
+from lmi_cache.vllm_connector.rank_copiers import build_rank_copiers
 
 if TYPE_CHECKING:
     from lmi_cache.keys.hashing import ChunkKey
@@ -118,28 +116,14 @@ class WorkerSide:
         self._mismatched_loads = 0  # this step's loads refused for their token fingerprint, not yet attributed
         self._instructed: list[TierEvent] = []  # stores and promotions the directory planned this step
         self._num_warnings = 0
+        self._layout_known = False  # the scheduler has this rank's layout tag and chunk sizes
         self._last_event: Any = None  # the latest asynchronous scatter of this step (CUDA), or None
         self._pending_releases: list[tuple[Any, list[Any]]] = []  # (copy-done event or None, chunk objects)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        state_groups = [g for g in self._groups if g.is_state]
-        self._states = {g.index: StateCopier([kv_caches[name] for name in g.layer_names], g.state_shapes,
-                                             g.state_dtypes) for g in state_groups}
-        state_layers = {name for g in state_groups for name in g.layer_names}
-        indexer_layers = {name for g in self._groups for name in g.indexer_layers}
-        # The attention layers alone define the KV layout; state pages are raw bytes described by their group,
-        # DeepSeek-V3.2's indexer keys have a layout of their own (described below).
-        attention = {name: kv for name, kv in kv_caches.items() if name not in state_layers | indexer_layers}
-        self.layout = describe_kv_caches(attention, self._geometry)
-        if indexer_layers:
-            self._copiers = self._mixed_copiers(kv_caches)
-        elif not self._groups or is_single_full_group(self._groups):
-            self._copiers = {0: PagedChunkCopier(list(attention.values()), self.layout, self._blocks_per_chunk)}
-        else:
-            self._copiers = {
-                g.index: PagedChunkCopier([kv_caches[name] for name in g.layer_names], self.layout, self._blocks_per_chunk)
-                for g in self._groups if not g.is_state
-            }
+        copiers = build_rank_copiers(kv_caches, self._geometry, self._groups, self._blocks_per_chunk)
+        self.layout, self._copiers, self._states = copiers.layout, copiers.paged, copiers.states
+        self._indexer_tag = copiers.indexer_tag
         self.copier = next(iter(self._copiers.values()))
         self.engine = self._engine_factory()
         self.engine.expect_chunks(max(self._chunk_bytes().values()))
@@ -148,25 +132,6 @@ class WorkerSide:
             self.rank_index, len(kv_caches), len(self._copiers) + len(self._states), self.layout_tag,
             "/".join(str(n) for n in self._chunk_bytes().values()),
         )
-
-    def _mixed_copiers(self, kv_caches: Mapping[str, torch.Tensor]) -> dict[int, PagedChunkCopier | MixedPagedCopier]:
-        """Copiers when a group holds DeepSeek-V3.2's indexer keys: that group's chunks carry both layouts."""
-        assert self.layout is not None
-        copiers: dict[int, PagedChunkCopier | MixedPagedCopier] = {}
-        for g in self._groups:
-            latent = [kv_caches[name] for name in g.layer_names if name not in g.indexer_layers]
-            if not g.indexer_layers:
-                if not g.is_state:
-                    copiers[g.index] = PagedChunkCopier(latent, self.layout, self._blocks_per_chunk)
-                continue
-            geometry = ExpectedGeometry(self._geometry.block_size_tokens, 1, g.indexer_head_size, is_mla=True)
-            indexer = describe_kv_caches({name: kv_caches[name] for name in g.indexer_layers}, geometry)
-            self._indexer_tag = "+indexer.".join(f"{d.tag}.{'x'.join(map(str, d.block_shape))}"
-                                                 for d in (self.layout, indexer))
-            copiers[g.index] = MixedPagedCopier(
-                [(latent, self.layout), ([kv_caches[name] for name in g.indexer_layers], indexer)],
-                self._blocks_per_chunk)
-        return copiers
 
     @property
     def layout_tag(self) -> str:
@@ -206,7 +171,8 @@ class WorkerSide:
 
     def load(self, meta: LmiConnectorMetadata) -> None:
         engine = self.engine
-        if meta.evictions and engine is not None:
+        self._layout_known = self._layout_known or meta.layout_known
+        if engine is not None and meta.evictions.get(self.rank_index):
             self._apply_evictions(engine, meta)
         planned = {t.req_id for t in meta.loads}
         # A waiting request with nothing to load (its plan found no blocks) must still be answered, or it waits forever.
@@ -216,8 +182,7 @@ class WorkerSide:
         started = time.perf_counter()
         self._release_finished_loads()
         keys = [transfer.keys[self.rank_index] for transfer in meta.loads]
-        directed = all(t.source for t in meta.loads)
-        sources = [t.source for t in meta.loads] if directed else None
+        sources = [t.source for t in meta.loads]
         promote = [bool(t.promote_to) for t in meta.loads]
         for transfer, key in zip(meta.loads, keys):
             if transfer.promote_to:
@@ -233,7 +198,7 @@ class WorkerSide:
             # arrival (asynchronous copies overlap the reads still running); on the CPU backend all hits
             # are scattered in one call after the reads, so the copy's OpenMP threads never wait for cores
             # that reader threads hold.
-            for batch in engine.load(keys, sources, promote if directed else None):
+            for batch in engine.load(keys, sources, promote):
                 held.extend(obj for _, obj in batch)
                 if overlap:
                     loaded.update(self._scatter_groups(meta, batch))
@@ -253,11 +218,10 @@ class WorkerSide:
     def _apply_evictions(self, engine: Engine, meta: LmiConnectorMetadata) -> None:
         """The directory's evictions of this rank, before the loads (a load never reads what it evicts)."""
         try:
-            for eviction in meta.evictions:
-                if eviction.rank == self.rank_index:
-                    engine.evict(eviction.tier, eviction.digest, eviction.demote_to)
-                    if eviction.demote_to:
-                        self._instructed.append(TierEvent(eviction.demote_to, eviction.digest))
+            for eviction in meta.evictions.get(self.rank_index, ()):
+                engine.evict(eviction.tier, eviction.digest, eviction.demote_to)
+                if eviction.demote_to:
+                    self._instructed.append(TierEvent(eviction.demote_to, eviction.digest))
         except Exception as err:  # noqa: BLE001 - a tier that keeps an entry only wastes room
             self._fault("could not apply evictions", err, op="evict")
 
@@ -385,14 +349,13 @@ class WorkerSide:
     def _save_group(self, engine: Engine, transfers: list[ChunkTransfer],
                     copier: PagedChunkCopier | MixedPagedCopier | StateCopier) -> None:
         keys = [t.keys[self.rank_index] for t in transfers]
-        directed = all(t.tiers for t in transfers)
         block_ids = [t.block_ids for t in transfers]
         try:
             # Every full chunk of the step gathered in one kernel call, straight into engine memory.
             # (A state group's chunk is one block's state, gathered now: vLLM keeps an offered block this step only.)
             saved = engine.save_many(keys, copier.chunk_shape, copier.dtype,
                                      lambda outs: copier.gather_many(block_ids, outs),
-                                     [t.tiers for t in transfers] if directed else None)
+                                     [t.tiers for t in transfers])
             self.stats.add(WorkerStats.num_chunks_saved, sum(saved))
             self.stats.add(WorkerStats.num_saves_refused, len(saved) - sum(saved))
         except Exception as err:  # noqa: BLE001 - a cache fault must never fail a request
@@ -427,9 +390,10 @@ class WorkerSide:
         failed = [e for e in instructed if e.tier != REMOTE and (e.tier, e.digest) not in landed]
         self.stats.attach(self.engine.metrics)  # the series are present from the first step, at 0
         rank = self.rank_index
+        known = self._layout_known
         return LmiWorkerMeta(
-            layout_tags={rank: self.layout_tag},
-            chunk_bytes={rank: self._chunk_bytes()},
+            layout_tags={} if known else {rank: self.layout_tag},
+            chunk_bytes={} if known else {rank: self._chunk_bytes()},
             stored={rank: stored} if stored else {},
             failed={rank: failed} if failed else {},
             dropped={rank: dropped} if dropped else {},

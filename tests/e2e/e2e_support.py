@@ -151,7 +151,10 @@ def run_job(job: dict[str, Any], work_dir: Path, timeout_s: float = 420.0) -> di
     (work_dir / "stderr.txt").write_text(proc.stderr)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT_JSON:"):
-            return json.loads(line.removeprefix("RESULT_JSON:"))
+            result: dict[str, Any] = json.loads(line.removeprefix("RESULT_JSON:"))
+            # The placement directory is the only index: a tier refusing what it planned is a bug.
+            assert result.get("safety_net_firings", 0) == 0, f"a tier's safety net fired in {work_dir}"
+            return result
     raise JobFailed(proc.returncode, proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr)
 
 

@@ -50,6 +50,10 @@ def _counters(llm: Any) -> dict[str, Any]:
     sched = getattr(scheduler, "scheduler_side", None)
     if sched is not None:
         counters.update({f"scheduler.{k}": v for k, v in sched.stats.snapshot().items()})
+        # Stores the directory never planned (segments and layer-0 objects are placed like chunks): 0.
+        counters["scheduler.unplanned_stores"] = sum(
+            sample.value for family in sched.directory.metrics.registry.collect() for sample in family.samples
+            if sample.name == "lmi_cache_placement_unplanned_stores_total")
     return counters
 
 
@@ -93,6 +97,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     job = json.loads(Path(sys.argv[1]).read_text())
     result = run(job)
+    from lmi_cache.metrics.series import safety_net_firings
+
+    result["safety_net_firings"] = safety_net_firings()  # planned puts a tier refused (test_blend_e2e asserts 0)
     sys.stdout.write("RESULT_JSON:" + json.dumps(result) + "\n")
     sys.stdout.flush()
     os._exit(0)  # vLLM's shutdown can hang on CPU; the result is already out.

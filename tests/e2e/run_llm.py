@@ -26,7 +26,8 @@ names counters of vLLM's own (e.g. ``vllm:spec_decode_num_drafts``; the job's ``
 names the adapter it runs with (the job's ``llm_kwargs`` must enable LoRA). A prompt with
 ``"embeds": {"seed": 1, "rows": 600}`` instead of tokens is given as random embeddings (the job's
 ``llm_kwargs`` must set ``enable_prompt_embeds``).
-Output: one line ``RESULT_JSON:{...}`` on stdout.
+Output: one line ``RESULT_JSON:{...}`` on stdout (with ``safety_net_firings``: planned puts the tiers of
+this process refused for lack of room, which ``e2e_support.run_job`` requires to be 0).
 """
 from __future__ import annotations
 
@@ -208,6 +209,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     job = json.loads(Path(sys.argv[1]).read_text())
     result = run(job)
+    from lmi_cache.metrics.series import safety_net_firings
+
+    result["safety_net_firings"] = safety_net_firings()  # planned puts a tier refused: e2e_support asserts 0
     side = getattr(_worker_connector(), "worker_side", None)
     if side is not None and side.engine is not None:
         side.engine.flush(60.0)  # the disk tier must be complete for the next process

@@ -130,7 +130,11 @@ def blend_run(tiny_model: Path, e2e_dir: Path) -> dict[str, Any]:
     (work / "stderr.txt").write_text(proc.stderr)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT_JSON:"):
-            return json.loads(line.removeprefix("RESULT_JSON:"))
+            result: dict[str, Any] = json.loads(line.removeprefix("RESULT_JSON:"))
+            # The directory placed every segment and layer-0 object: no tier refused one, none came unplanned.
+            assert result["safety_net_firings"] == 0
+            assert all(p["counters"].get("scheduler.unplanned_stores", 0) == 0 for p in result["phases"])
+            return result
     raise AssertionError(f"run_blend_llm.py exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 

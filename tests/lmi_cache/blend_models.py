@@ -56,15 +56,18 @@ class DictEngine:
         self.objects: dict[bytes, torch.Tensor] = {}
         self.outstanding = 0
 
-    def save_many(self, keys: list[Any], shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> list[bool]:
+    def save_many(self, keys: list[Any], shape: tuple[int, ...], dtype: torch.dtype, fill: Any,
+                  tiers: Any) -> list[bool]:
         outs = [torch.empty(shape, dtype=dtype) for _ in keys]
         fill(outs)
-        for key, out in zip(keys, outs):
-            self.objects[key.digest] = out
-        return [True] * len(keys)
+        for key, out, names in zip(keys, outs, tiers):
+            if names:  # planned nowhere: not stored, as a real engine
+                self.objects[key.digest] = out
+        return [bool(names) for names in tiers]
 
-    def load(self, keys: list[Any]) -> Iterator[list[tuple[int, DictObject]]]:
-        hits = [(i, DictObject(self, self.objects[key.digest])) for i, key in enumerate(keys) if key.digest in self.objects]
+    def load(self, keys: list[Any], sources: Any, promote: Any = None) -> Iterator[list[tuple[int, DictObject]]]:
+        hits = [(i, DictObject(self, self.objects[key.digest])) for i, key in enumerate(keys)
+                if sources[i] and key.digest in self.objects]
         if hits:
             yield hits
 

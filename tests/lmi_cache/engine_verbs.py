@@ -2,7 +2,11 @@
 
 The engine exposes what the vLLM connector uses (``save_many``, ``load``,
 ``tiers``); tests that want "store this tensor" or "is it there" say it with
-these helpers, so they exercise exactly the serving path.
+these helpers, so they exercise exactly the serving path. The engine has no
+undirected mode (the placement directory names every tier), so the helpers
+name them as a directory would: a save into every tier unless told, a load
+from the first tier holding the chunk (the remote store when none does),
+promoted into the CPU tier when it comes from behind it.
 """
 from __future__ import annotations
 
@@ -20,9 +24,23 @@ def keys_for(engine: CacheEngine, tokens: Sequence[int] | np.ndarray, namespace:
     return chunk_keys(tokens, namespace, config.chunk_size, include_partial=config.save_unfull_chunk)
 
 
-def save(engine: CacheEngine, key: ChunkKey, data: torch.Tensor) -> bool:
-    """Save one chunk (copied into the engine) through ``save_many``."""
-    return engine.save_many([key], tuple(data.shape), data.dtype, lambda outs: outs[0].copy_(data))[0]
+def all_tiers(engine: CacheEngine) -> tuple[str, ...]:
+    """Every tier of ``engine`` by its name in the directory's instructions."""
+    return tuple(tier.name if tier.local else "remote" for tier in engine.tiers)
+
+
+def save(engine: CacheEngine, key: ChunkKey, data: torch.Tensor, tiers: Sequence[str] | None = None) -> bool:
+    """Save one chunk (copied into the engine) through ``save_many``, into ``tiers`` (default: every tier)."""
+    names = tuple(tiers) if tiers is not None else all_tiers(engine)
+    return engine.save_many([key], tuple(data.shape), data.dtype, lambda outs: outs[0].copy_(data), [names])[0]
+
+
+def sources_for(engine: CacheEngine, keys: Sequence[ChunkKey]) -> tuple[list[str], list[bool]]:
+    """Each key's source as a directory would name it (the first local tier holding it, else the remote store)
+    and whether it is promoted into the first tier."""
+    first = engine.tiers[0].name if engine.tiers else ""
+    sources = [held_by(engine, key) or "remote" for key in keys]
+    return sources, [source != first for source in sources]
 
 
 def load(engine: CacheEngine, key: ChunkKey, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -34,7 +52,8 @@ def load_many(engine: CacheEngine, keys: Sequence[ChunkKey],
               outs: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
     results: list[torch.Tensor | None] = [None] * len(keys)
     targets = list(outs) if outs is not None else [None] * len(keys)
-    for batch in engine.load(keys):
+    sources, promote = sources_for(engine, keys)
+    for batch in engine.load(keys, sources, promote):
         for position, obj in batch:
             try:
                 payload = obj.payload_tensor()

@@ -31,7 +31,10 @@ def dropped(digests: Mapping[int, Iterable[bytes]], tier: str = "cpu", **fields:
 
 
 def confirm_stored(directory: PlacementDirectory, per_rank_keys: Iterable[Iterable[Any]], tier: str = "cpu") -> None:
-    """Workers confirm storing these chunks (each an iterable of per-rank keys) into ``tier``."""
+    """The directory plans these chunks (each an iterable of per-rank keys) into ``tier`` and the workers confirm
+    storing them (a store it never planned would be refused)."""
     for keys in per_rank_keys:
+        keys = list(keys)
+        directory.prepare_receive(keys, 0, tier)
         for rank, key in enumerate(keys):
             directory.complete(rank, stored=[TierEvent(tier, key.digest)])

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from lmi_cache.blend.jobs import BlendConnectorMetadata
+from lmi_cache.blend.jobs import BlendConnectorMetadata, attention_key
+from lmi_cache.placement.messages import TierEvent
 from lmi_cache.blend.scheduler_plan import BlendRequestError, BlendScheduler, explicit_split, segment_key_space
 from lmi_cache.blend.segments import Span
 from lmi_cache.blend.settings import BlendSettings
@@ -195,3 +196,29 @@ def test_explicit_segment_ends() -> None:
     assert [(s.start, s.end) for s in sched.state("a").split.segments] == [(0, 12), (12, 30)]  # type: ignore[union-attr]
     assert sched.plan(FakeRequest("b", [1] * 40, kv_transfer_params={"blend_segment_ends": [50]}), 0, 0, "L") is None
     assert sched.stats.num_bad_requests == 1
+
+
+def test_segments_and_their_layer0_objects_are_placed_and_loaded_from_where_the_directory_says() -> None:
+    sched = BlendScheduler(BlendSettings(enabled=True, min_tokens=4), SEP, _space, directory(4),
+                           layer0_bytes_per_token=8)
+    req = FakeRequest("a", PROMPT)
+    assert sched.plan(req, 0, 0, "L") is None
+    meta = BlendConnectorMetadata()
+    sched.take_jobs(Output([NewReq("a", ([1, 2],))]), meta)
+    assert [(s.tiers, s.attention_tiers) for s in meta.segment_stores] == [(("cpu",), ("cpu",))] * 3
+    cpu = sched.directory.books[0]
+    for store in meta.segment_stores:  # every rank's segment and layer-0 object took room (pending)
+        assert all(cpu.knows(k.digest) and cpu.knows(attention_key(k).digest) for k in store.keys)
+    for store in meta.segment_stores:
+        for rank, k in enumerate(store.keys):
+            sched.directory.complete(rank, stored=[TierEvent("cpu", k.digest), TierEvent("cpu", attention_key(k).digest)])
+    sched.directory.end_step()
+    again = FakeRequest("b", PROMPT)
+    assert sched.plan(again, 0, 0, "L") == 36
+    sched.confirm("b", 36)
+    meta = BlendConnectorMetadata()
+    sched.take_jobs(Output([NewReq("b", ([5, 6, 7],))]), meta)
+    (job,) = meta.blends
+    assert [(p.source, p.promote_to, p.attention_source) for p in job.pieces] == [("cpu", "", "cpu")] * 3
+    registry = sched.directory.metrics.registry  # every store was planned
+    assert registry.get_sample_value("lmi_cache_placement_unplanned_stores_total", {"engine": "0", "tier": "cpu"}) is None

@@ -186,8 +186,8 @@ def test_worker_with_the_kernel_writes_each_layer_once_and_equals_a_prefill() ->
     gen = torch.Generator().manual_seed(7)
     prefix, seg_a, seg_b = (torch.randint(0, VOCAB, (n,), generator=gen) for n in (20, 40, 35))
     keys = (ChunkKey(b"a" * 16, 0, 40, 1), ChunkKey(b"b" * 16, 0, 35, 2))
-    worker.run_stores([SegmentStore("r", tuple(seg_a.tolist()), (keys[0],)),
-                       SegmentStore("r", tuple(seg_b.tolist()), (keys[1],))], engine)
+    worker.run_stores([SegmentStore("r", tuple(seg_a.tolist()), (keys[0],), ("cpu",)),
+                       SegmentStore("r", tuple(seg_b.tolist()), (keys[1],), ("cpu",))], engine)
     with torch.inference_mode():
         prefix_kv, _ = prefill(model, prefix)
         want, _ = prefill(model, torch.cat((seg_b, seg_a)), prefix_kv)
@@ -195,7 +195,7 @@ def test_worker_with_the_kernel_writes_each_layer_once_and_equals_a_prefill() ->
     worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
     writes.clear()
     job = BlendJob("r", 20, tuple(torch.cat((seg_b, seg_a)).tolist()),
-                   (BlendPiece(20, 55, (keys[1],)), BlendPiece(55, 95, (keys[0],))), block_ids)
+                   (BlendPiece(20, 55, (keys[1],), "cpu"), BlendPiece(55, 95, (keys[0],), "cpu")), block_ids)
     assert worker.run_blends([job], engine) == set()
     assert sorted(writes) == list(range(model.num_layers))  # once per layer, not twice
     assert worker.stats.blend_write_seconds > 0  # the writes inside the attention are still counted
@@ -304,8 +304,9 @@ def _two_segment_blend(native: bool, monkeypatch: pytest.MonkeyPatch | None = No
 
         monkeypatch.setattr(worker, "_save_layer0_attention", fail)
     engine = DictEngine()
-    worker.run_stores([SegmentStore("r", tuple(seg_a.tolist()), (keys[0],)),
-                       SegmentStore("r", tuple(seg_b.tolist()), (keys[1],))], engine)
+    # The directory placed each segment and its layer-0 attention object in the CPU tier.
+    worker.run_stores([SegmentStore("r", tuple(seg_a.tolist()), (keys[0],), ("cpu",), ("cpu",)),
+                       SegmentStore("r", tuple(seg_b.tolist()), (keys[1],), ("cpu",), ("cpu",))], engine)
     if attention_objects == "dropped":
         for key in keys:
             del engine.objects[layer0_reuse.attention_key(key).digest]
@@ -314,7 +315,8 @@ def _two_segment_blend(native: bool, monkeypatch: pytest.MonkeyPatch | None = No
     block_ids = tuple(range(1, 7))
     worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
     job = BlendJob("r", 20, tuple(torch.cat((seg_b, seg_a)).tolist()),
-                   (BlendPiece(20, 90, (keys[1],)), BlendPiece(90, 180, (keys[0],))), block_ids)
+                   (BlendPiece(20, 90, (keys[1],), "cpu", attention_source="cpu"),
+                    BlendPiece(90, 180, (keys[0],), "cpu", attention_source="cpu")), block_ids)
     assert worker.run_blends([job], engine) == set()
     assert (paged_attention.native_calls > 0) == native  # scattered recomputed tokens took the native kernel
     return worker.stats, worker.paged.read(block_ids, 20, 180)

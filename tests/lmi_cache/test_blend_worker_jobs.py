@@ -29,8 +29,8 @@ def test_ratio_one_blend_equals_a_prefill_and_a_lost_segment_is_recomputed() -> 
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, 256, (20,), generator=gen)
     seg_a, seg_b = torch.randint(0, 256, (30,), generator=gen), torch.randint(0, 256, (25,), generator=gen)
-    worker.run_stores([SegmentStore("r", tuple(seg_a.tolist()), (_key(30, 1),)),
-                       SegmentStore("r", tuple(seg_b.tolist()), (_key(25, 2),))], engine)
+    worker.run_stores([SegmentStore("r", tuple(seg_a.tolist()), (_key(30, 1),), ("cpu",)),
+                       SegmentStore("r", tuple(seg_b.tolist()), (_key(25, 2),), ("cpu",))], engine)
     assert worker.stats.num_segments_stored == 2
     block_ids = tuple(range(3, 3 + 6))
     with torch.inference_mode():
@@ -39,7 +39,7 @@ def test_ratio_one_blend_equals_a_prefill_and_a_lost_segment_is_recomputed() -> 
     worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
     del engine.objects[bytes([1]) * 16]  # segment a evicted behind the scheduler's back
     job = BlendJob("r", 20, tuple(torch.cat((seg_b, seg_a)).tolist()),
-                   (BlendPiece(20, 45, (_key(25, 2),)), BlendPiece(45, 75, (_key(30, 1),))), block_ids)
+                   (BlendPiece(20, 45, (_key(25, 2),), "cpu"), BlendPiece(45, 75, (_key(30, 1),), "cpu")), block_ids)
     assert worker.run_blends([job], engine) == set()
     assert worker.stats.num_segments_loaded == 1 and worker.stats.num_segment_misses == 1
     got_k, got_v = worker.paged.read(block_ids, 20, 75)
@@ -49,7 +49,7 @@ def test_ratio_one_blend_equals_a_prefill_and_a_lost_segment_is_recomputed() -> 
 
 def test_a_failed_blend_reports_its_blocks_for_recompute() -> None:
     worker, _, _ = _worker(0.15)
-    job = BlendJob("r", 16, tuple(range(40)), (BlendPiece(16, 56, (_key(40, 3),)),), (1, 2))  # blocks too few
+    job = BlendJob("r", 16, tuple(range(40)), (BlendPiece(16, 56, (_key(40, 3),), "cpu"),), (1, 2))  # blocks too few
     failed = worker.run_blends([job], DictEngine())
     assert failed == {2} and worker.stats.num_blend_faults == 1
 

@@ -48,14 +48,14 @@ def test_vllm_puts_latent_and_indexer_keys_in_one_group() -> None:
 
 
 def test_a_deepseek_v3_latent_group_is_cached_as_one_mla_group() -> None:
-    from lmi_cache.vllm_connector.connector import _kv_groups
+    from lmi_cache.vllm_connector.startup import kv_groups as _kv_groups
 
     (group,) = _kv_groups(_vllm_groups(_specs(3, indexer=False)))
     assert group.kind == "mla" and group.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in range(3))
 
 
 def test_a_deepseek_v32_group_is_cached_as_one_mla_group_with_its_indexer_keys() -> None:
-    from lmi_cache.vllm_connector.connector import _kv_groups
+    from lmi_cache.vllm_connector.startup import kv_groups as _kv_groups
 
     (group,) = _kv_groups(_vllm_groups(_specs(3, indexer=True)))
     indexer = tuple(f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(3))

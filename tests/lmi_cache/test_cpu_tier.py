@@ -10,8 +10,7 @@ import torch
 
 from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.eviction import make_policy
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner, safety_net_firings
 from lmi_cache.tiers.buffers import size_class_bytes
 from lmi_cache.tiers.cpu_tier import CpuTier
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
@@ -19,9 +18,8 @@ from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 ALLOC = HostAllocator(page_locked=False)
 
 
-def make_tier(capacity: int, on_evict=None) -> CpuTier:  # type: ignore[no-untyped-def]
-    return CpuTier(capacity, make_policy("LRU"), metrics=CacheMetrics(), warner=RateLimitedWarner(logging.getLogger()),
-                   on_evict=on_evict)
+def make_tier(capacity: int) -> CpuTier:
+    return CpuTier(capacity, metrics=CacheMetrics(), warner=RateLimitedWarner(logging.getLogger()))
 
 
 def key_of(number: int, fingerprint: int | None = None) -> ChunkKey:
@@ -77,24 +75,27 @@ def test_put_is_by_reference_not_a_copy() -> None:
     assert tier.remove(key_of(1).digest) and obj.refs == 0
 
 
-def test_lru_eviction_and_budget() -> None:
+def test_a_full_tier_refuses_and_counts_instead_of_evicting() -> None:
     per = size_class_bytes(HEADER_BYTES + 32)
-    evicted: list[bytes] = []
-    tier = make_tier(3 * per, on_evict=lambda obj: evicted.append(obj.key.digest))
+    tier = make_tier(3 * per)
     for number in range(3):
         assert put_tensor(tier, number, torch.ones(8))
-    assert get(tier, 0) is not None  # 0 is now most recent
-    assert put_tensor(tier, 3, torch.ones(8))
-    assert evicted == [key_of(1).digest] and not tier.contains(key_of(1).digest)
-    assert tier.used_bytes == 3 * per <= tier.capacity_bytes
+    fired = safety_net_firings()
+    assert not put_tensor(tier, 3, torch.ones(8))  # no room: the directory would have evicted first
+    assert safety_net_firings() == fired + 1
+    assert all(tier.contains(key_of(n).digest) for n in range(3)) and not tier.contains(key_of(3).digest)
+    assert tier.used_bytes == 3 * per == tier.capacity_bytes
+    assert tier.remove(key_of(1).digest) and put_tensor(tier, 3, torch.ones(8))  # room made by a removal
+    assert safety_net_firings() == fired + 1
 
 
-def test_eviction_keeps_buffers_alive_for_their_readers() -> None:
+def test_a_removal_keeps_buffers_alive_for_their_readers() -> None:
     per = size_class_bytes(HEADER_BYTES + 32)
     tier = make_tier(per)
     assert put_tensor(tier, 1, torch.full((8,), 1.0))
-    reading = [o for batch in tier.get_many([key_of(1)]) for _, o in batch][0]
-    assert put_tensor(tier, 2, torch.full((8,), 2.0))  # evicts 1 while it is being read
+    reading = tier.peek(key_of(1).digest)  # a reader's reference: the lease a peer read holds
+    assert reading is not None
+    assert tier.remove(key_of(1).digest) and put_tensor(tier, 2, torch.full((8,), 2.0))
     assert not tier.contains(key_of(1).digest)
     assert torch.equal(reading.payload_tensor(), torch.full((8,), 1.0))  # not recycled under the reader
     reading.release()
@@ -148,6 +149,7 @@ def test_concurrent_readers_and_writers_never_see_wrong_bytes() -> None:
     def writer(offset: int) -> None:
         for i in range(300):
             number = offset + i % 20
+            tier.remove(key_of(offset + (i + 17) % 20).digest)  # removals as a directory would send them
             put_tensor(tier, number, torch.full((size,), number % 256, dtype=torch.uint8))
 
     def reader() -> None:

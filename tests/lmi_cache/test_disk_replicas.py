@@ -3,7 +3,8 @@
 - Two engines on one rank directory: the second runs without it (nothing of
   the first's is evicted); data-parallel replicas get directories of their own.
 - Ranks beyond a shrunk TP/PP world are pruned and never seed the index.
-- The budget follows the filesystem's free space instead of failing writes.
+- The size follows the filesystem's free space: writes past it are refused
+  (counted), never failed, and nothing is evicted by the tier itself.
 """
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ def test_free_space_limit_is_rate_limited_and_refreshed_after_enospc() -> None:
     assert limit.limit_bytes(used_bytes=6_000) == 105_000
 
 
-def test_budget_shrinks_to_free_space_instead_of_failing_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_filling_filesystem_refuses_writes_instead_of_failing_them(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     fs = FakeFilesystem(free_bytes=1 << 30)
     monkeypatch.setattr(space, "free_and_headroom_bytes", fs)
     monkeypatch.setattr(space, "CHECK_INTERVAL_S", 0.0)
@@ -160,15 +162,16 @@ def test_budget_shrinks_to_free_space_instead_of_failing_writes(tmp_path: Path, 
     held = tier.used_bytes
     fs.free_bytes = 0  # other files filled the filesystem
     for key in keys[4:]:
-        assert put(tier, key)
+        assert put(tier, key)  # queued: the caller never waits
         assert tier.flush()
     stats = tier._metrics.snapshot()
     assert stats.get("disk_errors_write", 0) == 0  # no write was even attempted into a full disk
-    assert tier.used_bytes <= held and tier.capacity_bytes <= held
-    assert stats["disk_evictions"] == 4  # the oldest chunks made room for the newest
-    assert all(tier.contains(k.digest) for k in keys[4:]) and not any(tier.contains(k.digest) for k in keys[:4])
-    fs.free_bytes = 1 << 30  # space came back: so does the configured budget
-    assert put(tier, keys[0]) and tier.flush()
+    assert tier.used_bytes == held and tier.capacity_bytes <= held
+    # The store never evicts on its own: what the directory placed stays, the new writes are refused and counted.
+    assert stats.get("disk_evictions", 0) == 0 and stats["disk_safety_net_no_space"] == len(keys) - 4
+    assert all(tier.contains(k.digest) for k in keys[:4]) and not any(tier.contains(k.digest) for k in keys[4:])
+    fs.free_bytes = 1 << 30  # space came back: so does the configured size
+    assert put(tier, keys[4]) and tier.flush() and tier.contains(keys[4].digest)
     assert tier.capacity_bytes == 1 << 24
     tier.close()
 
@@ -181,7 +184,7 @@ def test_full_filesystem_with_nothing_to_evict_drops_the_store(tmp_path: Path, m
     assert put(tier, key)  # queued: the caller never waits
     assert tier.flush()
     assert not tier.contains(key.digest)
-    assert tier._metrics.snapshot()["disk_dropped_no_space"] == 1
+    assert tier._metrics.snapshot()["disk_safety_net_no_space"] == 1
     assert not any((tmp_path / "kv").rglob("*.lmc*"))
     tier.close()
 

@@ -112,21 +112,25 @@ def test_fingerprint_mismatch_is_a_miss(tmp_path: Path) -> None:
     tier.close()
 
 
-def test_budget_evicts_oldest(tmp_path: Path) -> None:
+def test_a_full_store_refuses_and_only_a_removal_makes_room(tmp_path: Path) -> None:
     file_bytes = HEADER_BYTES + 10_000
     tier = make_tier([tmp_path], capacity=3 * file_bytes)
     for key in KEYS[:3]:
         put(tier, key)
         tier.flush()
-    assert loads_correctly(tier, KEYS[0])  # refresh 0: 1 is now the oldest
+    put(tier, KEYS[3])  # past its size: refused (the directory would have evicted first), nothing evicted
+    tier.flush()
+    assert [tier.contains(k.digest) for k in KEYS[:4]] == [True, True, True, False]
+    assert stats(tier)["disk_safety_net_no_space"] == 1 and stats(tier).get("disk_evictions", 0) == 0
+    assert tier.remove(KEYS[1].digest)  # the directory's eviction
+    assert not os.path.exists(object_files.object_path(str(tmp_path), KEYS[1].digest))
     put(tier, KEYS[3])
     tier.flush()
     assert [tier.contains(k.digest) for k in KEYS[:4]] == [True, False, True, True]
-    assert not os.path.exists(object_files.object_path(str(tmp_path), KEYS[1].digest))
-    assert tier.used_bytes <= tier.capacity_bytes and stats(tier)["disk_evictions"] == 1
+    assert tier.used_bytes <= tier.capacity_bytes
     tier.close()
-    smaller = make_tier([tmp_path], capacity=2 * file_bytes)  # restart with a smaller budget
-    assert smaller.used_bytes <= 2 * file_bytes and len(smaller.digests()) == 2
+    smaller = make_tier([tmp_path], capacity=2 * file_bytes)  # restart with a smaller size: it adopts every file
+    assert len(smaller.digests()) == 3  # the directory, which adopts the same files, evicts the excess
     smaller.close()
 
 
@@ -165,7 +169,7 @@ def test_full_queue_drops_without_waiting(tmp_path: Path, monkeypatch: pytest.Mo
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 def test_write_fault_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int) -> None:
     removed: list[bytes] = []
-    tier = make_tier([tmp_path], on_remove=removed.append)
+    tier = make_tier([tmp_path], on_drop=removed.append)
     real_write = os.write
 
     def failing_write(fd: int, data: Any) -> int:
@@ -274,26 +278,27 @@ def test_get_many_reads_in_parallel_and_verifies(tmp_path: Path, odirect: bool) 
     tier.close()
 
 
-def test_disk_index_budget_bookkeeping() -> None:
+def test_disk_index_bookkeeping() -> None:
     from lmi_cache.tiers.disk.index import DiskIndex
 
-    index = DiskIndex(["/a", "/b"], 2000, "LRU", odirect=False)
+    index = DiskIndex(["/a", "/b"], 2000, odirect=False)
     assert index.capacity_bytes == 2000 and len(index.shards) == 2
     digests = [bytes([i]) * 16 for i in range(6)]
     number = index.shard_for(digests[0])
     same_shard = [d for d in digests if index.shard_for(d) == number]
-    assert index.adopt(number, [object_files.ScannedFile(d, 400, i) for i, d in enumerate(same_shard)]) == (
-        same_shard[: max(0, len(same_shard) - 2)]  # 1000 bytes per shard: the two newest fit
-    )
+    index.adopt(number, [object_files.ScannedFile(d, 400, i) for i, d in enumerate(same_shard)])
+    assert all(d in index for d in same_shard)  # adopted as found; the directory evicts any excess
+    for digest in same_shard[:-2]:
+        index.forget(digest)
     kept = same_shard[-2:]
-    assert index.lookup(kept[0]) == (number, 400)  # kept[0] is now the most recent
-    victims = index.reserve(number, 300)
-    assert victims == [kept[1]] and kept[1] not in index
-    index.unreserve(number, 300)
-    assert index.shards[number].used_bytes == 400
+    assert index.lookup(kept[0]) == (number, 400) and index.shards[number].used_bytes == 800
+    assert not index.reserve(number, 300)  # 1000 bytes per shard: refused, nothing evicted
+    assert index.reserve(number, 200) and index.shards[number].used_bytes == 1000
+    index.unreserve(number, 200)
+    assert index.shards[number].used_bytes == 800
     index.commit(number, b"\xff" * 16, 0, 100)
-    assert index.used_bytes == 500 and index.forget(b"\xff" * 16) == (number, 100)
-    assert index.clear() == [(kept[0], number)] and index.used_bytes == 0
+    assert index.used_bytes == 900 and index.forget(b"\xff" * 16) == (number, 100)
+    assert sorted(index.clear()) == sorted((d, number) for d in kept) and index.used_bytes == 0
 
 
 def test_a_caller_that_stops_early_leaks_no_buffer_and_releases_nothing_twice(tmp_path: Path) -> None:

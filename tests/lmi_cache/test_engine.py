@@ -17,12 +17,15 @@ from lmi_cache.keys.hashing import ChunkKey, KeyNamespace
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine, scan_persisted_digests
 from lmi_cache.tiers.disk import object_files
-from engine_verbs import held_by, keys_for, load, load_many, lookup, lookup_tokens, save, tier  # noqa: E402
+from lmi_cache.metrics.series import safety_net_firings
+from directed_engine import Directed  # noqa: E402
+from engine_verbs import all_tiers, held_by, keys_for, load, load_many, lookup, lookup_tokens, save, tier  # noqa: E402
 
 NS = KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1")
 TOKENS = list(range(1000, 1000 + 16 * 20))
 CHUNK_SHAPE = (2, 16, 8)  # 1 KiB of float32 per chunk
 CHUNK_OBJECT_BYTES = 4096  # the CPU tier's size class for one chunk
+PAYLOAD_BYTES = 1024
 
 
 def data_for(key: ChunkKey) -> torch.Tensor:
@@ -89,53 +92,55 @@ def test_namespaces_isolate(tmp_path: Path) -> None:
 
 
 def test_disk_hit_is_promoted_and_events(tmp_path: Path) -> None:
-    # CPU holds 4 chunks, disk holds all 20: early chunks fall out of CPU but stay on disk.
-    with CacheEngine(config(tmp_path, max_local_cpu_size=4 * CHUNK_OBJECT_BYTES / 1024**3)) as engine:
+    # CPU holds 4 chunks, disk holds all 20: the directory evicts early chunks from CPU; they stay on disk.
+    fired = safety_net_firings()
+    with Directed(config(tmp_path, max_local_cpu_size=4 * CHUNK_OBJECT_BYTES / 1024**3), PAYLOAD_BYTES) as d:
+        engine = d.engine
         keys = keys_for(engine, TOKENS, NS)
         for key in keys:
-            assert save(engine, key, data_for(key))
-            engine.flush()  # written through: the CPU copy is unpinned and evictable again
-        stored, removed = engine.drain_events()
-        assert [(e.tier, e.digest) for e in stored] == [(t, k.digest) for k in keys for t in ("cpu", "disk")]
-        # Over its budget the CPU tier evicts on its own and says so, per tier: still on disk.
-        assert [(e.tier, e.digest) for e in removed] == [("cpu", k.digest) for k in keys[:-4]]
-        assert held_by(engine, keys[0]) == "disk"
-        assert lookup(engine, keys) == keys[-1].end
-        got = load(engine, keys[0])
+            assert d.save(key, data_for(key)) == ("cpu", "disk")
+        engine.flush()
+        assert d.held("cpu") == d.planned("cpu") == {k.digest for k in keys[-4:]}  # the tier holds what it is told
+        assert d.sources(keys) == ["disk"] * 16 + ["cpu"] * 4
+        got = d.load(keys[0])
         assert got is not None and torch.equal(got, data_for(keys[0]))
-        assert held_by(engine, keys[0]) == "cpu"
-        assert ("cpu", keys[0].digest) in [(e.tier, e.digest) for e in engine.drain_events()[0]]  # promoted
+        assert d.sources(keys[:1]) == ["cpu"] and keys[0].digest in d.held("cpu")  # promoted, room made first
+        assert d.held("cpu") == d.planned("cpu") and len(d.held("cpu")) == 4
         engine.clear()
         cleared = engine.drain_events()[1]
         assert lookup(engine, keys) == 0 and {e.digest for e in cleared if e.tier == "disk"} == {k.digest for k in keys}
         assert scan_persisted_digests(engine.config) == set()
+    assert safety_net_firings() == fired
 
 
-def test_removed_events_when_gone_from_all_tiers() -> None:
+def test_a_tier_short_of_room_refuses_the_put_and_counts_it() -> None:
     with CacheEngine(config(max_local_cpu_size=2 * CHUNK_OBJECT_BYTES / 1024**3)) as engine:
         keys = keys_for(engine, TOKENS, NS)[:3]
-        for key in keys:
-            save(engine, key, data_for(key))
+        fired = safety_net_firings()
+        assert [save(engine, key, data_for(key), ("cpu",)) for key in keys] == [True, True, False]
+        assert safety_net_firings() == fired + 1 and engine.stats()["cpu_safety_net_full"] == 1
         stored, removed = engine.drain_events()
-        assert [e.digest for e in stored] == [k.digest for k in keys]
-        assert [(e.tier, e.digest) for e in removed] == [("cpu", keys[0].digest)]
-        assert engine.drain_events() == ([], [])
+        assert [e.digest for e in stored] == [k.digest for k in keys[:2]] and removed == []  # nothing evicted
+        assert [held_by(engine, k) for k in keys] == ["cpu", "cpu", None]
 
 
-def test_demote_feed_writes_on_eviction(tmp_path: Path) -> None:
+def test_demotion_is_the_directory_s_eviction_with_a_demote_to(tmp_path: Path) -> None:
     cfg = config(tmp_path, max_local_cpu_size=2 * CHUNK_OBJECT_BYTES / 1024**3, disk_feed="demote")
-    with CacheEngine(cfg) as engine:
-        keys = keys_for(engine, TOKENS, NS)[:6]
+    fired = safety_net_firings()
+    with Directed(cfg, PAYLOAD_BYTES) as d:
+        keys = keys_for(d.engine, TOKENS, NS)[:6]
         for key in keys:
-            save(engine, key, data_for(key))
-        engine.flush()
-        assert len(scan_persisted_digests(cfg)) == 4  # only what the CPU tier evicted
+            assert d.save(key, data_for(key)) == ("cpu",)  # the disk tier is fed by demotions only
+        d.step()
+        d.engine.flush()
+        assert scan_persisted_digests(cfg) == {k.digest for k in keys[:4]}  # what the directory evicted
+        assert d.sources(keys) == ["disk"] * 4 + ["cpu"] * 2
         for key in keys:
-            got = load(engine, key)
+            got = d.load(key)
             assert got is not None and torch.equal(got, data_for(key))
-        stored, removed = engine.drain_events()
-        assert {e.tier for e in removed} == {"cpu"}  # only CPU evictions, each demoted to disk:
-        assert {e.digest for e in removed} <= {e.digest for e in stored if e.tier == "disk"}
+        assert d.engine.drain_events()[1] == []  # no tier lost anything on its own
+        assert d.held("cpu") == d.planned("cpu")
+    assert safety_net_firings() == fired
 
 
 def test_disk_only_engine(tmp_path: Path) -> None:
@@ -216,19 +221,20 @@ def test_saves_never_wait_for_the_disk_writer(tmp_path: Path, monkeypatch: pytes
         return real_write(*args, **kwargs)
 
     monkeypatch.setattr(object_files, "write_object_file", slow_write)
-    with CacheEngine(config(tmp_path, max_local_cpu_size=2 * CHUNK_OBJECT_BYTES / 1024**3)) as engine:
+    with Directed(config(tmp_path, max_local_cpu_size=2 * CHUNK_OBJECT_BYTES / 1024**3), PAYLOAD_BYTES) as d:
+        engine = d.engine
         keys = keys_for(engine, TOKENS, NS)[:4]
         start = time.perf_counter()
-        assert all(save(engine, key, data_for(key)) for key in keys)  # never blocks on the writer
+        assert all(d.save(key, data_for(key)) for key in keys)  # never blocks on the writer
         assert time.perf_counter() - start < 2.0
         # Evicted from the CPU tier while their writes wait: the queued write keeps its reference.
         assert [held_by(engine, k) for k in keys] == ["disk", "disk", "cpu", "cpu"]
-        got = load(engine, keys[0])  # served from the pending write (no file yet)
+        got = d.load(keys[0])  # served from the pending write (no file yet)
         assert got is not None and torch.equal(got, data_for(keys[0]))
         gate.set()
         engine.flush()
         for key in keys:
-            got = load(engine, key)
+            got = d.load(key)
             assert got is not None and torch.equal(got, data_for(key))
 
 
@@ -298,14 +304,16 @@ def test_save_many_fills_engine_memory_in_place(tmp_path: Path, local_cpu: bool)
                     out.copy_(data_for(key))
             return fill
 
-        assert engine.save_many(keys[:2], CHUNK_SHAPE, torch.float32, fill_for(keys[:2])) == [True, True]
+        names = all_tiers(engine)
+        assert engine.save_many(keys[:2], CHUNK_SHAPE, torch.float32, fill_for(keys[:2]), [names] * 2) == [True, True]
         engine.flush()
         assert len(calls) == 1 and len(calls[0]) == 2  # one fill for the whole batch
         for key in keys[:2]:
             got = load(engine, key)
             assert got is not None and torch.equal(got, data_for(key))
-        # Already held: not filled again; only the new chunk is handed to fill.
-        assert engine.save_many([keys[0], keys[2]], CHUNK_SHAPE, torch.float32, fill_for([keys[2]])) == [True, True]
+        # Planned nowhere (the directory plans no store of a held chunk): not filled; only the new chunk is.
+        assert engine.save_many([keys[0], keys[2]], CHUNK_SHAPE, torch.float32, fill_for([keys[2]]),
+                                [(), names]) == [False, True]
         assert len(calls) == 2 and len(calls[1]) == 1
 
         def broken(outs: list[torch.Tensor]) -> None:
@@ -313,7 +321,7 @@ def test_save_many_fills_engine_memory_in_place(tmp_path: Path, local_cpu: bool)
             raise RuntimeError("gather failed")
 
         # A fill that raises is a refused save and leaves no entry behind (never half-written data).
-        assert engine.save_many([keys[3]], CHUNK_SHAPE, torch.float32, broken) == [False]
+        assert engine.save_many([keys[3]], CHUNK_SHAPE, torch.float32, broken, [names]) == [False]
         engine.flush()
         assert held_by(engine, keys[3]) is None and load(engine, keys[3]) is None
         assert engine.stats()["engine_dropped_error"] == 1
@@ -327,11 +335,12 @@ def test_loads_hand_out_tier_buffers_by_reference_and_recycle_them() -> None:
         for key in keys:
             save(engine, key, data_for(key))
         cpu = tier(engine, "cpu")
-        batches = list(engine.load(keys))
+        batches = list(engine.load(keys, ["cpu", "cpu"]))
         assert len(batches) == 1 and [p for p, _ in batches[0]] == [0, 1]  # CPU hits: one batch, at once
         objs = [obj for _, obj in batches[0]]
-        held = cpu.index.get(keys[0].digest)
-        assert held is objs[0] and objs[0].refs == 2  # the tier's buffer itself, one reference for us
+        held = cpu.peek(keys[0].digest)
+        assert held is objs[0] and objs[0].refs == 3  # the tier's buffer itself, one reference for us (and peek)
+        held.release()
         cpu.clear()  # evicted while we read: the buffer stays valid until we release it
         assert torch.equal(objs[0].payload_tensor(), data_for(keys[0]))
         pooled = engine.allocator.pooled_bytes
@@ -363,22 +372,23 @@ def chunk_keys_for_big() -> ChunkKey:
     return chunk_keys(list(range(16)), NS, 16)[0]
 
 
-def test_restart_over_a_shrunken_disk_budget_evicts_at_start_and_reports_it(tmp_path: Path) -> None:
-    # The disk tier evicts while it opens; its callback must find the engine ready for it.
+def test_restart_over_a_shrunken_disk_budget_is_trimmed_by_the_directory(tmp_path: Path) -> None:
+    # The disk tier adopts every file it finds; the directory adopts them oldest first and evicts the excess.
     with CacheEngine(config(tmp_path, local_cpu=False)) as engine:
         keys = keys_for(engine, TOKENS, NS)[:4]
         for key in keys:
             save(engine, key, data_for(key))
-        engine.flush()
+            engine.flush()
+            time.sleep(0.01)  # distinct mtimes: the oldest file is the first chunk
     file_bytes = next(tmp_path.rglob("*.lmc")).stat().st_size
-    with CacheEngine(config(tmp_path, max_local_disk_size=2.5 * file_bytes / 1024**3)) as restarted:
-        assert restarted.stats()["disk_entries"] == 2
-        removed = [e.digest for e in restarted.drain_events()[1]]
-        assert len(removed) == 2 and set(removed) <= {k.digest for k in keys}
-        kept = [k for k in keys if k.digest not in removed]
-        assert len(kept) == 2 and all(held_by(restarted, k) == "disk" for k in kept)
-        got = load(restarted, kept[0])
-        assert got is not None and torch.equal(got, data_for(kept[0]))
+    with Directed(config(tmp_path, max_local_disk_size=2.5 * file_bytes / 1024**3), PAYLOAD_BYTES) as d:
+        assert d.engine.stats()["disk_entries"] == 4  # the store itself never trims
+        d.step()  # the directory's evictions of the oldest files reach the tier
+        assert d.engine.stats()["disk_entries"] == 2 and d.engine.drain_events()[1] == []
+        assert d.sources(keys) == [None, None, "disk", "disk"] and d.held("disk") == d.planned("disk")
+        got = d.load(keys[2])
+        assert got is not None and torch.equal(got, data_for(keys[2]))
+    assert len(list(tmp_path.rglob("*.lmc"))) == 2
 
 
 def test_directed_verbs_store_read_and_evict_where_the_directory_says(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ def test_a_second_engine_loads_what_the_first_stored(redis_server: RedisServer) 
         assert first.stats()["remote_puts_stored"] == 4
     with CacheEngine(fleet_config(redis_server.url, "two-engines")) as second:
         assert held_by(second, keys[0]) is None  # its own tiers are empty
-        batches = list(second.load(keys))
+        batches = list(second.load(keys, ["remote"] * len(keys), [True] * len(keys)))  # promoted, as planned
         assert len(batches) == 1 and len(batches[0]) == 4  # one batched GET for the whole step
         for (position, obj), expected in zip(batches[0], data):
             assert torch.equal(obj.payload_tensor(), data[position])
@@ -96,7 +96,7 @@ def test_damaged_and_foreign_values_are_misses(redis_server: RedisServer) -> Non
     client.set(names[1], b"not a chunk at all")  # another program's value
     client.set(names[2], client.get(names[2])[:100])  # type: ignore[index]  # truncated
     with CacheEngine(fleet_config(redis_server.url, "damaged")) as second:
-        assert list(second.load(keys)) == []
+        assert list(second.load(keys, ["remote"] * len(keys))) == []
         refused = sum(v for k, v in second.stats().items() if k.startswith("remote_miss_"))
         assert refused == 3  # each value was fetched once, in one batch
         assert held_by(second, keys[0]) is None  # nothing damaged was promoted
@@ -110,7 +110,7 @@ def test_a_store_that_is_down_costs_misses_not_requests() -> None:
         assert save(engine, keys[0], data[0])  # the CPU tier still takes it
         started = time.perf_counter()
         assert load(engine, keys[1]) is None
-        assert list(engine.load(keys[1:])) == []
+        assert list(engine.load(keys[1:], ["remote"])) == []
         assert time.perf_counter() - started < 2.0
         got = load(engine, keys[0])
         assert got is not None and torch.equal(got, data[0])
@@ -171,7 +171,7 @@ def test_a_remote_hit_is_received_into_the_object_it_becomes(redis_server: Redis
 
         allocator.allocate = counting  # type: ignore[method-assign]
         pooled_before = allocator.pooled_bytes
-        (batch,) = list(second.load(keys))
+        (batch,) = list(second.load(keys, ["remote"] * len(keys)))
         assert sorted(position for position, _ in batch) == [0, 1, 2]
         for position, obj in batch:
             assert torch.equal(obj.payload_tensor(), data[position])

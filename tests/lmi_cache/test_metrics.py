@@ -16,6 +16,7 @@ from lmi_cache.keys.hashing import KeyNamespace
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine
 from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner, SchedulerMetrics
+from directed_engine import Directed  # noqa: E402
 from engine_verbs import keys_for, load, lookup, save  # noqa: E402
 
 NS = KeyNamespace("m", "float32", "v1")
@@ -31,14 +32,15 @@ def test_engine_updates_series(tmp_path: Path) -> None:
     config = CacheConfig(chunk_size=4, max_local_cpu_size=2 * 4096 / 1024**3, local_disk=(str(tmp_path),),
                          max_local_disk_size=1 / 1024)
     metrics = CacheMetrics(rank_label="3", engine_label="1")
-    with CacheEngine(config, metrics=metrics) as engine:
+    with Directed(config, 4 * 8 * 4, metrics=metrics) as d:
+        engine = d.engine
         keys = keys_for(engine, list(range(16)), NS)
         for key in keys:
-            save(engine, key, torch.ones(4, 8))
-            engine.flush()  # written through: the CPU entry is no longer pinned, so it can be evicted
+            d.save(key, torch.ones(4, 8))
+            engine.flush()
         assert lookup(engine, keys) == 16
-        assert load(engine, keys[0]) is not None  # evicted from CPU: a disk load
-        assert load(engine, keys[3]) is not None  # still in CPU
+        assert d.load(keys[0]) is not None  # evicted from CPU by the directory: a disk load, promoted
+        assert d.load(keys[3]) is not None  # still in CPU
         assert engine.stats()["disk_loaded_tokens"] == 4
         assert sample(metrics, "lmi_cache_tier_usage_bytes", tier="cpu") == 2 * 4096
     assert sample(metrics, "lmi_cache_tier_usage_bytes", tier="cpu") == 0  # closed: references given back

@@ -139,8 +139,8 @@ def test_worker_series_follow_each_step_of_the_connector() -> None:
     prefix = torch.randint(0, 256, (20,), generator=gen)
     seg_a, seg_b = torch.randint(0, 256, (30,), generator=gen), torch.randint(0, 256, (26,), generator=gen)
     connector.meta = BlendConnectorMetadata(segment_stores=[
-        SegmentStore("r", tuple(seg_a.tolist()), (_key_of(30, 1),)),
-        SegmentStore("r", tuple(seg_b.tolist()), (_key_of(26, 2),))])
+        SegmentStore("r", tuple(seg_a.tolist()), (_key_of(30, 1),), ("cpu",)),
+        SegmentStore("r", tuple(seg_b.tolist()), (_key_of(26, 2),), ("cpu",))])
     connector.wait_for_save()  # the step that stores the segments
     assert _rank_value(metrics, "lmi_cache_blend_segments_stored_total") == 2
     assert _rank_value(metrics, "lmi_cache_blend_segment_store_seconds_total") > 0
@@ -152,8 +152,8 @@ def test_worker_series_follow_each_step_of_the_connector() -> None:
     connector.blending.worker.paged.write(block_ids, 0, prefix_kv.k, prefix_kv.v)
     del connector.side.engine.objects[bytes([1]) * 16]  # segment a lost: computed in full
     job = BlendJob("r", 20, tuple(torch.cat((seg_b, seg_a)).tolist()),
-                   (BlendPiece(20, 46, (_key_of(26, 2),)), BlendPiece(46, 76, (_key_of(30, 1),))), block_ids)
-    broken = BlendJob("s", 16, tuple(range(40)), (BlendPiece(16, 56, (_key_of(40, 4),)),), (1, 2))  # too few blocks
+                   (BlendPiece(20, 46, (_key_of(26, 2),), "cpu"), BlendPiece(46, 76, (_key_of(30, 1),), "cpu")), block_ids)
+    broken = BlendJob("s", 16, tuple(range(40)), (BlendPiece(16, 56, (_key_of(40, 4),), "cpu"),), (1, 2))  # too few blocks
     connector.meta = BlendConnectorMetadata(blends=[job, broken])
     connector.start_load_kv()
     stats = connector.blending.worker.stats
@@ -185,10 +185,10 @@ def test_a_metrics_fault_never_breaks_a_step(monkeypatch: pytest.MonkeyPatch, ca
     Counter("lmi_cache_blend_jobs", "taken", registry=metrics.registry)  # the rank's counters cannot join it
     connector, _ = _connector(0.0, metrics)
     engine = connector.side.engine
-    connector.meta = BlendConnectorMetadata(segment_stores=[SegmentStore("r", (1, 2, 3), (_key_of(3, 5),))])
+    connector.meta = BlendConnectorMetadata(segment_stores=[SegmentStore("r", (1, 2, 3), (_key_of(3, 5),), ("cpu",))])
     connector.wait_for_save()
     assert bytes([5]) * 16 in engine.objects  # the store itself went through
-    connector.meta = BlendConnectorMetadata(segment_stores=[SegmentStore("r", (4, 5, 6), (_key_of(3, 6),))])
+    connector.meta = BlendConnectorMetadata(segment_stores=[SegmentStore("r", (4, 5, 6), (_key_of(3, 6),), ("cpu",))])
     connector.wait_for_save()  # turned off on this rank after one warning: no second try, no error
     assert bytes([6]) * 16 in engine.objects and connector.blending.worker.stats.off
     assert sum("blend metrics turned off" in r.getMessage() for r in caplog.records) == 1

@@ -33,6 +33,13 @@ def directory(cpu_chunks: int = 3, disk_chunks: int = 0, ranks: int = 1, demote:
     return d
 
 
+def evictions(d: PlacementDirectory) -> list[Eviction]:
+    """The evictions decided since the last call, every rank's, checking each is addressed to its own rank."""
+    by_rank = d.take_evictions()
+    assert all(e.rank == rank for rank, es in by_rank.items() for e in es)
+    return [e for es in by_rank.values() for e in es]
+
+
 def sample(d: PlacementDirectory, name: str, tier: str) -> float | None:
     return d.metrics.registry.get_sample_value(name, {"engine": "0", "tier": tier})
 
@@ -60,7 +67,7 @@ def test_a_failed_store_frees_its_room_and_is_a_miss() -> None:
     d.complete(0, failed=[TierEvent("cpu", key(1).digest)])
     d.end_step()
     assert not d.books[0].knows(key(1).digest)
-    assert store(d, 2) == ("cpu",) and d.take_evictions() == []  # the room came back
+    assert store(d, 2) == ("cpu",) and evictions(d) == []  # the room came back
 
 
 def test_the_least_recently_used_chunk_is_evicted_and_the_workers_told() -> None:
@@ -69,7 +76,7 @@ def test_the_least_recently_used_chunk_is_evicted_and_the_workers_told() -> None
     d.prepare_load(keys(1), 0, "cpu")  # 1 is used again: 2 is now the oldest
     d.end_step()
     store(d, 3)
-    assert d.take_evictions() == [Eviction(0, "cpu", key(2).digest)]
+    assert evictions(d) == [Eviction(0, "cpu", key(2).digest)]
     assert sample(d, "lmi_cache_placement_evictions_total", "cpu") == 1
     assert sample(d, "lmi_cache_placement_entries", "cpu") == 2
     assert d.lookup(keys(2)) is None and d.lookup(keys(1)) == "cpu"
@@ -80,7 +87,7 @@ def test_what_this_step_loads_is_never_evicted_by_its_stores() -> None:
     store(d, 1)
     d.prepare_load(keys(1), 0, "cpu")
     assert d.prepare_store(keys(2), 0) == ()  # the only room is pinned by the load
-    assert d.take_evictions() == []
+    assert evictions(d) == []
     d.end_step()
     assert d.prepare_store(keys(2), 0) == ("cpu",)
 
@@ -91,7 +98,7 @@ def test_write_through_stores_go_to_disk_too_and_demotion_feeds_disk_from_evicti
     e = directory(cpu_chunks=1, disk_chunks=4, demote=True)
     assert store(e, 1) == ("cpu",)
     store(e, 2)
-    assert e.take_evictions() == [Eviction(0, "cpu", key(1).digest, "disk")]
+    assert evictions(e) == [Eviction(0, "cpu", key(1).digest, "disk")]
     e.complete(0, stored=[TierEvent("disk", key(1).digest, PAYLOAD)])
     assert e.lookup(keys(1)) == "disk"
 
@@ -101,7 +108,7 @@ def test_a_disk_hit_is_promoted_when_the_first_tier_has_room() -> None:
     store(d, 1), store(d, 2)  # 1 left the CPU tier, stays on disk
     assert d.lookup(keys(1)) == "disk"
     assert d.prepare_load(keys(1), 0, "disk") == LoadSource("disk", promote=True)
-    assert d.take_evictions() == [Eviction(0, "cpu", key(1).digest), Eviction(0, "cpu", key(2).digest)]
+    assert evictions(d) == [Eviction(0, "cpu", key(1).digest), Eviction(0, "cpu", key(2).digest)]
     d.complete(0, stored=[TierEvent("cpu", key(1).digest, PAYLOAD)])
     assert d.lookup(keys(1)) == "cpu"
 
@@ -132,11 +139,11 @@ def test_disk_files_found_at_start_are_hits_oldest_evicted_first() -> None:
     d = directory(cpu_chunks=1, disk_chunks=2)
     d.adopt("disk", 0, 0, key(7).digest, PAYLOAD)
     d.adopt("disk", 0, 0, key(8).digest, PAYLOAD)
-    d.adopt("disk", 0, 0, key(9).digest, PAYLOAD)  # over the budget: the oldest goes, as the disk tier trims it
+    d.adopt("disk", 0, 0, key(9).digest, PAYLOAD)  # over the budget: the oldest goes
     assert d.lookup(keys(7)) is None and d.lookup(keys(8)) == d.lookup(keys(9)) == "disk"
-    assert d.take_evictions() == []  # the worker's start-up trims on its own
+    assert evictions(d) == [Eviction(0, "disk", key(7).digest)]  # the worker deletes it: the directory decides
     store(d, 1)
-    assert Eviction(0, "disk", key(8).digest) in d.take_evictions()
+    assert Eviction(0, "disk", key(8).digest) in evictions(d)
 
 
 def test_open_sessions_chunks_are_evicted_last() -> None:
@@ -144,10 +151,10 @@ def test_open_sessions_chunks_are_evicted_last() -> None:
     d.retain_for_session("s", [key(1).digest])  # before it is even stored
     for n in (1, 2, 3, 4):
         store(d, n)
-    assert [e.digest for e in d.take_evictions()] == [key(2).digest]
+    assert [e.digest for e in evictions(d)] == [key(2).digest]
     d.end_session("s")
     store(d, 5)
-    assert [e.digest for e in d.take_evictions()] == [key(3).digest]
+    assert [e.digest for e in evictions(d)] == [key(3).digest]
 
 
 class _Remote:
@@ -160,3 +167,27 @@ def test_remote_writes_once_per_chunk_and_lookups_go_through_the_directory() -> 
     assert store(d, 1) == ("cpu", REMOTE)
     assert d.prepare_store(keys(1), 0) == ()
     assert d.ask_remote(keys(2)) == list(keys(2))
+
+
+def test_a_store_it_never_planned_is_refused_counted_and_removed_again() -> None:
+    d = directory(cpu_chunks=2, ranks=2)
+    d.complete(1, stored=[TierEvent("cpu", key(5, 1).digest, PAYLOAD)])  # a worker's own store: no room was made
+    assert not d.books[0].knows(key(5, 1).digest) and d.lookup(keys(5, 2)) is None
+    assert sample(d, "lmi_cache_placement_unplanned_stores_total", "cpu") == 1
+    assert d.take_evictions() == {1: [Eviction(1, "cpu", key(5, 1).digest)]}  # only the rank that stored it
+    store(d, 1, ranks=2), store(d, 2, ranks=2)
+    assert evictions(d) == [] and sample(d, "lmi_cache_placement_unplanned_stores_total", "cpu") == 1
+
+
+def test_a_lease_keeps_a_held_chunk_across_steps_and_a_receive_is_planned_like_a_store() -> None:
+    d = directory(cpu_chunks=2)
+    store(d, 1)
+    assert d.lease(keys(1), "cpu") and not d.lease(keys(9), "cpu")  # only what is held
+    store(d, 2), store(d, 3)  # 2 is the victim: 1 is leased although it is older
+    assert evictions(d) == [Eviction(0, "cpu", key(2).digest)]
+    d.end_lease(keys(1), "cpu")
+    assert d.prepare_receive(keys(4), 0, "cpu")  # a peer's read into a CPU slot: now 1 goes
+    assert evictions(d) == [Eviction(0, "cpu", key(1).digest)]
+    assert not d.prepare_receive(keys(4), 0, "cpu")  # already pending
+    d.complete(0, stored=[TierEvent("cpu", key(4).digest, PAYLOAD)])
+    assert d.lookup(keys(4)) == "cpu" and sample(d, "lmi_cache_placement_unplanned_stores_total", "cpu") is None

@@ -97,7 +97,7 @@ def test_a_demotion_is_stored_on_disk_before_it_is_removed_from_cpu() -> None:
     store(d, 1)
     d.take_events()
     tiers = plan(d, 2)  # chunk 1 is demoted to make room
-    assert [e.demote_to for e in d.take_evictions()] == ["disk"]
+    assert [e.demote_to for es in d.take_evictions().values() for e in es] == ["disk"]
     assert d.take_events() == []  # in transit: still announced in CPU
     d.complete(0, stored=[TierEvent("disk", key(1).digest, PAYLOAD)])  # the worker wrote it to disk
     land(d, 2, tiers)

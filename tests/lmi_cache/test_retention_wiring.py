@@ -15,7 +15,8 @@ from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.messages import TierEvent
-from lmi_cache.placement.startup import build_directory, cpu_entry_bytes
+from lmi_cache.placement.startup import build_directory
+from lmi_cache.tiers.entry_sizes import cpu_entry_bytes
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 from lmi_cache.vllm_connector.scheduler_side import SchedulerGeometry, SchedulerSide
 

@@ -95,6 +95,7 @@ def test_the_remote_lookup_starts_after_the_local_hit(redis_server: RedisServer)
         put_chunks(cache, 3, range(2))
         side = side_with(cache)
         first_chunk = [k.digest for r in range(2) for k in rank_keys(PROMPT, r, world_size=2)[:1]]
+        side.directory.prepare_receive([rank_keys(PROMPT, r, world_size=2)[0] for r in range(2)], 0, "cpu")
         side.update_from_workers(stored({0: first_chunk[:1], 1: first_chunk[1:]}, layout_tags={0: TAG, 1: TAG}))
         # 3 chunks, but at least one token is computed: 96 of 106 tokens are loadable.
         assert ask_until_answered(side, request("r", PROMPT)) == (3 * CHUNK, False)

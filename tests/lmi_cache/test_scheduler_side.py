@@ -371,3 +371,31 @@ def test_min_retrieve_tokens_hit_below_the_threshold_is_no_hit() -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     side.update_state_after_alloc(req, 0)
     assert counted(side)[2] == 0
+
+
+def test_a_hit_asks_the_directory_once_per_chunk_and_the_load_reuses_the_answer() -> None:
+    side = make_side()
+    warm(side, PROMPT)
+    asked: list[bytes] = []
+    lookup = side.directory.lookup
+
+    def counting(keys: Sequence[ChunkKey]) -> str | None:
+        asked.append(keys[0].digest)
+        return lookup(keys)
+
+    side.directory.lookup = counting  # type: ignore[method-assign]
+    meta = planned_hit(side, PROMPT, 2 * CHUNK, [1, 2, 3, 4, 5], len(PROMPT) - 2 * CHUNK)
+    assert [t.source for t in meta.loads] == ["cpu", "cpu"]
+    assert sorted(asked) == sorted(k.digest for k in rank_keys(PROMPT, 0, 1))  # each chunk once, no second lookup
+
+
+def test_the_metadata_says_when_every_rank_s_layout_and_sizes_arrived() -> None:
+    side = make_side(world_size=2, layout_known=False)
+    side.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG}, chunk_bytes={0: {0: 64}}))
+    meta = side.build_connector_meta(output())
+    side.finish_step(meta)
+    assert not meta.layout_known  # rank 1 has not reported
+    side.update_from_workers(LmiWorkerMeta(layout_tags={1: TAG}, chunk_bytes={1: {0: 64}}))
+    meta = side.build_connector_meta(output())
+    side.finish_step(meta)
+    assert meta.layout_known and side.layout_tag == TAG

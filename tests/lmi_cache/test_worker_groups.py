@@ -25,8 +25,8 @@ def make_worker() -> tuple[WorkerSide, FakeEngine, list[torch.Tensor]]:
 def test_each_group_saves_and_loads_its_own_layers() -> None:
     worker, engine, layers = make_worker()
     k = keys(2)
-    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2), 0, 0),
-                                            ChunkTransfer("r", (k[1],), (3, 4), 0, 1)]))
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2), 0, 0, tiers=("cpu",)),
+                                            ChunkTransfer("r", (k[1],), (3, 4), 0, 1, tiers=("cpu",))]))
     assert engine.data[k[0].digest].shape[0] == 2  # two layers per chunk, not four
     assert torch.equal(engine.data[k[0].digest][1, 0], layers[2][1])  # group 0's second layer is layer 2
     assert torch.equal(engine.data[k[1].digest][0, 1], layers[1][4])
@@ -44,7 +44,7 @@ def test_each_group_saves_and_loads_its_own_layers() -> None:
 def test_asynchronous_loads_are_reported_by_request_never_by_block() -> None:
     worker, engine, layers = make_worker()
     k = keys(3)
-    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2), 0, 0)]))
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2), 0, 0, tiers=("cpu",))]))
     worker.load(LmiConnectorMetadata(
         loads=[ChunkTransfer("ok", (k[0],), (5, 6), 0, 0), ChunkTransfer("bad", (k[2],), (7, 8), 0, 1)],
         async_loads=["ok", "bad", "nothing-planned"],

@@ -52,14 +52,14 @@ class FakeEngine:
         self.expected_chunk_bytes = payload_bytes
 
     def save_many(self, keys: list[Any], shape: tuple[int, ...], dtype: torch.dtype, fill: Any,
-                  tiers: Any = None) -> list[bool]:
+                  tiers: Any) -> list[bool]:
         if self.fail_store:
             raise OSError("disk on fire")
         outs = [torch.empty(shape, dtype=dtype) for _ in keys]
         fill(outs)  # a real engine hands out its own memory; the worker must gather into it
         for position, (key, out) in enumerate(zip(keys, outs)):
             self.data[key.digest] = out
-            for tier in (tiers[position] if tiers is not None else ("cpu",)):
+            for tier in tiers[position]:
                 if tier != "full":  # a tier that refuses every put
                     self.events[0].append(TierEvent(tier, key.digest, out.numel() * 4))
         return [True] * len(keys)
@@ -106,7 +106,7 @@ def make_worker(seed: int = 0) -> tuple[WorkerSide, FakeEngine, list[torch.Tenso
 def test_save_then_load_into_other_blocks() -> None:
     worker, engine, layers = make_worker()
     k = keys(2)
-    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2)), ChunkTransfer("r", (k[1],), (3, 4))]))
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2), tiers=("cpu",)), ChunkTransfer("r", (k[1],), (3, 4), tiers=("cpu",))]))
     assert worker.stats.num_chunks_saved == 2 and len(engine.data) == 2
     meta = worker.build_worker_meta()
     assert meta is not None and [e.digest for e in meta.stored[0]] == [k[0].digest, k[1].digest]
@@ -125,7 +125,7 @@ def test_cpu_backend_copies_a_steps_hits_in_one_call_after_the_reads() -> None:
     a copy started while reads still run would wait for the cores the reader threads hold."""
     worker, engine, layers = make_worker()
     k = keys(2)
-    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2)), ChunkTransfer("r", (k[1],), (3, 4))]))
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2), tiers=("cpu",)), ChunkTransfer("r", (k[1],), (3, 4), tiers=("cpu",))]))
     assert worker.copier is not None and not worker.copier.overlaps_host_work
     calls: list[int] = []
     scatter = worker.copier.scatter_many
@@ -155,7 +155,7 @@ class PendingEvent:
 def test_async_copies_keep_chunk_objects_until_their_event_completes() -> None:
     worker, engine, _ = make_worker()
     k = keys(1)
-    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2))]))
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2), tiers=("cpu",))]))
     event = PendingEvent()
     assert worker.copier is not None
     worker.copier.scatter_many = lambda *args: event  # type: ignore[method-assign]  # as on CUDA
@@ -214,7 +214,7 @@ def test_store_exception_is_counted() -> None:
 def test_bad_block_id_is_a_fault() -> None:
     worker, engine, _ = make_worker()
     k = keys(1)
-    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2))]))
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2), tiers=("cpu",))]))
     worker.load(LmiConnectorMetadata(loads=[ChunkTransfer("q", (k[0],), (1, NUM_BLOCKS + 5))]))
     assert worker.take_failed_block_ids() == {1, NUM_BLOCKS + 5}
 
@@ -239,7 +239,7 @@ def test_save_and_load_seconds_reach_the_ranks_worker_series() -> None:
     metrics = engine.metrics
     k = keys(2)
     labels = {"engine": "e", "rank": "0"}
-    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2)), ChunkTransfer("r", (k[1],), (3, 4))]))
+    worker.save(LmiConnectorMetadata(saves=[ChunkTransfer("r", (k[0],), (1, 2), tiers=("cpu",)), ChunkTransfer("r", (k[1],), (3, 4), tiers=("cpu",))]))
     worker.build_worker_meta()
     first = metrics.registry.get_sample_value("lmi_cache_worker_save_seconds_total", labels)
     assert first is not None and first == pytest.approx(worker.stats.save_seconds) and first > 0
@@ -267,7 +267,8 @@ def test_directed_work_follows_the_directory_and_every_planned_store_is_answered
     engine.evict = lambda *a: (order.append("evict"), evict(*a))[1]  # type: ignore[method-assign]
     engine.load = lambda *a: (order.append("load"), load(*a))[1]  # type: ignore[method-assign]
     worker.load(LmiConnectorMetadata(
-        evictions=[Eviction(0, "cpu", k[1].digest), Eviction(1, "cpu", k[2].digest), Eviction(0, "cpu", k[3].digest, "disk")],
+        evictions={0: [Eviction(0, "cpu", k[1].digest), Eviction(0, "cpu", k[3].digest, "disk")],
+                   1: [Eviction(1, "cpu", k[2].digest)]},
         loads=[ChunkTransfer("q", (k[0],), (7, 8), source="disk", promote_to="cpu")]))
     assert order == ["evict", "evict", "load"]  # rank 1's eviction is not this rank's
     assert engine.evicted == [("cpu", k[1].digest, None), ("cpu", k[3].digest, "disk")]
@@ -293,3 +294,15 @@ def test_a_failed_load_is_reported_with_its_reason() -> None:
     wmeta = worker.build_worker_meta()
     assert wmeta is not None
     assert [e.reason for e in wmeta.dropped[0]] == ["key_mismatch", "failed_load"]
+
+
+def test_the_layout_is_sent_until_the_scheduler_has_it() -> None:
+    worker, _, _ = make_worker()
+    first = worker.build_worker_meta()
+    assert first is not None and first.layout_tags == {0: worker.layout_tag} and first.chunk_bytes
+    worker.load(LmiConnectorMetadata())  # the scheduler does not have every rank's yet
+    again = worker.build_worker_meta()
+    assert again is not None and again.layout_tags == {0: worker.layout_tag}
+    worker.load(LmiConnectorMetadata(layout_known=True))
+    later = worker.build_worker_meta()
+    assert later is not None and later.layout_tags == {} and later.chunk_bytes == {}

@@ -1,21 +1,21 @@
-"""The disk tier's index: which chunk files exist, in which directory, within what budget (worker process).
+"""The disk tier's index: which chunk files exist, in which directory, and the bytes they take (worker process).
 
 Pure bookkeeping (no file I/O), thread-safe behind one lock. Each directory
-is a shard with its own byte budget and eviction order; a chunk's shard is
-chosen by its digest for writes, but an adopted file stays in the shard where
-it was found (so changing the directory list between runs loses nothing).
-Methods that evict return the victims: the caller deletes their files
-outside the lock. A shard's budget is its share of the configured size, or
-less when its filesystem has less free space (``limit_bytes``, see
-``space``); a shard whose directory can't be trusted is disabled.
+is a shard; a chunk's shard is chosen by its digest for writes, but an
+adopted file stays in the shard where it was found (so changing the directory
+list between runs loses nothing). No eviction order and no eviction: what
+leaves is the placement directory's decision. A shard's size (its share of the
+configured size, or less when its filesystem has less free space:
+``limit_bytes``, see ``space``) is only a safety net: ``reserve`` refuses a
+write that would take the shard past it. A shard whose directory can't be
+trusted is disabled.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Sequence, cast
+from typing import Sequence
 
-from lmi_cache.eviction import EvictionPolicy, make_policy
 from lmi_cache.tiers.disk.object_files import ScannedFile
 
 
@@ -23,7 +23,6 @@ from lmi_cache.tiers.disk.object_files import ScannedFile
 class DiskShard:
     root: str
     capacity_bytes: int
-    policy: EvictionPolicy
     used_bytes: int = 0
     odirect: bool = False  # cleared when the filesystem refuses O_DIRECT
     enabled: bool = True  # False: the directory is unsafe or busy; nothing is read or written there
@@ -41,11 +40,11 @@ def shard_index(digest: bytes, num_shards: int) -> int:
 
 
 class DiskIndex:
-    def __init__(self, roots: Sequence[str], capacity_bytes: int, policy_name: str, odirect: bool) -> None:
+    def __init__(self, roots: Sequence[str], capacity_bytes: int, odirect: bool) -> None:
         if not roots:
             raise ValueError("the disk tier needs at least one directory")
         per_shard = capacity_bytes // len(roots)
-        self.shards = [DiskShard(root, per_shard, make_policy(policy_name), odirect=odirect) for root in roots]
+        self.shards = [DiskShard(root, per_shard, odirect=odirect) for root in roots]
         self._lock = threading.Lock()
         self._where: dict[bytes, tuple[int, int]] = {}  # digest -> (shard, file bytes)
 
@@ -72,39 +71,34 @@ class DiskIndex:
             return list(self._where)
 
     def lookup(self, digest: bytes) -> tuple[int, int] | None:
-        """(shard, file bytes) and mark the entry used, or None."""
+        """(shard, file bytes), or None."""
         with self._lock:
-            where = self._where.get(digest)
-            if where is not None:
-                self.shards[where[0]].policy.on_access(digest)
-            return where
+            return self._where.get(digest)
 
-    def adopt(self, number: int, files: Sequence[ScannedFile]) -> list[bytes]:
-        """Index files found at start-up (oldest first); returns victims over the budget."""
+    def adopt(self, number: int, files: Sequence[ScannedFile]) -> None:
+        """Index files found at start-up (the placement directory adopts the same files and evicts any that are
+        over its budget)."""
         shard = self.shards[number]
         with self._lock:
             for found in files:
                 if found.digest in self._where:
                     continue
                 self._where[found.digest] = (number, found.size_bytes)
-                shard.policy.on_insert(found.digest)
                 shard.used_bytes += found.size_bytes
-            return self._evict_locked(shard, 0)
 
-    def set_limit(self, number: int, limit_bytes: int | None) -> list[bytes]:
-        """Apply a free-space limit to a shard; returns the victims now over its budget."""
+    def set_limit(self, number: int, limit_bytes: int | None) -> None:
+        """Apply a free-space limit to a shard (later writes past it are refused; nothing is evicted)."""
+        with self._lock:
+            self.shards[number].limit_bytes = limit_bytes
+
+    def reserve(self, number: int, num_bytes: int) -> bool:
+        """Account ``num_bytes`` for a file about to be written; False (nothing accounted) past the shard's size."""
         shard = self.shards[number]
         with self._lock:
-            shard.limit_bytes = limit_bytes
-            return self._evict_locked(shard, 0)
-
-    def reserve(self, number: int, num_bytes: int) -> list[bytes]:
-        """Account ``num_bytes`` for a file about to be written; returns evicted digests."""
-        shard = self.shards[number]
-        with self._lock:
-            victims = self._evict_locked(shard, num_bytes)
+            if shard.used_bytes + num_bytes > shard.budget_bytes:
+                return False
             shard.used_bytes += num_bytes
-            return victims
+            return True
 
     def unreserve(self, number: int, num_bytes: int) -> None:
         with self._lock:
@@ -115,15 +109,12 @@ class DiskIndex:
         with self._lock:
             shard.used_bytes += file_bytes - reserved_bytes
             self._where[digest] = (number, file_bytes)
-            shard.policy.on_insert(digest)
 
     def forget(self, digest: bytes) -> tuple[int, int] | None:
         with self._lock:
             where = self._where.pop(digest, None)
             if where is not None:
-                shard = self.shards[where[0]]
-                shard.policy.on_remove(digest)
-                shard.used_bytes -= where[1]
+                self.shards[where[0]].used_bytes -= where[1]
             return where
 
     def clear(self) -> list[tuple[bytes, int]]:
@@ -131,22 +122,6 @@ class DiskIndex:
         with self._lock:
             doomed = [(digest, where[0]) for digest, where in self._where.items()]
             for digest, number in doomed:
-                shard = self.shards[number]
-                shard.policy.on_remove(digest)
-                shard.used_bytes -= self._where[digest][1]
+                self.shards[number].used_bytes -= self._where[digest][1]
             self._where.clear()
             return doomed
-
-    def _evict_locked(self, shard: DiskShard, incoming_bytes: int) -> list[bytes]:
-        victims: list[bytes] = []
-        candidates = shard.policy.candidates()
-        while shard.used_bytes + incoming_bytes > shard.budget_bytes:
-            candidate = next(candidates, None)
-            if candidate is None:
-                break
-            digest = cast(bytes, candidate)
-            victims.append(digest)
-            shard.used_bytes -= self._where.pop(digest)[1]
-        for digest in victims:
-            shard.policy.on_remove(digest)
-        return victims

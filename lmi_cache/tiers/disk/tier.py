@@ -1,10 +1,18 @@
 """Persistent disk tier: one file per chunk, async writes, index rebuilt at start (torch-free, worker).
 
 Layout: ``<dir>/<hex[:2]>/<hex>.lmc`` (see ``object_files``). Several directories
-share the budget equally; a chunk's directory is chosen by its digest. At
-start-up the directories are scanned (names and stat only) to rebuild the
-index in mtime order, so a restarted process serves what the last one wrote
-and evicts oldest-first; loads refresh the mtime to keep that order.
+share the configured size equally; a chunk's directory is chosen by its digest.
+At start-up the directories are scanned (names and stat only) to rebuild the
+index, so a restarted process serves what the last one wrote (the placement
+directory adopts the same files oldest first; loads refresh the mtime to keep
+that order).
+
+A store, not a cache: it writes what the placement directory planned
+(``entry_sizes.disk_entry_bytes`` reserved) and deletes what it evicts. Its
+size is a safety net only: a write that would take a directory past it (or
+past its filesystem's free space) is refused and counted
+(``lmi_cache_tier_safety_net_total``), never met by an eviction of its own,
+and reported dropped so the directory forgets the entry.
 
 Writes go through a bounded queue to a few worker threads, each holding a
 reference to the chunk object it writes (no copy): when the queue is full the
@@ -13,7 +21,7 @@ put is dropped and counted, the caller never waits. The read path
 
 A directory is used only when it is ours, private and not held by another
 live engine (``trust``); otherwise it is off (one warning, a metric) and
-the tier runs without it. Each directory's budget shrinks to the free space of
+the tier runs without it. Each directory's size shrinks to the free space of
 its filesystem when that is smaller (``space``).
 """
 from __future__ import annotations
@@ -30,10 +38,11 @@ from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
 from lmi_cache.private_dir import UnsafeDirectoryError
 from lmi_cache.thread_affinity import unpin_current_thread
 from lmi_cache.tiers.disk import object_files, trust
-from lmi_cache.tiers.base import HitBatch, RemoveCallback, Tier
+from lmi_cache.tiers.base import HitBatch, DropCallback, Tier
 from lmi_cache.tiers.disk.index import DiskIndex
 from lmi_cache.tiers.disk.reads import DiskReader
 from lmi_cache.tiers.disk.space import FreeSpaceLimit
+from lmi_cache.tiers.entry_sizes import disk_entry_bytes
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 
 if TYPE_CHECKING:
@@ -54,23 +63,21 @@ class DiskTier(Tier):
         metrics: CacheMetrics,
         warner: RateLimitedWarner,
         allocator: HostAllocator | None = None,
-        policy_name: str = "LRU",
         use_odirect: bool = False,
         fsync: bool = False,
         num_workers: int = 2,
         num_readers: int = 4,
         queue_depth: int = 64,
-        write_through: bool = True,
-        on_remove: RemoveCallback | None = None,
+        on_drop: DropCallback | None = None,
     ) -> None:
         self._metrics = metrics
         self._warner = warner
         self._fsync = fsync
-        self._on_remove = on_remove
-        self.write_through = write_through
-        self._index = DiskIndex(dirs, capacity_bytes, policy_name, use_odirect)
+        self._on_drop = on_drop
+        self._index = DiskIndex(dirs, capacity_bytes, use_odirect)
         self._lock = threading.Lock()  # guards the write queue state; the index has its own
         self._pending: dict[bytes, ChunkObject] = {}  # queued or being written, each with our reference
+        self._cancelled: set[bytes] = set()  # pending writes removed meanwhile: not kept once written
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._queue: queue.Queue[ChunkObject | None] = queue.Queue(maxsize=queue_depth)
@@ -106,8 +113,7 @@ class DiskTier(Tier):
             self._metrics.error(self.name, "scan")
             logger.warning("disk tier: cannot use %s (%s); it stays empty", shard.root, err.strerror)
             return
-        victims = self._index.adopt(number, files)  # over budget if the budget shrank since last run
-        self._evicted(number, victims)
+        self._index.adopt(number, files)  # over its size if the size shrank: the directory evicts the excess
         self._follow_free_space(number)
         if files:
             logger.info("disk tier: %d chunks (%d bytes) found in %s", len(files), shard.used_bytes, shard.root)
@@ -137,17 +143,20 @@ class DiskTier(Tier):
         return self._index.digests()
 
     def remove(self, digest: bytes) -> bool:
+        with self._lock:
+            if digest in self._pending:  # queued or being written: deleted once written (``_write``)
+                self._cancelled.add(digest)
         where = self._index.forget(digest)
         if where is None:
             return False
-        self._delete(where[0], [digest], notify=False)
+        self._delete(where[0], [digest])
         self._report_usage()
         return True
 
     def clear(self) -> None:
         self.flush()
         for digest, number in self._index.clear():
-            self._delete(number, [digest], notify=False)
+            self._delete(number, [digest])
         self._report_usage()
 
     def close(self) -> None:
@@ -191,7 +200,7 @@ class DiskTier(Tier):
                 reason = "present"
             elif not shard.enabled:
                 reason = "tier_off"
-            elif object_files.round_up(obj.header.total_bytes) > shard.capacity_bytes:
+            elif disk_entry_bytes(obj.header.payload_bytes, shard.odirect) > shard.capacity_bytes:
                 reason = "too_large"
             else:
                 obj.acquire()
@@ -222,6 +231,7 @@ class DiskTier(Tier):
             finally:
                 with self._idle:
                     self._pending.pop(job.key.digest, None)
+                    self._cancelled.discard(job.key.digest)
                     self._inflight -= 1
                     self._idle.notify_all()
                 job.release()
@@ -233,13 +243,14 @@ class DiskTier(Tier):
         shard = self._index.shards[number]
         payload = job.payload_array()
         header = job.header.with_checksum(payload)
-        reserve = object_files.round_up(header.total_bytes) if shard.odirect else header.total_bytes
+        reserve = disk_entry_bytes(header.payload_bytes, shard.odirect)  # at most what the directory reserved
         self._follow_free_space(number)
-        if reserve > shard.budget_bytes:  # the filesystem is full of other files: don't try
-            self._metrics.dropped(self.name, "no_space")
-            self._notify_removed([digest])
+        if not self._index.reserve(number, reserve):  # past the directory's size or the filesystem's free space
+            self._metrics.safety_net(self.name, "no_space")
+            self._warner.warn("disk-full", f"disk tier: {shard.root} has no room for a planned write "
+                                           f"({shard.used_bytes} of {shard.budget_bytes} bytes used); not stored")
+            self._notify_dropped([digest])
             return
-        self._evicted(number, self._index.reserve(number, reserve))
         path = object_files.object_path(shard.root, digest)
         size = 0
         try:
@@ -256,18 +267,18 @@ class DiskTier(Tier):
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._space[number].invalidate()
             self._fault("write", err, path)
-            self._notify_removed([digest])
+            self._notify_dropped([digest])
             return
         self._index.commit(number, digest, reserve, size)
+        with self._lock:
+            cancelled = digest in self._cancelled
+        if cancelled:  # the directory removed it while it was being written
+            self.remove(digest)
+            return
         self._metrics.stored(self.name, header.num_tokens, size, time.perf_counter() - start_s)
         self._report_usage()
 
-    def _evicted(self, number: int, victims: list[bytes]) -> None:
-        if victims:
-            self._metrics.evicted(self.name, len(victims))
-            self._delete(number, victims)
-
-    def _delete(self, number: int, digests: list[bytes], notify: bool = True) -> None:
+    def _delete(self, number: int, digests: list[bytes]) -> None:
         """Unlink files already taken out of the index (outside the lock)."""
         root = self._index.shards[number].root
         for digest in digests:
@@ -275,13 +286,11 @@ class DiskTier(Tier):
                 trust.unlink_if_ours(object_files.object_path(root, digest))  # never someone else's file
             except OSError as err:
                 self._fault("delete", err, root)
-        if notify and digests:
-            self._notify_removed(digests)
 
-    def _notify_removed(self, digests: list[bytes]) -> None:
-        if self._on_remove is not None:
+    def _notify_dropped(self, digests: list[bytes]) -> None:
+        if self._on_drop is not None:
             for digest in digests:
-                self._on_remove(digest)
+                self._on_drop(digest)
 
     def _fault(self, op: str, err: OSError, path: str) -> None:
         code = errno.errorcode.get(err.errno or 0, "error")
@@ -295,21 +304,21 @@ class DiskTier(Tier):
         where = self._index.forget(digest)
         if where is not None:
             if unlink:
-                self._delete(where[0], [digest], notify=False)
-            self._notify_removed([digest])
+                self._delete(where[0], [digest])
+            self._notify_dropped([digest])
             self._report_usage()
 
     def _follow_free_space(self, number: int) -> None:
-        """Shrink (or restore) the shard's budget to its filesystem's free space; evicts what no longer fits."""
+        """Shrink (or restore) the shard's size to its filesystem's free space (writes past it are refused)."""
         shard = self._index.shards[number]
         before = shard.budget_bytes
-        self._evicted(number, self._index.set_limit(number, self._space[number].limit_bytes(shard.used_bytes)))
+        self._index.set_limit(number, self._space[number].limit_bytes(shard.used_bytes))
         if shard.budget_bytes != before:
             self._report_usage()
             if shard.budget_bytes < shard.capacity_bytes:
                 self._warner.warn(
-                    "disk-space", f"disk tier: {shard.root} has {shard.budget_bytes} bytes of budget left of "
-                    f"{shard.capacity_bytes} (the filesystem is filling up); evicting to stay within it"
+                    "disk-space", f"disk tier: {shard.root} has {shard.budget_bytes} bytes of room left of "
+                    f"{shard.capacity_bytes} (the filesystem is filling up); writes past it are refused"
                 )
 
     def _untrusted(self, reason: str) -> None:
@@ -337,8 +346,7 @@ def build(config: CacheConfig, context: TierContext) -> DiskTier | None:
 
     return DiskTier(
         rank_disk_dirs(config.local_disk, context.rank_label), config.disk_capacity_bytes, metrics=context.metrics, warner=context.warner,
-        allocator=context.allocator, policy_name=config.cache_policy, use_odirect=config.use_odirect,
+        allocator=context.allocator, use_odirect=config.use_odirect,
         fsync=config.disk_fsync, num_workers=config.disk_write_workers, num_readers=config.disk_read_workers,
-        queue_depth=config.disk_queue_depth, write_through=config.disk_feed != "demote",
-        on_remove=context.on_remove,
+        queue_depth=config.disk_queue_depth, on_drop=context.on_drop,
     )
