@@ -44,7 +44,7 @@ class HostHandler(logging.Handler):
     vLLM configures its logging lazily (per engine, from its LoggingConfig) and
     may replace its handlers later, so they are looked up per record, not
     copied once. Before vLLM has a handler (or with its logging turned off)
-    a record goes where Python would have put it (the root logger's handlers).
+    a record goes where Python would have put it (the root logger's handlers, else stderr).
     """
 
     def __init__(self, host: logging.Logger) -> None:
@@ -53,8 +53,10 @@ class HostHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         handlers = self.host.handlers
-        if not handlers:  # where the record went before it was routed: the root logger's handlers, else stderr
-            logging.getLogger().handle(record)
+        if not handlers:  # the record still propagates to the root logger; with no handler there either, stderr
+            if not logging.getLogger().handlers and logging.lastResort is not None \
+                    and record.levelno >= logging.lastResort.level:
+                logging.lastResort.handle(record)
             return
         for handler in handlers:
             if record.levelno >= handler.level:
@@ -67,7 +69,8 @@ def route_logs_through(ours: logging.Logger, host: logging.Logger, level: str) -
         return
     ours.addHandler(HostHandler(host))
     ours.setLevel(logging.getLevelName(level.upper()) if level.upper() in logging.getLevelNamesMapping() else logging.INFO)
-    ours.propagate = False  # the root logger of a host application would print each line twice
+    # Records still propagate: the root logger has no handler in vLLM's processes, and a host application's
+    # (or pytest's log capture) keeps seeing them.
 
 
 def register() -> None:

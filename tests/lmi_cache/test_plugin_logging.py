@@ -4,8 +4,6 @@ from __future__ import annotations
 import io
 import logging
 
-import pytest
-
 from lmi_cache.vllm_connector.plugin import route_logs_through
 
 
@@ -23,7 +21,7 @@ def test_info_lines_reach_handlers_the_host_gets_later_in_its_format() -> None:
     logging.getLogger("lmi_cache_test_routing_a.tiers").info("adapter keyed")
     ours.debug("below the level")
     assert stream.getvalue() == "HOST lmi_cache_test_routing_a.tiers INFO adapter keyed\n"
-    assert ours.propagate is False
+    assert ours.propagate is True  # pytest's capture and a host application's root handlers still see them
 
 
 def test_the_level_follows_vllms_setting() -> None:
@@ -42,11 +40,3 @@ def test_a_logger_with_its_own_handler_is_left_alone() -> None:
     ours.addHandler(own)
     route_logs_through(ours, host, "DEBUG")
     assert ours.handlers == [own] and ours.level == logging.NOTSET and ours.propagate is True
-
-
-def test_records_go_to_the_root_logger_before_the_host_logs_anywhere(caplog: pytest.LogCaptureFixture) -> None:
-    ours = logging.getLogger("lmi_cache_test_routing_d")
-    route_logs_through(ours, logging.getLogger("fake-vllm-unconfigured"), "INFO")
-    ours.debug("below the level")
-    ours.warning("loud")
-    assert [(r.name, r.getMessage()) for r in caplog.records] == [("lmi_cache_test_routing_d", "loud")]
