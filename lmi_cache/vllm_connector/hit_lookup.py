@@ -45,16 +45,16 @@ def find_hit_tokens(geo: SchedulerGeometry, directory: PlacementDirectory, metri
 
     remote: set[tuple[int, int]] | None = set()
     peer: set[tuple[int, int]] | None = set()
-    ask_peer = peers is not None and plan.peer is not None
-    if directory.remote is not None or ask_peer:
+    hinted = plan.peer if peers is not None else None  # the peer to ask: the router's hint, with the peer tier on
+    if directory.remote is not None or hinted is not None:
         useful_chunks = min(num_chunks, max(num_tokens - 1, 0) // geo.chunk_size_tokens)
         first = min(_leading(held, group, num_chunks) for group in range(len(keys)))
         if directory.remote is not None:
             remote = _unmirrored_hits(geo, metrics, plan, plan.remote, "remote", directory.ask_remote, first,
                                       useful_chunks)
-        if ask_peer and peers is not None and plan.peer is not None:
+        if peers is not None and hinted is not None:
             peer = _unmirrored_hits(geo, metrics, plan, plan.peer_check, "peer",
-                                    functools.partial(peers.ask, plan.peer), first, useful_chunks)
+                                    functools.partial(peers.ask, hinted), first, useful_chunks)
         if remote is None or peer is None:
             return None
     elsewhere = (remote or set()) | (peer or set())
