@@ -47,15 +47,18 @@ class HostHandler(logging.Handler):
     a record goes where Python would have put it (the root logger's handlers, else stderr).
     """
 
-    def __init__(self, host: logging.Logger) -> None:
+    def __init__(self, host: logging.Logger, ours: logging.Logger) -> None:
         super().__init__()
         self.host = host
+        self.ours = ours
 
     def emit(self, record: logging.LogRecord) -> None:
-        handlers = self.host.handlers
+        # A handler that also hangs on one of our ancestors (pytest puts its capture handlers on the root
+        # logger and on vLLM's) gets the record by propagation already: handing it over again doubles it.
+        reached = _propagation_handlers(self.ours)
+        handlers = [handler for handler in self.host.handlers if handler not in reached]
         if not handlers:  # the record still propagates to the root logger; with no handler there either, stderr
-            if not logging.getLogger().handlers and logging.lastResort is not None \
-                    and record.levelno >= logging.lastResort.level:
+            if not reached and logging.lastResort is not None and record.levelno >= logging.lastResort.level:
                 logging.lastResort.handle(record)
             return
         for handler in handlers:
@@ -63,11 +66,22 @@ class HostHandler(logging.Handler):
                 handler.handle(record)
 
 
+def _propagation_handlers(logger: logging.Logger) -> set[logging.Handler]:
+    """The handlers a record logged on ``logger`` reaches through its ancestors."""
+    found: set[logging.Handler] = set()
+    current: logging.Logger | None = logger
+    while current is not None and current.propagate:
+        current = current.parent
+        if current is not None:
+            found.update(current.handlers)
+    return found
+
+
 def route_logs_through(ours: logging.Logger, host: logging.Logger, level: str) -> None:
     """``ours`` prints through ``host``'s handlers (vLLM's format and stream) from ``level`` up, unless set up already."""
     if ours.handlers:  # configured by the user (or routed already)
         return
-    ours.addHandler(HostHandler(host))
+    ours.addHandler(HostHandler(host, ours))
     ours.setLevel(logging.getLevelName(level.upper()) if level.upper() in logging.getLevelNamesMapping() else logging.INFO)
     # Records still propagate: the root logger has no handler in vLLM's processes, and a host application's
     # (or pytest's log capture) keeps seeing them.

@@ -40,3 +40,27 @@ def test_a_logger_with_its_own_handler_is_left_alone() -> None:
     ours.addHandler(own)
     route_logs_through(ours, host, "DEBUG")
     assert ours.handlers == [own] and ours.level == logging.NOTSET and ours.propagate is True
+
+
+class _Count(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_handler_the_host_shares_with_the_root_logger_gets_each_record_once() -> None:
+    # pytest hangs its capture handlers on the root logger and on vLLM's; propagation delivers them already.
+    host, ours = logging.getLogger("fake-vllm-d"), logging.getLogger("lmi_cache_test_routing_d")
+    shared, host_only = _Count(), _Count()
+    host.addHandler(shared)
+    host.addHandler(host_only)
+    logging.getLogger().addHandler(shared)
+    try:
+        route_logs_through(ours, host, "INFO")
+        ours.warning("once")
+    finally:
+        logging.getLogger().removeHandler(shared)
+    assert shared.messages == ["once"] and host_only.messages == ["once"]
