@@ -59,7 +59,7 @@ Worker series (per rank; with TP every rank holds its own part of each token's K
 - lmi_cache_load_seconds{tier}                    latency of a successful load (histogram)
 - lmi_cache_store_seconds{tier}                   latency of a store (CPU: copy; disk: file write)
 
-The connector's own counts of each rank (``WorkerStats`` in ``vllm_connector.worker_side``,
+The connector's own counts of each rank (``WorkerStats`` in ``vllm_connector.worker_stats``,
 same registry and labels, see ``metrics.counts``):
 
 - lmi_cache_worker_loaded_chunks_total            chunks copied into vLLM's KV cache
