@@ -60,7 +60,9 @@ class _Budget:
     def __init__(self, capacity_bytes: int, policy: EvictionPolicy, pinned: set[bytes],
                  leased: dict[bytes, int]) -> None:
         self.capacity_bytes = capacity_bytes
-        self.used_bytes = 0
+        self.limit_bytes: int | None = None  # what the medium has room for now, when less (a filling filesystem)
+        self.used_bytes = 0  # ready and pending entries
+        self.ready_bytes = 0
         self.policy = policy
         self.entries: dict[bytes, _Entry] = {}
         self._pinned = pinned
@@ -70,11 +72,35 @@ class _Budget:
         entry = self.entries.get(cast(bytes, digest))
         return None if entry is None else entry.size_bytes
 
+    @property
+    def room_bytes(self) -> int:
+        """The size entries may take: the configured one, or the medium's room when that is less."""
+        return self.capacity_bytes if self.limit_bytes is None else min(self.capacity_bytes, self.limit_bytes)
+
     def admit(self, digest: bytes, size_bytes: int, payload_bytes: int, ready: bool) -> list[Victim] | None:
         """Add an entry, evicting what it needs; the victims, or None when it cannot fit (nothing changes)."""
-        if size_bytes > self.capacity_bytes:
+        if size_bytes > self.room_bytes:
             return None
-        need = self.used_bytes + size_bytes - self.capacity_bytes
+        victims, need = self._victims(self.used_bytes + size_bytes - self.room_bytes)
+        if need > 0:
+            return None  # what is left is pinned by this step's loads and stores
+        for victim, _ in victims:
+            self.forget(victim)
+        self.entries[digest] = _Entry(ready, size_bytes, payload_bytes)
+        self.used_bytes += size_bytes
+        self.ready_bytes += size_bytes if ready else 0
+        self.policy.on_insert(digest)
+        return victims
+
+    def shrink(self) -> list[Victim]:
+        """Evict in the policy's order until the entries fit ``room_bytes`` (pinned ones stay, over it if need be)."""
+        victims, _ = self._victims(self.used_bytes - self.room_bytes)
+        for victim, _ in victims:
+            self.forget(victim)
+        return victims
+
+    def _victims(self, need: int) -> tuple[list[Victim], int]:
+        """Unpinned entries in eviction order freeing ``need`` bytes, and the bytes still needed (> 0: too few)."""
         victims: list[Victim] = []
         for candidate in self.policy.candidates():  # collect first: the policy must not change mid-iteration
             if need <= 0:
@@ -84,18 +110,18 @@ class _Budget:
             entry = self.entries[cast(bytes, candidate)]
             victims.append((cast(bytes, candidate), entry.payload_bytes))
             need -= entry.size_bytes
-        if need > 0:
-            return None  # what is left is pinned by this step's loads and stores
-        for victim, _ in victims:
-            self.forget(victim)
-        self.entries[digest] = _Entry(ready, size_bytes, payload_bytes)
-        self.used_bytes += size_bytes
-        self.policy.on_insert(digest)
-        return victims
+        return victims, need
+
+    def confirm(self, digest: bytes) -> None:
+        entry = self.entries[digest]
+        if not entry.ready:
+            entry.ready = True
+            self.ready_bytes += entry.size_bytes
 
     def forget(self, digest: bytes) -> None:
         entry = self.entries.pop(digest)
         self.used_bytes -= entry.size_bytes
+        self.ready_bytes -= entry.size_bytes if entry.ready else 0
         self.policy.on_remove(digest)
 
 
@@ -188,7 +214,7 @@ class TierBook:
         where = self._where.get(digest)
         if where is None:
             return False
-        self._budgets[where].entries[digest].ready = True
+        self._budgets[where].confirm(digest)
         return True
 
     def drop(self, digest: bytes) -> bool:
@@ -198,6 +224,21 @@ class TierBook:
             return False
         self._budgets[where].forget(digest)
         return True
+
+    def ready_bytes(self, rank: int, shard: int) -> int:
+        """Bytes of the confirmed entries of one budget (what its medium has written)."""
+        budget = self._budgets.get((rank, shard))
+        return 0 if budget is None else budget.ready_bytes
+
+    def limit(self, rank: int, shard: int, limit_bytes: int | None) -> list[Victim]:
+        """Cap one budget at what its medium has room for now (None: the configured size again); the entries
+        evicted, oldest first by the tier's order, to fit under it."""
+        budget = self._budget(rank, shard)
+        budget.limit_bytes = limit_bytes
+        victims = budget.shrink()
+        for victim, _ in victims:
+            del self._where[victim]
+        return victims
 
     def touch(self, digest: bytes) -> None:
         where = self._where.get(digest)

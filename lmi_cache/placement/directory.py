@@ -54,6 +54,7 @@ from lmi_cache.placement.events import JOURNALED_TIER, ChunkBlocks, TierChange, 
 from lmi_cache.placement.messages import REMOTE, Eviction, TierEvent
 
 if TYPE_CHECKING:
+    from lmi_cache.placement.disk_space import DiskSpaceWatch
     from lmi_cache.placement.event_journal import EventJournal
     from lmi_cache.remote.cache import PendingLookup
 
@@ -123,6 +124,7 @@ class PlacementDirectory:
         self._lost = RecentDigests(LOST_RECENT_DIGESTS)  # evicted or dropped lately: a miss on them is "evicted"
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self.events: TierEventLog | None = None  # KV events of the local tiers, when routers listen (enable_events)
+        self._space: tuple[TierBook, DiskSpaceWatch] | None = None  # a tier planned against its filesystem too
 
     def enable_events(self, journal: EventJournal | None = None) -> None:
         """Keep what each chunk's KV events say and publish every change of the local tiers (``take_events``).
@@ -273,6 +275,7 @@ class PlacementDirectory:
 
     def _evicted(self, book: TierBook, rank: int, victims: list[Victim]) -> None:
         demote = self._by_name.get(self._demote_to) if self._demote_to and book is self.first_tier else None
+        demote = None if demote is book else demote  # the first tier is the disk tier (no CPU tier)
         if victims:
             self.metrics.evicted(book.name, len(victims))
         for digest, payload_bytes in victims:
@@ -324,8 +327,24 @@ class PlacementDirectory:
                 self.metrics.dropped(book.name, 1)
                 self._gone(book.name, event.digest)
 
+    def watch_space(self, tier: str, watch: DiskSpaceWatch) -> None:
+        """Plan ``tier`` against its filesystem's free space as well as its size (``disk_space``)."""
+        book = self._by_name.get(tier)
+        if book is not None:
+            self._space = (book, watch)
+
+    def _follow_space(self) -> None:
+        """Cap the watched tier's budgets at its filesystem's room, evicting the oldest entries over it."""
+        if self._space is None:
+            return
+        book, watch = self._space
+        for (rank, shard), limit in (watch.limits(book.ready_bytes) or {}).items():
+            self._evicted(book, rank, book.limit(rank, shard, limit))
+
     def take_evictions(self) -> dict[int, list[Eviction]]:
-        """The evictions decided since the last call, by the rank whose tier they concern."""
+        """The evictions decided since the last call, by the rank whose tier they concern (the filesystem's room
+        checked first, so its evictions go out with this step, before its writes)."""
+        self._follow_space()
         by_rank: dict[int, list[Eviction]] = {}
         for eviction in self._evictions:
             by_rank.setdefault(eviction.rank, []).append(eviction)

@@ -98,7 +98,8 @@ def build_scheduler_side(
     sessions = session_tracker(config)
     remote_lookups = open_remote_lookups(config)  # existence checks only
     directory = build_directory(config, replica=replica, world_size=geometry.world_size, remote=remote_lookups,
-                                retention=sessions is not None, metrics=metrics)
+                                retention=sessions is not None, metrics=metrics,
+                                num_replicas=startup.dp_size(vllm_config))
     reader = event_blocks_reader(vllm_config, kv_cache_config, geometry.block_size_tokens, config.chunk_size,
                                  directory, journal_path(config.local_disk, replica))
     peer_lookups = None

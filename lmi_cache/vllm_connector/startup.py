@@ -42,6 +42,11 @@ def dp_index(vllm_config: VllmConfig) -> int:
     return int(getattr(parallel, "data_parallel_index", None) or getattr(parallel, "data_parallel_rank", 0) or 0)
 
 
+def dp_size(vllm_config: VllmConfig) -> int:
+    """How many data-parallel replicas share this host's disk (1 without data parallelism)."""
+    return max(1, int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1))
+
+
 def weights_identity(vllm_config: VllmConfig) -> str:
     from lmi_cache.keys.model_identity import served_model_identity
 
