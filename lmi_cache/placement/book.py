@@ -21,6 +21,7 @@ specs here name).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -33,6 +34,8 @@ from lmi_cache.tiers.disk.index import shard_index  # a chunk's disk directory, 
 Victim = tuple[bytes, int]
 # Budget bytes of an entry from its payload bytes (the tier's own rounding: allocator size class, file blocks).
 EntryBytes = Callable[[int], int]
+# Pending entries evicted before their store was confirmed, remembered (this many) until the confirmation comes.
+EVICTED_PENDING_DIGESTS = 65536
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class _Budget:
         self.limit_bytes: int | None = None  # what the medium has room for now, when less (a filling filesystem)
         self.used_bytes = 0  # ready and pending entries
         self.ready_bytes = 0
+        self.evicted_pending: list[bytes] = []  # victims whose store was not confirmed yet (the book takes them)
         self.policy = policy
         self.entries: dict[bytes, _Entry] = {}
         self._pinned = pinned
@@ -84,8 +88,7 @@ class _Budget:
         victims, need = self._victims(self.used_bytes + size_bytes - self.room_bytes)
         if need > 0:
             return None  # what is left is pinned by this step's loads and stores
-        for victim, _ in victims:
-            self.forget(victim)
+        self._evict(victims)
         self.entries[digest] = _Entry(ready, size_bytes, payload_bytes)
         self.used_bytes += size_bytes
         self.ready_bytes += size_bytes if ready else 0
@@ -95,9 +98,14 @@ class _Budget:
     def shrink(self) -> list[Victim]:
         """Evict in the policy's order until the entries fit ``room_bytes`` (pinned ones stay, over it if need be)."""
         victims, _ = self._victims(self.used_bytes - self.room_bytes)
-        for victim, _ in victims:
-            self.forget(victim)
+        self._evict(victims)
         return victims
+
+    def _evict(self, victims: list[Victim]) -> None:
+        for victim, _ in victims:
+            if not self.entries[victim].ready:
+                self.evicted_pending.append(victim)
+            self.forget(victim)
 
     def _victims(self, need: int) -> tuple[list[Victim], int]:
         """Unpinned entries in eviction order freeing ``need`` bytes, and the bytes still needed (> 0: too few)."""
@@ -136,6 +144,9 @@ class TierBook:
         self._leased: dict[bytes, int] = {}  # digest -> open leases (pinned across steps)
         self._retaining: dict[tuple[int, int], RetainingPolicy] = {}
         self._sessions: dict[str, list[bytes]] = {}  # open sessions' digests, for budgets made later
+        # Evicted while pending: a store confirmed after its eviction (asynchronous scheduling plans a step
+        # before the previous one reports) was planned, not a stray.
+        self._evicted_pending: OrderedDict[bytes, None] = OrderedDict()
 
     @property
     def name(self) -> str:
@@ -191,13 +202,24 @@ class TierBook:
     def _admit(self, rank: int, digest: bytes, size_bytes: int, payload_bytes: int, ready: bool,
                shard: int | None = None) -> list[Victim] | None:
         shard = self.shard_of(digest) if shard is None else shard
-        victims = self._budget(rank, shard).admit(digest, size_bytes, payload_bytes, ready)
+        budget = self._budget(rank, shard)
+        victims = budget.admit(digest, size_bytes, payload_bytes, ready)
         if victims is None:
             return None
-        for victim, _ in victims:
-            del self._where[victim]
+        self._taken(budget, victims)
         self._where[digest] = (rank, shard)
         return victims
+
+    def _taken(self, budget: _Budget, victims: list[Victim]) -> None:
+        """``victims`` left ``budget``: forget where they were, remember those evicted while pending."""
+        for victim, _ in victims:
+            del self._where[victim]
+        for digest in budget.evicted_pending:
+            self._evicted_pending[digest] = None
+            self._evicted_pending.move_to_end(digest)
+        budget.evicted_pending.clear()
+        while len(self._evicted_pending) > EVICTED_PENDING_DIGESTS:
+            self._evicted_pending.popitem(last=False)
 
     def adopt(self, rank: int, shard: int, digest: bytes, size_bytes: int) -> list[Victim]:
         """A ready entry found at start-up (disk files, oldest first); the older entries evicted for it (over the
@@ -215,6 +237,14 @@ class TierBook:
         if where is None:
             return False
         self._budgets[where].confirm(digest)
+        return True
+
+    def evicted_before_confirm(self, digest: bytes) -> bool:
+        """Whether ``digest`` was evicted while its store was pending (and forget that it was): its confirmation
+        crossed the eviction, which the worker has been sent already."""
+        if digest not in self._evicted_pending:
+            return False
+        del self._evicted_pending[digest]
         return True
 
     def drop(self, digest: bytes) -> bool:
@@ -236,8 +266,7 @@ class TierBook:
         budget = self._budget(rank, shard)
         budget.limit_bytes = limit_bytes
         victims = budget.shrink()
-        for victim, _ in victims:
-            del self._where[victim]
+        self._taken(budget, victims)
         return victims
 
     def touch(self, digest: bytes) -> None:

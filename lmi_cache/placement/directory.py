@@ -20,8 +20,11 @@ workers only carry out what it decided:
 - ``lease(keys, tier)`` / ``end_lease(keys, tier)``: keep a held chunk from
   eviction across steps (a reader outside the step, such as a peer server).
 - ``complete(rank, stored, failed, dropped)``: what the workers report back.
-  A store it never planned (or evicted since) is refused, counted
-  (``lmi_cache_placement_unplanned_stores_total``) and evicted from that rank.
+  A store it never planned is refused, counted
+  (``lmi_cache_placement_unplanned_stores_total``: a bug) and evicted from
+  that rank; one it planned and evicted before the report came (asynchronous
+  scheduling) is counted apart
+  (``lmi_cache_placement_evicted_before_confirm_total``).
 - ``take_evictions()``: the evictions decided since the last call, by rank,
   for this step's metadata (a victim of the first tier is demoted to the disk
   tier when ``disk_feed: demote``: the only demotion there is).
@@ -309,14 +312,20 @@ class PlacementDirectory:
             book = self._by_name.get(event.tier)
             if book is None:
                 continue
-            if not book.confirm(event.digest):  # not planned (or evicted since): the worker removes it again
-                self.metrics.unplanned_store(book.name)
+            if not book.confirm(event.digest):  # not held: the worker removes it again (harmless if it has)
+                if book.evicted_before_confirm(event.digest):
+                    # Planned, then evicted before this report came (asynchronous scheduling plans the next step
+                    # before this one reports): the eviction went out after the store, so this is no stray.
+                    self.metrics.evicted_before_confirm(book.name)
+                else:
+                    self.metrics.unplanned_store(book.name)  # never planned: a bug
                 self._evictions.append(Eviction(rank, book.name, event.digest))
             elif self.events is not None:
                 self.events.on_ready(book.name, event.digest)
         for event in failed:  # the worker counted why (lmi_cache_dropped_stores_total)
             book = self._by_name.get(event.tier)
             if book is not None:
+                book.evicted_before_confirm(event.digest)  # answered: nothing to remember
                 book.drop(event.digest)
                 self._gone(book.name, event.digest)
         for event in dropped:
