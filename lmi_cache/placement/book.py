@@ -21,13 +21,13 @@ specs here name).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 from lmi_cache.eviction import EvictionPolicy, make_policy
 from lmi_cache.eviction.retaining import RetainingPolicy
+from lmi_cache.placement.recent_digests import RecentDigests
 from lmi_cache.tiers.disk.index import shard_index  # a chunk's disk directory, as the disk tier picks it
 
 # An entry evicted to make room: its digest and payload bytes.
@@ -146,7 +146,7 @@ class TierBook:
         self._sessions: dict[str, list[bytes]] = {}  # open sessions' digests, for budgets made later
         # Evicted while pending: a store confirmed after its eviction (asynchronous scheduling plans a step
         # before the previous one reports) was planned, not a stray.
-        self._evicted_pending: OrderedDict[bytes, None] = OrderedDict()
+        self._evicted_pending = RecentDigests(EVICTED_PENDING_DIGESTS)
 
     @property
     def name(self) -> str:
@@ -214,12 +214,8 @@ class TierBook:
         """``victims`` left ``budget``: forget where they were, remember those evicted while pending."""
         for victim, _ in victims:
             del self._where[victim]
-        for digest in budget.evicted_pending:
-            self._evicted_pending[digest] = None
-            self._evicted_pending.move_to_end(digest)
+        self._evicted_pending.admit(budget.evicted_pending)
         budget.evicted_pending.clear()
-        while len(self._evicted_pending) > EVICTED_PENDING_DIGESTS:
-            self._evicted_pending.popitem(last=False)
 
     def adopt(self, rank: int, shard: int, digest: bytes, size_bytes: int) -> list[Victim]:
         """A ready entry found at start-up (disk files, oldest first); the older entries evicted for it (over the
@@ -242,10 +238,7 @@ class TierBook:
     def evicted_before_confirm(self, digest: bytes) -> bool:
         """Whether ``digest`` was evicted while its store was pending (and forget that it was): its confirmation
         crossed the eviction, which the worker has been sent already."""
-        if digest not in self._evicted_pending:
-            return False
-        del self._evicted_pending[digest]
-        return True
+        return self._evicted_pending.take(digest)
 
     def drop(self, digest: bytes) -> bool:
         """The entry is gone (evicted by instruction, a failed store, a fault); True if it was here."""
