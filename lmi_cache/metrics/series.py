@@ -34,7 +34,11 @@ is looked up again):
 - lmi_cache_placement_dropped_total{engine,tier}  entries a worker's tier lost on its own (damaged or
                                                   unreadable, a failed write)
 - lmi_cache_placement_unplanned_stores_total{engine,tier}
-                                                  stores the directory never planned (refused, removed again)
+                                                  stores the directory never planned (refused, removed again;
+                                                  a bug)
+- lmi_cache_placement_evicted_before_confirm_total{engine,tier}
+                                                  stores it planned and evicted before their worker confirmed
+                                                  them (asynchronous scheduling; removed again)
 - lmi_cache_placement_entries{engine,tier}        entries the directory holds now (every rank's)
 - lmi_cache_session_retained_bytes{engine,tier}   bytes of open sessions' chunks evicted last (within
                                                   extra_config.session_retention_share of the tier)
@@ -59,7 +63,7 @@ Worker series (per rank; with TP every rank holds its own part of each token's K
 - lmi_cache_load_seconds{tier}                    latency of a successful load (histogram)
 - lmi_cache_store_seconds{tier}                   latency of a store (CPU: copy; disk: file write)
 
-The connector's own counts of each rank (``WorkerStats`` in ``vllm_connector.worker_side``,
+The connector's own counts of each rank (``WorkerStats`` in ``vllm_connector.worker_stats``,
 same registry and labels, see ``metrics.counts``):
 
 - lmi_cache_worker_loaded_chunks_total            chunks copied into vLLM's KV cache
@@ -167,8 +171,11 @@ class SchedulerMetrics:
         self._evictions = Counter("lmi_cache_placement_evictions", "Entries the placement directory evicted, by tier",
                                   tiers, registry=r)
         self._unplanned = Counter("lmi_cache_placement_unplanned_stores", "Stores a worker reported that the "
-                                  "placement directory never planned (refused and removed again), by tier",
+                                  "placement directory never planned (refused and removed again; a bug), by tier",
                                   tiers, registry=r)
+        self._evicted_pending = Counter(
+            "lmi_cache_placement_evicted_before_confirm", "Stores the placement directory planned and evicted before "
+            "the worker confirmed them (asynchronous scheduling; removed again), by tier", tiers, registry=r)
         self._dropped = Counter("lmi_cache_placement_dropped", "Entries a worker's tier lost on its own (damaged, "
                                 "unreadable, a full filesystem), by tier", tiers, registry=r)
         self._entries = Gauge("lmi_cache_placement_entries", "Entries the placement directory holds, all ranks, by tier",
@@ -208,6 +215,9 @@ class SchedulerMetrics:
 
     def unplanned_store(self, tier: str) -> None:
         self._unplanned.labels(self.engine_label, tier).inc()
+
+    def evicted_before_confirm(self, tier: str) -> None:
+        self._evicted_pending.labels(self.engine_label, tier).inc()
 
     def dropped(self, tier: str, count: int) -> None:
         self._dropped.labels(self.engine_label, tier).inc(count)

@@ -27,12 +27,15 @@ from typing import cast
 
 from lmi_cache.eviction import EvictionPolicy, make_policy
 from lmi_cache.eviction.retaining import RetainingPolicy
+from lmi_cache.placement.recent_digests import RecentDigests
 from lmi_cache.tiers.disk.index import shard_index  # a chunk's disk directory, as the disk tier picks it
 
 # An entry evicted to make room: its digest and payload bytes.
 Victim = tuple[bytes, int]
 # Budget bytes of an entry from its payload bytes (the tier's own rounding: allocator size class, file blocks).
 EntryBytes = Callable[[int], int]
+# Pending entries evicted before their store was confirmed, remembered (this many) until the confirmation comes.
+EVICTED_PENDING_DIGESTS = 65536
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,10 @@ class _Budget:
     def __init__(self, capacity_bytes: int, policy: EvictionPolicy, pinned: set[bytes],
                  leased: dict[bytes, int]) -> None:
         self.capacity_bytes = capacity_bytes
-        self.used_bytes = 0
+        self.limit_bytes: int | None = None  # what the medium has room for now, when less (a filling filesystem)
+        self.used_bytes = 0  # ready and pending entries
+        self.ready_bytes = 0
+        self.evicted_pending: list[bytes] = []  # victims whose store was not confirmed yet (the book takes them)
         self.policy = policy
         self.entries: dict[bytes, _Entry] = {}
         self._pinned = pinned
@@ -70,11 +76,39 @@ class _Budget:
         entry = self.entries.get(cast(bytes, digest))
         return None if entry is None else entry.size_bytes
 
+    @property
+    def room_bytes(self) -> int:
+        """The size entries may take: the configured one, or the medium's room when that is less."""
+        return self.capacity_bytes if self.limit_bytes is None else min(self.capacity_bytes, self.limit_bytes)
+
     def admit(self, digest: bytes, size_bytes: int, payload_bytes: int, ready: bool) -> list[Victim] | None:
         """Add an entry, evicting what it needs; the victims, or None when it cannot fit (nothing changes)."""
-        if size_bytes > self.capacity_bytes:
+        if size_bytes > self.room_bytes:
             return None
-        need = self.used_bytes + size_bytes - self.capacity_bytes
+        victims, need = self._victims(self.used_bytes + size_bytes - self.room_bytes)
+        if need > 0:
+            return None  # what is left is pinned by this step's loads and stores
+        self._evict(victims)
+        self.entries[digest] = _Entry(ready, size_bytes, payload_bytes)
+        self.used_bytes += size_bytes
+        self.ready_bytes += size_bytes if ready else 0
+        self.policy.on_insert(digest)
+        return victims
+
+    def shrink(self) -> list[Victim]:
+        """Evict in the policy's order until the entries fit ``room_bytes`` (pinned ones stay, over it if need be)."""
+        victims, _ = self._victims(self.used_bytes - self.room_bytes)
+        self._evict(victims)
+        return victims
+
+    def _evict(self, victims: list[Victim]) -> None:
+        for victim, _ in victims:
+            if not self.entries[victim].ready:
+                self.evicted_pending.append(victim)
+            self.forget(victim)
+
+    def _victims(self, need: int) -> tuple[list[Victim], int]:
+        """Unpinned entries in eviction order freeing ``need`` bytes, and the bytes still needed (> 0: too few)."""
         victims: list[Victim] = []
         for candidate in self.policy.candidates():  # collect first: the policy must not change mid-iteration
             if need <= 0:
@@ -84,18 +118,18 @@ class _Budget:
             entry = self.entries[cast(bytes, candidate)]
             victims.append((cast(bytes, candidate), entry.payload_bytes))
             need -= entry.size_bytes
-        if need > 0:
-            return None  # what is left is pinned by this step's loads and stores
-        for victim, _ in victims:
-            self.forget(victim)
-        self.entries[digest] = _Entry(ready, size_bytes, payload_bytes)
-        self.used_bytes += size_bytes
-        self.policy.on_insert(digest)
-        return victims
+        return victims, need
+
+    def confirm(self, digest: bytes) -> None:
+        entry = self.entries[digest]
+        if not entry.ready:
+            entry.ready = True
+            self.ready_bytes += entry.size_bytes
 
     def forget(self, digest: bytes) -> None:
         entry = self.entries.pop(digest)
         self.used_bytes -= entry.size_bytes
+        self.ready_bytes -= entry.size_bytes if entry.ready else 0
         self.policy.on_remove(digest)
 
 
@@ -110,6 +144,9 @@ class TierBook:
         self._leased: dict[bytes, int] = {}  # digest -> open leases (pinned across steps)
         self._retaining: dict[tuple[int, int], RetainingPolicy] = {}
         self._sessions: dict[str, list[bytes]] = {}  # open sessions' digests, for budgets made later
+        # Evicted while pending: a store confirmed after its eviction (asynchronous scheduling plans a step
+        # before the previous one reports) was planned, not a stray.
+        self._evicted_pending = RecentDigests(EVICTED_PENDING_DIGESTS)
 
     @property
     def name(self) -> str:
@@ -165,13 +202,20 @@ class TierBook:
     def _admit(self, rank: int, digest: bytes, size_bytes: int, payload_bytes: int, ready: bool,
                shard: int | None = None) -> list[Victim] | None:
         shard = self.shard_of(digest) if shard is None else shard
-        victims = self._budget(rank, shard).admit(digest, size_bytes, payload_bytes, ready)
+        budget = self._budget(rank, shard)
+        victims = budget.admit(digest, size_bytes, payload_bytes, ready)
         if victims is None:
             return None
-        for victim, _ in victims:
-            del self._where[victim]
+        self._taken(budget, victims)
         self._where[digest] = (rank, shard)
         return victims
+
+    def _taken(self, budget: _Budget, victims: list[Victim]) -> None:
+        """``victims`` left ``budget``: forget where they were, remember those evicted while pending."""
+        for victim, _ in victims:
+            del self._where[victim]
+        self._evicted_pending.admit(budget.evicted_pending)
+        budget.evicted_pending.clear()
 
     def adopt(self, rank: int, shard: int, digest: bytes, size_bytes: int) -> list[Victim]:
         """A ready entry found at start-up (disk files, oldest first); the older entries evicted for it (over the
@@ -188,8 +232,13 @@ class TierBook:
         where = self._where.get(digest)
         if where is None:
             return False
-        self._budgets[where].entries[digest].ready = True
+        self._budgets[where].confirm(digest)
         return True
+
+    def evicted_before_confirm(self, digest: bytes) -> bool:
+        """Whether ``digest`` was evicted while its store was pending (and forget that it was): its confirmation
+        crossed the eviction, which the worker has been sent already."""
+        return self._evicted_pending.take(digest)
 
     def drop(self, digest: bytes) -> bool:
         """The entry is gone (evicted by instruction, a failed store, a fault); True if it was here."""
@@ -198,6 +247,20 @@ class TierBook:
             return False
         self._budgets[where].forget(digest)
         return True
+
+    def ready_bytes(self, rank: int, shard: int) -> int:
+        """Bytes of the confirmed entries of one budget (what its medium has written)."""
+        budget = self._budgets.get((rank, shard))
+        return 0 if budget is None else budget.ready_bytes
+
+    def limit(self, rank: int, shard: int, limit_bytes: int | None) -> list[Victim]:
+        """Cap one budget at what its medium has room for now (None: the configured size again); the entries
+        evicted, oldest first by the tier's order, to fit under it."""
+        budget = self._budget(rank, shard)
+        budget.limit_bytes = limit_bytes
+        victims = budget.shrink()
+        self._taken(budget, victims)
+        return victims
 
     def touch(self, digest: bytes) -> None:
         where = self._where.get(digest)

@@ -20,11 +20,14 @@ workers only carry out what it decided:
 - ``lease(keys, tier)`` / ``end_lease(keys, tier)``: keep a held chunk from
   eviction across steps (a reader outside the step, such as a peer server).
 - ``complete(rank, stored, failed, dropped)``: what the workers report back.
-  A store it never planned (or evicted since) is refused, counted
-  (``lmi_cache_placement_unplanned_stores_total``) and evicted from that rank.
-- ``take_evictions()``: the evictions decided since the last call, by rank,
-  for this step's metadata (a victim of the first tier is demoted to the disk
-  tier when ``disk_feed: demote``: the only demotion there is).
+  A store it never planned is refused, counted
+  (``lmi_cache_placement_unplanned_stores_total``: a bug) and evicted from
+  that rank; one it planned and evicted before the report came (asynchronous
+  scheduling) is counted apart
+  (``lmi_cache_placement_evicted_before_confirm_total``).
+- ``take_evictions()``: the evictions and demotions decided since the last
+  call (``evictions``), by rank, for this step's metadata; the disk tier's
+  filesystem is checked first (``disk_space``).
 - ``end_step()``: the step is planned; its pins go.
 
 This is the only budget-and-evict implementation. Budgets are per rank (every
@@ -42,18 +45,20 @@ cache group on its rank, which each worker reports once with its layout
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.metrics.series import SchedulerMetrics
-from lmi_cache.placement.book import TierBook, TierSpec, Victim
+from lmi_cache.placement.book import TierBook, TierSpec
 from lmi_cache.placement.events import JOURNALED_TIER, ChunkBlocks, TierChange, TierEventLog
+from lmi_cache.placement.evictions import EvictionOutbox
 from lmi_cache.placement.messages import REMOTE, Eviction, TierEvent
+from lmi_cache.placement.recent_digests import RecentDigests
 
 if TYPE_CHECKING:
+    from lmi_cache.placement.disk_space import DiskSpaceWatch
     from lmi_cache.placement.event_journal import EventJournal
     from lmi_cache.remote.cache import PendingLookup
 
@@ -62,30 +67,6 @@ logger = logging.getLogger(__name__)
 # The remote store is asked, not mirrored; these many digests written to it lately are not written again
 # (a shared prefix of concurrent requests). Beyond that a rewrite only costs a redundant put.
 REMOTE_RECENT_DIGESTS = 65536
-# Entries evicted or lost lately, remembered (this many) to say why a request missed them.
-LOST_RECENT_DIGESTS = 65536
-
-
-class RecentDigests:
-    """A bounded set of recently seen digests, oldest forgotten first."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._seen: OrderedDict[bytes, None] = OrderedDict()
-
-    def __contains__(self, digest: object) -> bool:
-        return digest in self._seen
-
-    def admit(self, digests: Sequence[bytes]) -> bool:
-        """True (and remember them) unless every digest was seen lately."""
-        if digests and all(d in self._seen for d in digests):
-            return False
-        for digest in digests:
-            self._seen[digest] = None
-            self._seen.move_to_end(digest)
-        while len(self._seen) > self._limit:
-            self._seen.popitem(last=False)
-        return True
 
 
 class RemoteLookups(Protocol):
@@ -113,30 +94,34 @@ class PlacementDirectory:
         self.books = [TierBook(spec) for spec in tiers if spec.capacity_bytes > 0]
         self._by_name = {book.name: book for book in self.books}
         self._write_through = {name for name in write_through if name in self._by_name}
-        self._demote_to = demote_to if demote_to in self._by_name else None
         self.chunk_tokens = chunk_tokens
         self.remote = remote
         self._remote_writes = remote_writes and remote is not None
         self._chunk_bytes: dict[tuple[int, int], int] = {}  # (rank, group) -> payload bytes of a full chunk
-        self._evictions: list[Eviction] = []
         self._remote_recent = RecentDigests(REMOTE_RECENT_DIGESTS)
-        self._lost = RecentDigests(LOST_RECENT_DIGESTS)  # evicted or dropped lately: a miss on them is "evicted"
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
-        self.events: TierEventLog | None = None  # KV events of the local tiers, when routers listen (enable_events)
+        target = self._by_name.get(demote_to or "")
+        first = self.books[0] if self.books else None
+        # No demotion when the disk tier is the first tier itself (the CPU tier is off).
+        demotion = (first, target) if first is not None and target is not None and target is not first else None
+        self._outbox = EvictionOutbox(self.metrics, demotion)
+        self._space: tuple[TierBook, DiskSpaceWatch] | None = None  # a tier planned against its filesystem too
+
+    @property
+    def events(self) -> TierEventLog | None:
+        """KV events of the local tiers, when routers listen (``enable_events``)."""
+        return self._outbox.events
 
     def enable_events(self, journal: EventJournal | None = None) -> None:
         """Keep what each chunk's KV events say and publish every change of the local tiers (``take_events``).
         With a ``journal``, the disk files adopted at start that it describes are announced now."""
         if self.events is not None:
             return
-        self.events = TierEventLog(lambda tier, digest: self._by_name[tier].holds(digest),
-                                   lambda digest: any(book.knows(digest) for book in self.books),
-                                   [book.name for book in self.books])
+        events = self._outbox.events = TierEventLog(lambda tier, digest: self._by_name[tier].holds(digest),
+                                                    lambda digest: any(book.knows(digest) for book in self.books),
+                                                    [book.name for book in self.books])
         if journal is not None and JOURNALED_TIER in self._by_name:
-            for digests, blocks in journal.load():  # oldest first: a chunk's parent is announced before it
-                self.events.describe(digests, blocks)
-            journal.rewrite(self.events.records_in(JOURNALED_TIER))
-            self.events.journal = journal
+            events.adopt_journal(journal)
 
     def take_events(self) -> list[TierChange]:
         return self.events.take() if self.events is not None else []
@@ -264,38 +249,16 @@ class PlacementDirectory:
             if victims is None:
                 for digest in done:
                     book.drop(digest)
-                    self._gone(book.name, digest)
+                    self._outbox.gone(book.name, digest)
                 return False
             if not knew:
                 done.append(key.digest)
-            self._evicted(book, rank, victims)
+            self._outbox.evicted(book, rank, victims)
         return True
-
-    def _evicted(self, book: TierBook, rank: int, victims: list[Victim]) -> None:
-        demote = self._by_name.get(self._demote_to) if self._demote_to and book is self.first_tier else None
-        if victims:
-            self.metrics.evicted(book.name, len(victims))
-        for digest, payload_bytes in victims:
-            if demote is not None and not demote.knows(digest):
-                more = demote.reserve(rank, digest, payload_bytes)
-                if more is not None:
-                    self._lost.admit([digest])
-                    if self.events is not None:
-                        self.events.on_demoting(book.name, demote.name, digest)
-                    self._evicted(demote, rank, more)
-                    self._evictions.append(Eviction(rank, book.name, digest, demote.name))
-                    continue
-            self._evictions.append(Eviction(rank, book.name, digest))
-            self._gone(book.name, digest)
-
-    def _gone(self, tier: str, digest: bytes) -> None:
-        self._lost.admit([digest])
-        if self.events is not None:
-            self.events.on_gone(tier, digest)
 
     def was_lost(self, keys: Sequence[ChunkKey]) -> bool:
         """Some rank's entry of the chunk was evicted or lost lately (a miss on it is an eviction's)."""
-        return any(key.digest in self._lost for key in keys)
+        return self._outbox.was_lost(keys)
 
     # -- feedback ------------------------------------------------------------------------
 
@@ -306,31 +269,49 @@ class PlacementDirectory:
             book = self._by_name.get(event.tier)
             if book is None:
                 continue
-            if not book.confirm(event.digest):  # not planned (or evicted since): the worker removes it again
-                self.metrics.unplanned_store(book.name)
-                self._evictions.append(Eviction(rank, book.name, event.digest))
+            if not book.confirm(event.digest):  # not held: the worker removes it again (harmless if it has)
+                if book.evicted_before_confirm(event.digest):
+                    # Planned, then evicted before this report came (asynchronous scheduling plans the next step
+                    # before this one reports): the eviction went out after the store, so this is no stray.
+                    self.metrics.evicted_before_confirm(book.name)
+                else:
+                    self.metrics.unplanned_store(book.name)  # never planned: a bug
+                self._outbox.remove_again(rank, book.name, event.digest)
             elif self.events is not None:
                 self.events.on_ready(book.name, event.digest)
         for event in failed:  # the worker counted why (lmi_cache_dropped_stores_total)
             book = self._by_name.get(event.tier)
             if book is not None:
+                book.evicted_before_confirm(event.digest)  # answered: nothing to remember
                 book.drop(event.digest)
-                self._gone(book.name, event.digest)
+                self._outbox.gone(book.name, event.digest)
         for event in dropped:
             if event.reason and rank == 0:  # a planned load that did not land; every rank reports its own
                 self.metrics.missed(event.reason, self.chunk_tokens)
             book = self._by_name.get(event.tier)
             if book is not None and book.drop(event.digest):
                 self.metrics.dropped(book.name, 1)
-                self._gone(book.name, event.digest)
+                self._outbox.gone(book.name, event.digest)
+
+    def watch_space(self, tier: str, watch: DiskSpaceWatch) -> None:
+        """Plan ``tier`` against its filesystem's free space as well as its size (``disk_space``)."""
+        book = self._by_name.get(tier)
+        if book is not None:
+            self._space = (book, watch)
+
+    def _follow_space(self) -> None:
+        """Cap the watched tier's budgets at its filesystem's room, evicting the oldest entries over it."""
+        if self._space is None:
+            return
+        book, watch = self._space
+        for (rank, shard), limit in (watch.limits(book.ready_bytes) or {}).items():
+            self._outbox.evicted(book, rank, book.limit(rank, shard, limit))
 
     def take_evictions(self) -> dict[int, list[Eviction]]:
-        """The evictions decided since the last call, by the rank whose tier they concern."""
-        by_rank: dict[int, list[Eviction]] = {}
-        for eviction in self._evictions:
-            by_rank.setdefault(eviction.rank, []).append(eviction)
-        self._evictions = []
-        return by_rank
+        """The evictions decided since the last call, by the rank whose tier they concern (the filesystem's room
+        checked first, so its evictions go out with this step, before its writes)."""
+        self._follow_space()
+        return self._outbox.take()
 
     def end_step(self) -> None:
         for book in self.books:
@@ -345,12 +326,7 @@ class PlacementDirectory:
         book = self._by_name.get(tier)
         if book is None:
             return
-        victims = book.adopt(rank, shard, digest, size_bytes)
-        if victims:
-            self.metrics.evicted(book.name, len(victims))
-        for victim, _ in victims:
-            self._evictions.append(Eviction(rank, book.name, victim))
-            self._gone(book.name, victim)
+        self._outbox.evicted(book, rank, book.adopt(rank, shard, digest, size_bytes), demote=False)
 
     def retain_for_session(self, session: str, digests: Sequence[bytes]) -> None:
         for book in self.books:

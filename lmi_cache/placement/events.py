@@ -98,6 +98,14 @@ class TierEventLog:
         self.journal: EventJournal | None = None  # keeps what the disk tier's chunks say across restarts
         self._num_published: dict[str, int] = {}  # tier -> chunks announced there now
 
+    def adopt_journal(self, journal: EventJournal) -> None:
+        """Announce the adopted disk files ``journal`` describes (oldest first: a parent before its child) and
+        keep journaling the disk tier's chunks there."""
+        for digests, blocks in journal.load():
+            self.describe(digests, blocks)
+        journal.rewrite(self.records_in(JOURNALED_TIER))
+        self.journal = journal
+
     def records_in(self, tier: str) -> list[Record]:
         """The chunks announced in ``tier``: their digests and descriptions (each chunk once)."""
         unique = {id(chunk): chunk for chunk in self._chunks.values() if tier in chunk.published}

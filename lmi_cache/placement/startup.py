@@ -9,7 +9,8 @@ file blocks, the functions the tiers count with), so the workers' tiers, which
 have the same sizes, never need to evict on their own. The disk tier's files
 of every rank of this replica are adopted oldest first (names and stat only: a
 file a worker later finds damaged is reported dropped; files over the budget
-are evicted with the first step).
+are evicted with the first step). The disk budgets also follow the free space
+of their filesystem (``disk_space``).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.metrics.series import SchedulerMetrics
 from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import PlacementDirectory, RemoteLookups
+from lmi_cache.placement.disk_space import DiskSpaceWatch
 from lmi_cache.tiers.disk import object_files
 from lmi_cache.tiers.disk.ranks import prune_orphan_rank_dirs, replica_rank_dirs
 from lmi_cache.tiers.entry_sizes import cpu_entry_bytes, disk_entry_bytes
@@ -35,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_directory(config: CacheConfig, *, replica: int, world_size: int, remote: RemoteLookups | None = None,
-                    retention: bool = False, metrics: SchedulerMetrics | None = None) -> PlacementDirectory:
+                    retention: bool = False, metrics: SchedulerMetrics | None = None,
+                    num_replicas: int = 1) -> PlacementDirectory:
     demote = config.disk_feed == "demote"
     specs = [
         TierSpec("cpu", config.cpu_capacity_bytes, cpu_entry_bytes, policy=config.cache_policy,
@@ -48,6 +51,8 @@ def build_directory(config: CacheConfig, *, replica: int, world_size: int, remot
                                    demote_to="disk" if demote else None, remote=remote, remote_writes=remote is not None,
                                    metrics=metrics)
     if config.disk_capacity_bytes > 0 and config.local_disk:
+        # The disk tier's budgets also follow its filesystem's free space (``disk_space``: why here).
+        directory.watch_space("disk", DiskSpaceWatch(config.local_disk, world_size, num_replicas=num_replicas))
         adopt_disk_files(directory, config, replica, world_size)
     return directory
 

@@ -31,20 +31,13 @@ Peer tier (``enable_p2p``): each worker rank serves its CPU tier to peers and
 reads chunks from the peer a request's router names (``lmi_cache.peer``); the
 scheduler asks that peer which chunks it holds, like the remote store.
 
-Hybrid state-space models (Mamba / linear-attention layers next to
-attention) are served with prefix caching in vLLM's "align" mode: the
-connector stores the state vLLM offers at each chunk boundary next to the
-attention chunks. vLLM offers a boundary's state only if it retains it, so
-``--prefix-cache-retention-interval`` should divide the chunk size; the
-scheduler warns at start when it does not (fewer boundaries are cached, never
-wrong ones). Without prefix caching there are no boundary states: refused.
+Hybrid state-space models are served with prefix caching in vLLM's "align"
+mode (``startup.warn_on_sparse_state_retention`` says how, and what it needs).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,22 +53,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from lmi_cache.blend.settings import BlendSettings, load_blend_settings
 from lmi_cache.keys.hashing import KeySpace
 from lmi_cache.keys.key_inputs import KeyRule, environment_trusts_mm_ids
-from lmi_cache.transfer.layouts import ExpectedGeometry
 from lmi_cache.vllm_connector.blending import BlendContext, ConnectorBlending, check_model
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
-from lmi_cache.vllm_connector.request_plan import SchedulerGeometry
 from lmi_cache.vllm_connector.scheduler_side import SchedulerSide
+from lmi_cache.vllm_connector.side_builders import (
+    Deployment,
+    build_scheduler_side,
+    build_worker_side,
+    start_worker_peer,
+    worker_rank_index,
+)
 from lmi_cache.vllm_connector.startup import (
     check_chunk_size,
-    dp_index,
-    drafter_identity,
     drafter_planning,
-    kv_dtype_name,
     kv_groups,
     load_cache_config,
-    parallel_sizes,
     warn_on_sparse_state_retention,
-    weights_identity,
 )
 from lmi_cache.vllm_connector.worker_side import WorkerSide
 
@@ -88,8 +81,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-    from lmi_cache.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -124,23 +115,21 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_groups = kv_groups(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             warn_on_sparse_state_retention(self._kv_groups, kv_cache_config, self._config.chunk_size)
-        self._model_id = str(vllm_config.model_config.model)
-        self._kv_dtype = kv_dtype_name(vllm_config)
-        self._tp_size, self._pp_size = parallel_sizes(vllm_config)
-        self._dp_index = dp_index(vllm_config)
         # Keys are built by the scheduler only (workers get them in the metadata): identify the weights there.
         # The peer tier's handshake compares it too, so with enable_p2p the workers identify the weights as well.
-        self._model_identity = (weights_identity(vllm_config) + drafter_identity(vllm_config)
-                                if role == KVConnectorRole.SCHEDULER or self._config.enable_p2p else "")
+        self._deployment = Deployment.of(vllm_config, self._config.chunk_size,
+                                         identify_weights=role == KVConnectorRole.SCHEDULER or self._config.enable_p2p)
         self._peer_node: Any = None  # lmi_cache.peer.node.PeerNode of this worker rank (enable_p2p)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._remote_lookups: Any = None
         if role == KVConnectorRole.SCHEDULER:
             key_rule = KeyRule(mm_ids_are_content=environment_trusts_mm_ids(vllm_config))
-            self._init_scheduler(block_size, key_rule, drafter_planning(vllm_config, block_size))
+            self._init_scheduler(vllm_config, kv_cache_config, block_size, key_rule,
+                                 drafter_planning(vllm_config, block_size))
         else:
-            self._init_worker(vllm_config, block_size)
+            self._worker = build_worker_side(self._config, self._deployment, vllm_config, block_size=block_size,
+                                             groups=self._kv_groups)
         self._blending: ConnectorBlending | None = None
         if blend_settings.enabled:
             metrics = self._scheduler.metrics if self._scheduler is not None else None
@@ -158,114 +147,25 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def key_space(self, layout_tag: str) -> KeySpace:
         """The deployment's key space for the workers' KV layout tag (the scheduler's keys, blending's segments)."""
-        return KeySpace(
-            model=self._model_id,
-            kv_dtype=self._kv_dtype,
-            layout=layout_tag,
-            chunk_size=self._config.chunk_size,
-            tp_size=self._tp_size,
-            pp_size=self._pp_size,
-            model_identity=self._model_identity,
-        )
+        return self._deployment.key_space(layout_tag)
 
-    def _init_scheduler(self, block_size: int, key_rule: KeyRule, drafter: tuple[int, int]) -> None:
+    def _init_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, block_size: int,
+                        key_rule: KeyRule, drafter: tuple[int, int]) -> None:
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             logger.info("lmi-cache: kv_load_failure_policy set to 'recompute' (a cache miss must not fail a request)")
-        geometry = SchedulerGeometry(
-            block_size_tokens=block_size,
-            chunk_size_tokens=self._config.chunk_size,
-            world_size=self._tp_size * self._pp_size,
-            min_retrieve_tokens=self._config.min_retrieve_tokens,
-            **({"groups": self._kv_groups} if self._kv_groups else {}),
-            drafter_backoff_tokens=drafter[0],
-            unfinal_tail_tokens=drafter[1],
-        )
-        from lmi_cache.metrics.series import SchedulerMetrics
-        from lmi_cache.metrics.server import note_where_metrics_go, serve_metrics
-
-        metrics = SchedulerMetrics(engine_label=str(self._dp_index))
-        note_where_metrics_go()
-        serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=geometry.world_size, rank=None)
-        from lmi_cache.placement.startup import build_directory, session_tracker
-        from lmi_cache.placement.event_journal import journal_path
-        from lmi_cache.vllm_connector.kv_events import event_blocks_reader
-
-        sessions = session_tracker(self._config)
-        directory = build_directory(self._config, replica=self._dp_index, world_size=geometry.world_size,
-                                    remote=self._open_remote_lookups(), retention=sessions is not None,
-                                    metrics=metrics)
-        reader = event_blocks_reader(self._vllm_config, self._kv_cache_config, block_size, self._config.chunk_size,
-                                     directory, journal_path(self._config.local_disk, self._dp_index))
-        peer_lookups = None
-        if self._config.enable_p2p:
-            from lmi_cache.peer.lookup import PeerLookups
-
-            peer_lookups = PeerLookups(self._config.peer_timeout_ms, geometry.world_size)
-        self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions,
-                                        key_rule=key_rule, chunk_blocks=reader, peer_lookups=peer_lookups)
-
-    def _open_remote_lookups(self) -> Any:
-        """The scheduler's client of the remote store (existence checks only, closed at shutdown), or None."""
-        from lmi_cache.placement.startup import open_remote_lookups
-
-        self._remote_lookups = open_remote_lookups(self._config)
-        return self._remote_lookups
-
-    def _init_worker(self, vllm_config: VllmConfig, block_size: int) -> None:
-        model_config = vllm_config.model_config
-        is_mla = bool(getattr(model_config, "use_mla", False))
-        geometry = ExpectedGeometry(
-            block_size_tokens=block_size,
-            num_kv_heads=1 if is_mla else int(model_config.get_num_kv_heads(vllm_config.parallel_config)),
-            head_size=int(model_config.get_head_size()),
-            is_mla=is_mla,
-        )
-        config = self._config
-
-        def make_engine() -> Engine:
-            from lmi_cache.engine import CacheEngine
-            from lmi_cache.metrics.series import CacheMetrics
-            from lmi_cache.metrics.server import serve_metrics
-            from lmi_cache.tiers.disk.ranks import rank_label
-
-            rank = self._rank_index()
-            metrics = CacheMetrics(str(rank), engine_label=str(self._dp_index))
-            # rank_label names the disk directory: rank<r>, or rank<r>-dp<d> for data-parallel replica d > 0.
-            engine = CacheEngine(config, metrics=metrics, rank_label=rank_label(rank, self._dp_index))
-            serve_metrics(metrics.registry, dp_rank=self._dp_index, world_size=self._tp_size * self._pp_size,
-                          rank=rank)
-            return engine
-
-        self._worker = WorkerSide(
-            rank_index=0, geometry=geometry, chunk_size_tokens=config.chunk_size, engine_factory=make_engine,
-            groups=self._kv_groups,
-        )
-
-    def _rank_index(self) -> int:
-        try:
-            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
-
-            return int(get_pp_group().rank_in_group) * self._tp_size + int(get_tensor_model_parallel_rank())
-        except Exception:  # noqa: BLE001 - no distributed state: a single-rank worker
-            return 0
+        self._scheduler, self._remote_lookups = build_scheduler_side(
+            self._config, self._deployment, vllm_config, kv_cache_config, block_size=block_size,
+            groups=self._kv_groups, drafter=drafter, key_rule=key_rule)
 
     # -- worker hooks --------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.rank_index = self._rank_index()
+        self._worker.rank_index = worker_rank_index(self._deployment.tp_size)
         self._worker.register_kv_caches(kv_caches)
         if self._config.enable_p2p:
-            from lmi_cache.engine import CacheEngine
-            from lmi_cache.peer.node import start_peer_node
-            from lmi_cache.peer.protocol import PeerIdentity
-
-            engine = self._worker.engine
-            if isinstance(engine, CacheEngine):
-                identity = PeerIdentity.of(self.key_space(self._worker.layout_tag))
-                self._peer_node = start_peer_node(self._config, identity, self._worker.rank_index,
-                                                  self._tp_size * self._pp_size, engine)
+            self._peer_node = start_worker_peer(self._config, self._deployment, self._worker)
         if self._blending is not None:
             assert self._worker.layout is not None
             self._blending.register(kv_caches, self._worker.layout, self._worker.rank_index)

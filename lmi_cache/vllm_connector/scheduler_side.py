@@ -64,12 +64,10 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from lmi_cache.keys.hashing import ChunkKey, KeySpace
+from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.keys.key_inputs import KeyRule
-from lmi_cache.keys.kv_groups import is_single_full_group
 from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics, SchedulerStats
 from lmi_cache.peer.hint import peer_hint
@@ -86,14 +84,12 @@ from lmi_cache.vllm_connector.request_plan import (
     plan_state_saves,
     plan_step,
 )
+from lmi_cache.vllm_connector.worker_layouts import KeySpaceFactory, WorkerLayouts
 
 if TYPE_CHECKING:
     from lmi_cache.peer.lookup import PeerLookups
 
 logger = logging.getLogger(__name__)
-
-# Builds the deployment's key space once the workers have reported their KV layout tag.
-KeySpaceFactory = Callable[[str], KeySpace]
 
 # (request, group, chunk) -> what that chunk's KV events say (``vllm_connector.kv_events.chunk_blocks``).
 ChunkBlocksReader = Callable[[Any, int, int], ChunkBlocks | None]
@@ -126,13 +122,10 @@ class SchedulerSide:
         # req id -> hit tokens of its last answered lookup, until admission counts it.
         self._answered: dict[str, int] = {}
         self._gpu_hit: dict[str, int] = {}  # req id -> vLLM's own prefix-cache hit at that lookup
-        self._key_space_factory = key_space
-        self._key_space: KeySpace | None = None  # set with layout_tag
-        self._group_spaces: tuple[KeySpace, ...] = ()  # one per KV cache group
         self.directory = directory
-        self.layout_tag: str | None = None
-        self._sized_ranks: set[int] = set()  # ranks whose chunk sizes arrived (they send them until all have)
-        self._disabled_reason: str | None = None
+        on_key_space = None if peer_lookups is None else (
+            lambda space: peer_lookups.set_identity(PeerIdentity.of(space)))
+        self._layouts = WorkerLayouts(geometry, key_space, directory, on_key_space)
         self._asks_without_layout = 0
         self._plans: dict[str, RequestPlan] = {}
         self._async_loads: set[str] = set()  # requests whose load goes out with the next metadata (loads_async)
@@ -142,14 +135,19 @@ class SchedulerSide:
 
     def _chunk_keys(self, request: RequestView) -> list[Sequence[tuple[ChunkKey, ...]]]:
         inputs = self.key_rule.inputs(request)
-        return [space.for_inputs(inputs).per_chunk for space in self._group_spaces]
+        return [space.for_inputs(inputs).per_chunk for space in self._layouts.group_spaces]
+
+    @property
+    def layout_tag(self) -> str | None:
+        """The workers' KV layout tag, once the first of them has reported it."""
+        return self._layouts.layout_tag
 
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
-        if self._disabled_reason is not None:
+        if self._layouts.disabled_reason is not None:
             self._answered[req_id] = 0
             return 0, False
-        if self._key_space is None:
+        if self._layouts.key_space is None:
             self._asks_without_layout += 1
             if self._asks_without_layout <= MAX_ASKS_WITHOUT_LAYOUT:
                 return None, False
@@ -258,7 +256,7 @@ class SchedulerSide:
     def finish_step(self, meta: LmiConnectorMetadata) -> None:
         """The step is planned (blending's jobs too): its evictions go out with it, its pins go."""
         meta.evictions = self.directory.take_evictions()
-        meta.layout_known = self.layout_tag is not None and len(self._sized_ranks) >= self.geometry.world_size
+        meta.layout_known = self._layouts.known
         self.directory.end_step()
 
     def _per_group(self, block_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:
@@ -286,39 +284,10 @@ class SchedulerSide:
     def update_from_workers(self, worker_meta: Any) -> None:
         if not isinstance(worker_meta, LmiWorkerMeta):
             return
-        tags = set(worker_meta.layout_tags.values())
-        if len(tags) > 1 and self._disabled_reason is None:
-            self._disabled_reason = f"ranks disagree on the KV layout: {sorted(tags)}"
-            logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
-        elif tags and self.layout_tag is None:
-            self.layout_tag = tags.pop()
-            self._set_key_space(self.layout_tag)
-        elif tags and self.layout_tag not in tags and self._disabled_reason is None:
-            self._disabled_reason = f"KV layout changed from {self.layout_tag} to {sorted(tags)}"
-            logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
-        for rank, sizes in worker_meta.chunk_bytes.items():
-            self._sized_ranks.add(rank)
-            for group, payload_bytes in sizes.items():
-                self.directory.set_chunk_bytes(rank, group, payload_bytes)
+        self._layouts.update(worker_meta)
         for rank in set(worker_meta.stored) | set(worker_meta.failed) | set(worker_meta.dropped):
             self.directory.complete(rank, worker_meta.stored.get(rank, ()), worker_meta.failed.get(rank, ()),
                                     worker_meta.dropped.get(rank, ()))
-
-    def _set_key_space(self, layout_tag: str) -> None:
-        space = self._key_space_factory(layout_tag)
-        geo = self.geometry
-        if space.chunk_size != geo.chunk_size_tokens or space.world_size != geo.world_size:
-            self._disabled_reason = (f"the key space ({space.chunk_size}-token chunks, {space.world_size} ranks) does "
-                                     f"not match the scheduler ({geo.chunk_size_tokens}-token chunks, "
-                                     f"{geo.world_size} ranks)")
-            logger.error("lmi-cache: %s; cache lookups disabled", self._disabled_reason)
-            return
-        self._key_space = space
-        if self._peer_lookups is not None:
-            self._peer_lookups.set_identity(PeerIdentity.of(space))
-        # One full-attention group keeps the keys of the group-unaware scheme; otherwise every group is named.
-        single = is_single_full_group(geo.groups)
-        self._group_spaces = tuple(space if single else replace(space, kv_group=g.key_tag) for g in geo.groups)
 
     def request_finished(self, req_id: str) -> None:
         self._plans.pop(req_id, None)

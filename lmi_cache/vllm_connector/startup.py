@@ -42,6 +42,11 @@ def dp_index(vllm_config: VllmConfig) -> int:
     return int(getattr(parallel, "data_parallel_index", None) or getattr(parallel, "data_parallel_rank", 0) or 0)
 
 
+def dp_size(vllm_config: VllmConfig) -> int:
+    """How many data-parallel replicas share this host's disk (1 without data parallelism)."""
+    return max(1, int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1))
+
+
 def weights_identity(vllm_config: VllmConfig) -> str:
     from lmi_cache.keys.model_identity import served_model_identity
 
@@ -137,7 +142,15 @@ def kv_groups(kv_cache_config: Any) -> tuple[KvCacheGroup, ...]:
 
 
 def warn_on_sparse_state_retention(groups: tuple[KvCacheGroup, ...], kv_cache_config: Any, chunk: int) -> None:
-    """A state group caches the boundaries vLLM retains; say so when not every chunk boundary is one of them."""
+    """A state group caches the boundaries vLLM retains; say so when not every chunk boundary is one of them.
+
+    Hybrid state-space models (Mamba / linear-attention layers next to attention) are served with prefix
+    caching in vLLM's "align" mode: the connector stores the state vLLM offers at each chunk boundary next to
+    the attention chunks. vLLM offers a boundary's state only if it retains it, so
+    ``--prefix-cache-retention-interval`` should divide the chunk size; this warns at start when it does not
+    (fewer boundaries are cached, never wrong ones). Without prefix caching there are no boundary states:
+    refused.
+    """
     interval = getattr(kv_cache_config, "prefix_cache_retention_interval", 0)
     if any(g.is_state for g in groups) and interval is not None and (interval <= 0 or chunk % interval):
         logger.warning("lmi-cache: vLLM retains Mamba states every %s tokens, so not every %d-token chunk boundary "

@@ -82,7 +82,7 @@ def test_scheduler_of_a_replica_seeds_from_its_own_live_ranks(setup: tuple[Path,
     assert book.name == "disk" and all(book.holds(d) for d in own)
     assert not any(book.knows(d) for d in other_replica | orphan)
     assert not (disk / "rank2-dp1").exists() and (disk / "rank0").exists()
-    assert connector._model_identity.startswith("content:") and "|dtype=float32" in connector._model_identity
+    assert connector._deployment.model_identity.startswith("content:") and "|dtype=float32" in connector._deployment.model_identity
 
 
 def test_identity_changes_the_scheduler_keys(setup: tuple[Path, Path]) -> None:

@@ -179,6 +179,33 @@ def test_a_store_it_never_planned_is_refused_counted_and_removed_again() -> None
     assert evictions(d) == [] and sample(d, "lmi_cache_placement_unplanned_stores_total", "cpu") == 1
 
 
+def test_a_store_evicted_before_its_confirmation_is_counted_apart_not_as_unplanned() -> None:
+    # Asynchronous scheduling: step 2 is planned before step 1's report, and evicts step 1's pending store.
+    d = directory(cpu_chunks=1)
+    assert d.prepare_store(keys(1), 0) == ("cpu",)
+    d.end_step()  # step 1 planned; its worker has not reported yet
+    assert d.prepare_store(keys(2), 0) == ("cpu",)  # step 2 needs the room: 1 (pending) is the victim
+    assert evictions(d) == [Eviction(0, "cpu", key(1).digest)]
+    d.complete(0, stored=[TierEvent("cpu", key(1).digest, PAYLOAD)])  # step 1's report crosses the eviction
+    assert sample(d, "lmi_cache_placement_evicted_before_confirm_total", "cpu") == 1
+    assert sample(d, "lmi_cache_placement_unplanned_stores_total", "cpu") is None  # no bug to signal
+    assert not d.books[0].knows(key(1).digest) and evictions(d) == [Eviction(0, "cpu", key(1).digest)]
+    d.complete(0, stored=[TierEvent("cpu", key(1).digest, PAYLOAD)])  # the same report again: now a stray
+    assert sample(d, "lmi_cache_placement_unplanned_stores_total", "cpu") == 1
+    assert sample(d, "lmi_cache_placement_evicted_before_confirm_total", "cpu") == 1
+
+
+def test_a_store_never_planned_stays_unplanned_after_a_failed_one_was_evicted() -> None:
+    d = directory(cpu_chunks=1)
+    d.prepare_store(keys(1), 0)
+    d.end_step()
+    d.prepare_store(keys(2), 0)  # 1 evicted while pending
+    d.complete(0, failed=[TierEvent("cpu", key(1).digest)])  # its store did not land: answered, forgotten
+    d.complete(0, stored=[TierEvent("cpu", key(1).digest, PAYLOAD)])  # a later report of it is a stray
+    assert sample(d, "lmi_cache_placement_unplanned_stores_total", "cpu") == 1
+    assert sample(d, "lmi_cache_placement_evicted_before_confirm_total", "cpu") is None
+
+
 def test_a_lease_keeps_a_held_chunk_across_steps_and_a_receive_is_planned_like_a_store() -> None:
     d = directory(cpu_chunks=2)
     store(d, 1)

@@ -2,9 +2,11 @@
 
 The configured size (GiB per rank) is an upper bound. When other files fill
 the filesystem, the effective budget of a directory shrinks to what the tier
-already holds there plus what is still free, less a small headroom, so the
-tier evicts its own oldest chunks instead of failing write after write with
-ENOSPC. ``statvfs`` is asked at most once per ``CHECK_INTERVAL_S`` per
+already holds there plus what is still free, less a small headroom; a write
+past it is refused (the tier's safety net) instead of failing with ENOSPC.
+The placement directory asks the same filesystems (``placement.disk_space``,
+with twice this headroom) and evicts the tier's oldest chunks before it gets
+there. ``statvfs`` is asked at most once per ``CHECK_INTERVAL_S`` per
 directory (and right after a write failed for lack of space); between checks
 the last answer stands.
 """
