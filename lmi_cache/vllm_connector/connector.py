@@ -199,9 +199,11 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                      directory, journal_path(self._config.local_disk, self._dp_index))
         peer_lookups = None
         if self._config.enable_p2p:
+            from lmi_cache.peer.holders import open_peer_holders
             from lmi_cache.peer.lookup import PeerLookups
 
-            peer_lookups = PeerLookups(self._config.peer_timeout_ms, geometry.world_size)
+            peer_lookups = PeerLookups(self._config.peer_timeout_ms, geometry.world_size,
+                                       holders=open_peer_holders(self._config))
         self._scheduler = SchedulerSide(geometry, self.key_space, directory, metrics, sessions=sessions,
                                         key_rule=key_rule, chunk_blocks=reader, peer_lookups=peer_lookups)
 

@@ -28,6 +28,10 @@ request it keeps a plan:
   the same chunks are asked of that peer (``lmi_cache.peer.lookup``, bounded by
   ``peer_timeout_ms``); a chunk the peer holds loads from it into a CPU-tier
   place the directory reserves (``prepare_load`` with source ``peer``).
+  Without a hint, with a Redis/Valkey store as well, the peer is one the
+  store's holder records name (``lmi_cache.peer.holders``); this side keeps
+  this server's own records (chunks its workers confirm in the CPU tier, and
+  withdrawals when the directory evicts them), sent once per step.
 * ``update_state_after_alloc``: confirms (or drops) the planned load. With
   ``saves=False`` (a blended request: its KV past the exact prefix is not
   exact) no chunk of the request is ever saved, even after a preemption.
@@ -98,6 +102,9 @@ KeySpaceFactory = Callable[[str], KeySpace]
 # (request, group, chunk) -> what that chunk's KV events say (``vllm_connector.kv_events.chunk_blocks``).
 ChunkBlocksReader = Callable[[Any, int, int], ChunkBlocks | None]
 
+# The tier peers read from (the peer server serves the CPU tier), so the one the holder records describe.
+ADVERTISED_TIER = "cpu"
+
 # How many times a request may be deferred while no worker has reported its layout.
 MAX_ASKS_WITHOUT_LAYOUT = 200
 
@@ -121,6 +128,8 @@ class SchedulerSide:
         self._chunk_blocks = chunk_blocks  # None: no KV events (the directory keeps no descriptions)
         self._sessions = sessions  # None: no session retention
         self._peer_lookups = peer_lookups  # None: the peer tier is off (enable_p2p)
+        # This server's records in the shared store of what its CPU tier holds (None: no such records).
+        self._holders = peer_lookups.holders if peer_lookups is not None else None
         # One set of series with the directory's (the connector passes the same object to both).
         self.metrics = metrics if metrics is not None else directory.metrics
         # req id -> hit tokens of its last answered lookup, until admission counts it.
@@ -258,6 +267,9 @@ class SchedulerSide:
     def finish_step(self, meta: LmiConnectorMetadata) -> None:
         """The step is planned (blending's jobs too): its evictions go out with it, its pins go."""
         meta.evictions = self.directory.take_evictions()
+        if self._holders is not None:
+            self._holders.gone([e.digest for e in meta.evictions.get(0, ()) if e.tier == ADVERTISED_TIER])
+            self._holders.flush()
         meta.layout_known = self.layout_tag is not None and len(self._sized_ranks) >= self.geometry.world_size
         self.directory.end_step()
 
@@ -303,6 +315,19 @@ class SchedulerSide:
         for rank in set(worker_meta.stored) | set(worker_meta.failed) | set(worker_meta.dropped):
             self.directory.complete(rank, worker_meta.stored.get(rank, ()), worker_meta.failed.get(rank, ()),
                                     worker_meta.dropped.get(rank, ()))
+        if self._holders is not None:
+            self._note_holdings(worker_meta)
+
+    def _note_holdings(self, worker_meta: LmiWorkerMeta) -> None:
+        """Rank 0's CPU-tier changes for the holder records (a peer asks every rank before it reads)."""
+        assert self._holders is not None
+        cpu = next((book for book in self.directory.books if book.name == ADVERTISED_TIER), None)
+        if cpu is None:
+            return
+        self._holders.held([e.digest for e in worker_meta.stored.get(0, ())
+                            if e.tier == ADVERTISED_TIER and cpu.holds(e.digest)])
+        lost = [*worker_meta.failed.get(0, ()), *worker_meta.dropped.get(0, ())]
+        self._holders.gone([e.digest for e in lost if e.tier == ADVERTISED_TIER])
 
     def _set_key_space(self, layout_tag: str) -> None:
         space = self._key_space_factory(layout_tag)
