@@ -16,9 +16,9 @@ own field; the digest already names everything the chunk key covers (model,
 KV dtype, layout, TP/PP size, LoRA, salt), so servers that could not share a
 chunk never name the same record.
 
-Writes are queued by the scheduler and sent from a background thread, one
-pipelined round trip per step (coalesced: a chunk stored and evicted within
-one step costs nothing), never waited for. A store that is down drops them,
+Writes are noted by the scheduler as its workers report and sent from a
+background thread in pipelined round trips (coalesced: a chunk stored and
+evicted before the write goes out costs nothing), never waited for. A store that is down drops them,
 and the first write after it answers again re-advertises everything held.
 A lookup is one pipelined HGETALL of the chunks' rank-0 digests on a client
 with the remote tier's ``lookup_timeout_ms``; expired fields and this
@@ -39,9 +39,10 @@ trip.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Container, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lmi_cache.metrics.series import RateLimitedWarner
@@ -74,7 +75,7 @@ class HolderStore(Protocol):
 
 
 class PeerHolders:
-    """See the module docstring. ``held``/``gone``/``flush`` from the scheduler thread; ``holders_of`` from any."""
+    """See the module docstring. Thread-safe; the scheduler notes and flushes, lookup threads ask."""
 
     def __init__(self, store: HolderStore, own: PeerAddress, *, advertise: bool, timeout_ms: int,
                  ttl_s: int = HOLDER_TTL_S, backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
@@ -89,57 +90,68 @@ class PeerHolders:
         self._pending: dict[bytes, bool] = {}  # digest -> advertise (True) or withdraw (False), not sent yet
         self._refresh_at = time.monotonic() + ttl_s / 3
         self._resend_all = False  # a write failed: send everything held with the next one
+        self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmi-peer-holders",
                                           initializer=unpin_current_thread)
-        self._writing: Future[None] | None = None
+        self._writing = False  # a drain runs on the writer thread
 
     def name_for(self, digest: bytes) -> str:
         return f"{self._store.key_prefix}:peer:{KEY_VERSION}:{digest.hex()}"
 
-    # -- advertising (scheduler thread) --------------------------------------------------
+    # -- advertising (the scheduler thread notes, the writer thread sends) ------------------
 
     def held(self, digests: Sequence[bytes]) -> None:
         """These rank-0 digests are now in this server's CPU tier."""
         if self.advertise:
-            for digest in digests:
-                self._held[digest] = None
-                self._pending[digest] = True
+            with self._lock:
+                for digest in digests:
+                    self._held[digest] = None
+                    self._pending[digest] = True
 
     def gone(self, digests: Sequence[bytes]) -> None:
         """These left the CPU tier (evicted, demoted, lost): withdraw the ones advertised."""
-        for digest in digests:
-            if digest in self._held:
-                del self._held[digest]
-                self._pending[digest] = False
+        with self._lock:
+            for digest in digests:
+                if digest in self._held:
+                    del self._held[digest]
+                    self._pending[digest] = False
 
     def flush(self) -> None:
-        """Send what changed (every third of the TTL: everything held) unless a write is still in flight."""
+        """Start sending what changed (every third of the TTL: everything held); never waits. A write in flight
+        sends what is noted meanwhile when it is done."""
         if not self.advertise:
             return
-        if self._writing is not None and not self._writing.done():
-            self._bound_pending()
-            return
-        now = time.monotonic()
-        if now >= self._refresh_at or self._resend_all:
-            self._refresh_at, self._resend_all = now + self._ttl_s / 3, False
-            self._pending.update(dict.fromkeys(self._held, True))
-        if not self._pending:
-            return
-        if not self._backoff.allow():
-            self._bound_pending()
-            return
-        batch, self._pending = self._pending, {}
+        with self._lock:
+            now = time.monotonic()
+            if now >= self._refresh_at or self._resend_all:
+                self._refresh_at, self._resend_all = now + self._ttl_s / 3, False
+                self._pending.update(dict.fromkeys(self._held, True))
+            if self._writing or not self._pending:
+                return
+            if not self._backoff.allow():
+                if len(self._pending) > MAX_PENDING:
+                    self._pending.clear()  # lost withdrawals leave stale records: a miss for whoever reads them
+                    self._resend_all = True
+                return
+            self._writing = True
         try:
-            self._writing = self._writer.submit(self._write, batch)
+            self._writer.submit(self._drain)
         except RuntimeError:  # closed
-            self._writing = None
+            pass
 
-    def _bound_pending(self) -> None:
-        if len(self._pending) > MAX_PENDING:
-            self._pending.clear()  # lost withdrawals leave stale records: a miss for whoever reads them
-            self._resend_all = True
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._pending = self._pending, {}
+                if not batch:
+                    self._writing = False
+                    return
+            if not self._write(batch):
+                with self._lock:
+                    self._writing = False
+                return
 
-    def _write(self, batch: Mapping[bytes, bool]) -> None:
+    def _write(self, batch: Mapping[bytes, bool]) -> bool:
         own, ttl_s = self.own.text, self._ttl_s
         expiry = int(time.time()) + ttl_s
 
@@ -155,12 +167,14 @@ class PeerHolders:
         try:
             self._store.pipeline(commands, lookup=False)
         except StoreError as err:
-            self._resend_all = True
+            with self._lock:
+                self._resend_all = True  # the batch is dropped; what is still held goes with the next write
             if self._backoff.failed():
                 self._warner.warn("holders-write", f"lmi-cache: peer holder records not written ({err}); peers "
                                                    "find this server's chunks only by hints until the store answers")
-            return
+            return False
         self._backoff.succeeded()
+        return True
 
     # -- lookups (any thread) ------------------------------------------------------------
 

@@ -31,7 +31,7 @@ request it keeps a plan:
   Without a hint, with a Redis/Valkey store as well, the peer is one the
   store's holder records name (``lmi_cache.peer.holders``); this side keeps
   this server's own records (chunks its workers confirm in the CPU tier, and
-  withdrawals when the directory evicts them), sent once per step.
+  withdrawals when the directory evicts them), sent as they happen.
 * ``update_state_after_alloc``: confirms (or drops) the planned load. With
   ``saves=False`` (a blended request: its KV past the exact prefix is not
   exact) no chunk of the request is ever saved, even after a preemption.
@@ -328,6 +328,7 @@ class SchedulerSide:
                             if e.tier == ADVERTISED_TIER and cpu.holds(e.digest)])
         lost = [*worker_meta.failed.get(0, ()), *worker_meta.dropped.get(0, ())]
         self._holders.gone([e.digest for e in lost if e.tier == ADVERTISED_TIER])
+        self._holders.flush()  # now: the step that confirmed a request's last chunks may be the server's last
 
     def _set_key_space(self, layout_tag: str) -> None:
         space = self._key_space_factory(layout_tag)
