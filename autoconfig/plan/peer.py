@@ -34,6 +34,10 @@ class PeerPlan:
         return {"host": self.host, "init_ports": list(self.init_ports), "lookup_ports": list(self.lookup_ports),
                 "transport": self.transport, "timeout_ms": self.timeout_ms}
 
+    def summary(self) -> str:
+        """What ``plan``'s peer tier line and ``serve``'s cache line say of it."""
+        return f"on at {self.host}, ports {list(self.init_ports)} / {list(self.lookup_ports)}, over {self.transport}"
+
     def lmcache_keys(self) -> dict[str, Any]:
         return {"enable_p2p": True, "p2p_host": self.host, "p2p_init_ports": list(self.init_ports),
                 "p2p_lookup_ports": list(self.lookup_ports), "transfer_channel": "mooncake"}

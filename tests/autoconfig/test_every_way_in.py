@@ -169,6 +169,8 @@ def test_the_peer_tier_is_planned_alike_whichever_way_in(way: str, tmp_path: Pat
     assert "Peer tier" in text and "ports [9100] / [9101], over tcp" in text
     served = dry_run(mdir, tmp_path, **env)
     assert served.exit_code == 0 and "Traceback" not in served.output, served.output
+    cache_line = next(line for line in served.output.splitlines() if "cache: " in line)
+    assert "peer tier on at 127.0.0.1, ports [9100] / [9101], over tcp" in cache_line, cache_line
     assert (plan["serve"]["cache_mode"] == "auto") == (way in ("option", "OPTION_env"))
     if plan["serve"]["cache_mode"] == "auto":  # the planned YAML (what serve writes) carries the plan
         from lmi_cache.config.cache_config import config_from_dict
