@@ -180,6 +180,16 @@ def test_the_peer_tier_is_planned_alike_whichever_way_in(way: str, tmp_path: Pat
         assert config.peer_transport == "tcp"
 
 
+def test_the_plan_says_how_a_request_without_a_hint_finds_a_peer(tmp_path: Path) -> None:
+    base = "option.lmcache_auto_config=true\noption.lmcache_enable_p2p=true\n"
+    alone = run(["plan", "--model-dir", str(model_dir(tmp_path / "alone", base)), *SMALL], tmp_path)
+    shared = run(["plan", "--model-dir", str(model_dir(tmp_path / "shared", base + "option.lmcache_remote_url="
+                                                       "redis://cache:6379\n")), *SMALL], tmp_path)
+    assert alone.exit_code == 0 and shared.exit_code == 0, alone.output + shared.output
+    assert "without a hint no peer is asked" in alone.stdout
+    assert "without a hint, a holder is found through the records" in shared.stdout
+
+
 def test_peer_ports_that_do_not_fit_the_ranks_are_refused(tmp_path: Path) -> None:
     mdir = model_dir(tmp_path, "option.lmcache_auto_config=true\noption.lmcache_enable_p2p=true\n"
                                "option.lmcache_p2p_init_ports=9100\noption.lmcache_p2p_lookup_ports=9101,9103\n")
