@@ -202,3 +202,48 @@ def test_peer_advertise_is_a_typed_switch() -> None:
     with pytest.raises(ConfigError, match="peer_advertise"):
         config_from_dict({"enable_p2p": True, "extra_config": {"peer_advertise": "sometimes"}})
 
+
+
+class _AskedHolders:
+    """Holder records that say who was asked about what (no store)."""
+
+    timeout_ms = 200
+
+    def __init__(self, answer: list[dict[PeerAddress, int]] | None = None) -> None:
+        self.asked: list[bytes] = []
+        self._answer = answer
+
+    def holders_of(self, digests: list[bytes]) -> list[dict[PeerAddress, int]]:
+        self.asked = list(digests)
+        return self._answer if self._answer is not None else [{} for _ in digests]
+
+    def held(self, digests: list[bytes]) -> None:
+        pass
+
+    gone = held
+
+    def flush(self) -> None:
+        pass
+
+    close = flush
+
+
+def test_with_tensor_parallelism_the_store_is_asked_about_rank_0s_entries_only() -> None:
+    records = _AskedHolders()
+    side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, 2), key_space(2), directory(CHUNK),
+                         peer_lookups=PeerLookups(2000, 2, holders=records))  # type: ignore[arg-type]
+    side.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG, 1: TAG}))
+    assert ask_until_answered(side, plain("r")) == (0, False)
+    assert records.asked == [k.digest for k in rank_keys(PROMPT, 0, 2)[:3]]  # what rank 0 advertises
+    assert peer_outcomes(side) == {"no_holder": 1.0}
+
+
+def test_the_holder_of_the_longest_leading_run_is_chosen() -> None:
+    from lmi_cache.peer.holders import choose_holder
+
+    a, b, c = (PeerAddress("10.0.0.1", 8200), PeerAddress("10.0.0.2", 8200), PeerAddress("10.0.0.3", 8200))
+    found = [{a: 5, b: 1}, {b: 1}, {a: 5, b: 1, c: 9}]
+    assert choose_holder(found, ()) == b  # chunks 0-2 against a's chunk 0 only
+    assert choose_holder(found, {b}) == a  # b did not answer lately
+    assert choose_holder([{a: 5, c: 9}], ()) == c  # a tie: the latest advertised
+    assert choose_holder([{}, {a: 5}], ()) is None  # a run starts at the first chunk
