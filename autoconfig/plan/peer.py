@@ -15,6 +15,7 @@ from typing import Any
 
 from autoconfig.plan.settings import ServingSettings
 from lmi_cache.config.peer import DEFAULT_INIT_PORT
+from lmi_cache.remote.url import REDIS_SCHEMES, parse_remote_url
 from lmi_cache.errors import UserError
 
 
@@ -33,6 +34,10 @@ class PeerPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"host": self.host, "init_ports": list(self.init_ports), "lookup_ports": list(self.lookup_ports),
                 "transport": self.transport, "timeout_ms": self.timeout_ms}
+
+    def summary(self) -> str:
+        """What ``plan``'s peer tier line and ``serve``'s cache line say of it."""
+        return f"on at {self.host}, ports {list(self.init_ports)} / {list(self.lookup_ports)}, over {self.transport}"
 
     def lmcache_keys(self) -> dict[str, Any]:
         return {"enable_p2p": True, "p2p_host": self.host, "p2p_init_ports": list(self.init_ports),
@@ -71,8 +76,16 @@ def plan_peer(settings: ServingSettings, rdma_drivers: list[str], why: list[str]
                f"p2p_init_ports[r] = {list(init)} and answers lookups on p2p_lookup_ports[r] = {list(lookup)} "
                f"({source}), at {host} (p2p_host{'' if asked.p2p_host else ': 127.0.0.1 reaches this host only'}); "
                f"transport {transport}: {reason}; a peer read gives up after {plan.timeout_ms} ms (peer_timeout_ms) "
-               f"and vLLM recomputes")
+               f"and vLLM recomputes{_discovery_text(asked.remote_url)}")
     return plan
+
+
+def _discovery_text(remote_url: str | None) -> str:
+    """How a request with no hint finds a peer: through the Redis/Valkey store's holder records, or not at all."""
+    if remote_url and parse_remote_url(remote_url).scheme in REDIS_SCHEMES:
+        return ("; without a hint, a holder is found through the records every server keeps in the remote "
+                "Redis/Valkey store (extra_config.peer_advertise)")
+    return "; without a hint no peer is asked (a Redis/Valkey lmcache_remote_url lets servers find holders)"
 
 
 def _ports(init: tuple[int, ...] | None, lookup: tuple[int, ...] | None,

@@ -77,9 +77,8 @@ def _remote(plan: "TierPlan") -> str:
 
 
 def _peer(plan: "TierPlan") -> str:
-    peer = plan.peer
-    assert peer is not None
-    return f"on at {peer.host}, ports {list(peer.init_ports)} / {list(peer.lookup_ports)}, over {peer.transport}"
+    assert plan.peer is not None
+    return plan.peer.summary()
 
 
 def _tier(enabled: bool, num_bytes: int, tokens: int, path: str | None) -> str:

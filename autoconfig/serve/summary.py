@@ -87,17 +87,27 @@ def planned_parts(plan: "TierPlan") -> list[str]:
     cpu, disk = plan.cpu, plan.disk
     return [f"CPU tier {cpu.bytes_per_rank / GIB:.2f} GiB/rank" if cpu.enabled else "CPU tier off",
             f"disk tier {disk.bytes_per_rank / GIB:.2f} GiB/rank at {disk.path}" if disk.enabled else "disk tier off",
-            f"chunk {plan.chunk_size} tokens"]
+            f"chunk {plan.chunk_size} tokens",
+            *([f"peer tier {plan.peer.summary()}"] if plan.peer is not None else [])]
 
 
 def _parts(cfg: "CacheConfig") -> list[str]:
-    """The same three parts, from the settings the engine will read."""
+    """The same parts, from the settings the engine will read."""
     on_disk = cfg.local_disk and cfg.max_local_disk_size > 0
     return [f"CPU tier {cfg.max_local_cpu_size:.2f} GiB/rank" if cfg.local_cpu and cfg.max_local_cpu_size > 0
             else "CPU tier off",
             f"disk tier {cfg.max_local_disk_size:.2f} GiB/rank at {','.join(cfg.local_disk)}" if on_disk
             else "disk tier off",
-            f"chunk {cfg.chunk_size} tokens"]
+            f"chunk {cfg.chunk_size} tokens",
+            *([_peer_part(cfg)] if cfg.enable_p2p else [])]
+
+
+def _peer_part(cfg: "CacheConfig") -> str:
+    from lmi_cache.config.peer import DEFAULT_INIT_PORT
+
+    ports = (f"ports {list(cfg.p2p_init_ports)} / {list(cfg.p2p_lookup_ports)}" if cfg.p2p_init_ports
+             else f"ports {DEFAULT_INIT_PORT} + 2 x rank")
+    return f"peer tier on at {cfg.p2p_host or '127.0.0.1'}, {ports}, over {cfg.peer_transport}"
 
 
 # The variables behind each part of the cache line, in _parts' order.

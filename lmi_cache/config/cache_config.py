@@ -99,6 +99,7 @@ class CacheConfig:
     peer_transport: str = "tcp"  # tcp | rdma | efa
     peer_timeout_ms: int = 2000  # a peer read gives up after this; vLLM recomputes
     peer_lease_ms: int = 5000  # a peer pins chunks for a reader at most this long
+    peer_advertise: bool = True  # with a Redis/Valkey store: record there which chunks this server holds
 
     @property
     def cpu_capacity_bytes(self) -> int:

@@ -18,19 +18,22 @@ lmi_cache's ``extra_config`` keys: ``peer_transport`` (``tcp``, ``rdma`` or
 ``efa``: the engine's transport; autoconfig picks it from the probe),
 ``peer_timeout_ms`` (a peer read gives up after this and vLLM recomputes;
 default 2000), ``peer_lease_ms`` (how long a peer keeps chunks pinned for a
-reader that never says it is done; default 5000).
+reader that never says it is done; default 5000), ``peer_advertise`` (with a
+Redis/Valkey ``remote_url`` too, write "chunk -> this server" records into
+that store so peers find chunks without a router's hint; default true:
+``lmi_cache.peer.holders``).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lmi_cache.config.values import parse_int, parse_optional_str, show
+from lmi_cache.config.values import parse_bool, parse_int, parse_optional_str, show
 from lmi_cache.errors import ConfigError
 
 if TYPE_CHECKING:
     from lmi_cache.config.cache_config import CacheConfig
 
-PEER_EXTRA_KEYS = ("peer_transport", "peer_timeout_ms", "peer_lease_ms")
+PEER_EXTRA_KEYS = ("peer_transport", "peer_timeout_ms", "peer_lease_ms", "peer_advertise")
 PEER_TRANSPORTS = ("tcp", "rdma", "efa")
 TRANSFER_CHANNELS = ("mooncake",)
 MAX_PEER_TIMEOUT_MS = 600_000
@@ -73,6 +76,8 @@ def parse_peer_extra(key: str, value: Any, where: str) -> Any:
         return name
     if key in ("peer_timeout_ms", "peer_lease_ms"):
         return parse_int(value, where, minimum=1, maximum=MAX_PEER_TIMEOUT_MS)
+    if key == "peer_advertise":
+        return parse_bool(value, where)
     raise KeyError(key)
 
 

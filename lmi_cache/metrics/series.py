@@ -199,7 +199,8 @@ class SchedulerMetrics:
         )}
         self._peer_lookups = Counter(
             "lmi_cache_peer_lookups", "Batched peer existence checks of the scheduler, by outcome "
-            "(answered, or why not: timeout, unreachable, refused, bad_reply)", ["engine", "outcome"], registry=r)
+            "(answered, or why not: timeout, unreachable, refused, bad_reply; without a hint: no_holder, "
+            "store_down)", ["engine", "outcome"], registry=r)
 
     def count(self, name: str, amount: float = 1) -> None:
         """One of the scheduler's own counts (see ``_steps``) grows by ``amount``."""

@@ -2,12 +2,12 @@
 
 A router names the peer in the request, as vLLM's p2p tier takes it:
 ``kv_transfer_params: {"remote_kv_source": {"remote_host": H, "remote_port": P}}``,
-where P is the peer's ``p2p_init_ports`` port of rank 0. Only hints are
-used to find a peer: a router that sends a prefix to a server already
-knows (from the KV events every server publishes) which server holds it, and
-a second discovery path (scanning a shared store for holders) would need
-that store on every deployment and costs a round trip per lookup; see
-docs/fleet.md.
+where P is the peer's ``p2p_init_ports`` port of rank 0. A hint always
+wins: a router that sends a prefix to a server knows (from the KV events
+every server publishes) which server holds it. Without one, a server whose
+remote tier is a Redis/Valkey store finds a holder through the records
+every server keeps there (``lmi_cache.peer.holders``, which says why the
+store and not the events); see docs/fleet.md.
 
 A planned load from a peer names it in its source, ``peer@H:P``, so the
 worker reads from the peer the scheduler asked (``source_tier`` strips it).

@@ -8,6 +8,13 @@ r's keys to its rank r) on a small thread pool, nothing is pinned (the
 worker leases chunks when it reads them), and it gives up after
 ``timeout_ms``: every chunk is then a miss, with the outcome counted
 (answered, timeout, unreachable, refused, bad_reply).
+
+Without a hint, with the fleet's shared store keeping holder records
+(``lmi_cache.peer.holders``), ``discover`` first asks the store which other
+server holds the leading chunks (one round trip, bounded by the store's
+lookup timeout), then asks that server as above: a stale record is a miss
+there, never a planned load (outcomes no_holder and store_down besides). A
+holder that did not answer, or refused us, is passed over for ``DOWN_FOR_S``.
 """
 from __future__ import annotations
 
@@ -20,20 +27,23 @@ from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.metrics.series import RateLimitedWarner
 from lmi_cache.peer.control import PeerControl, PeerFault
 from lmi_cache.peer.hint import PeerAddress
+from lmi_cache.peer.holders import NO_HOLDER, PeerHolders, choose_holder
 from lmi_cache.peer.protocol import PeerIdentity
 from lmi_cache.thread_affinity import unpin_current_thread
 
 
 logger = logging.getLogger(__name__)
+DOWN_FOR_S = 30.0  # a holder the store named that did not answer is not chosen again for this long
 
 
 class PendingPeerLookup:
-    """One in-flight question; ``poll()``: per key, whether the peer holds it, or None while asked."""
+    """One in-flight question; ``poll()``: per key, whether the peer holds it, or None while asked. ``peer``: the
+    peer asked (the hint's; for ``discover``, the holder the store named, known once answered)."""
 
-    def __init__(self, future: Future[list[bool]], num_keys: int, deadline: float, peer: PeerAddress,
-                 warner: RateLimitedWarner) -> None:
+    def __init__(self, future: Future[tuple[PeerAddress, list[bool]]], num_keys: int, deadline: float,
+                 peer: PeerAddress | None, warner: RateLimitedWarner) -> None:
         self._future = future
-        self._peer = peer
+        self.peer = peer
         self._warner = warner
         self._num_keys = num_keys
         self._deadline = deadline
@@ -42,7 +52,8 @@ class PendingPeerLookup:
     def poll(self) -> list[bool] | None:
         if self._future.done():
             try:
-                return self._future.result()
+                self.peer, held = self._future.result()
+                return held
             except PeerFault as fault:
                 return self._miss(fault.reason, str(fault))
             except Exception as err:  # noqa: BLE001 - any fault of the question is a miss
@@ -53,17 +64,20 @@ class PendingPeerLookup:
 
     def _miss(self, outcome: str, detail: str) -> list[bool]:
         self.outcome = outcome
-        self._warner.warn(f"peer-{outcome}", f"lmi-cache: peer {self._peer.text} not asked ({detail}); its chunks "
-                                             "are misses")
+        if outcome != NO_HOLDER:  # no other server holds the prefix: the usual case, not a fault
+            who = f"peer {self.peer.text}" if self.peer is not None else "the shared store's holder of a prefix"
+            self._warner.warn(f"peer-{outcome}", f"lmi-cache: {who} not asked ({detail}); its chunks are misses")
         return [False] * self._num_keys
 
 
 class PeerLookups:
     """See the module docstring. The identity is known once the workers report their KV layout."""
 
-    def __init__(self, timeout_ms: int, world_size: int) -> None:
+    def __init__(self, timeout_ms: int, world_size: int, holders: PeerHolders | None = None) -> None:
         self.timeout_ms = timeout_ms
+        self.holders = holders  # None: only a router's hint finds a peer
         self._world_size = world_size
+        self._down: dict[PeerAddress, float] = {}  # holders that did not answer -> until when they are passed over
         self._control: PeerControl | None = None
         self._warner = RateLimitedWarner(logger)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmi-peer-lookup",
@@ -75,8 +89,29 @@ class PeerLookups:
     def ask(self, peer: PeerAddress, keys: Sequence[ChunkKey]) -> PendingPeerLookup:
         """``keys``: flat, every rank's key of a chunk in rank order, chunk after chunk."""
         deadline = time.monotonic() + self.timeout_ms / 1000
-        future = self._pool.submit(self._ask, peer, list(keys), deadline)
+        future = self._pool.submit(lambda: (peer, self._ask(peer, list(keys), deadline)))
         return PendingPeerLookup(future, len(keys), deadline, peer, self._warner)
+
+    def discover(self, keys: Sequence[ChunkKey]) -> PendingPeerLookup:
+        """``ask`` the server the shared store names as holding the leading chunks (needs ``holders``)."""
+        assert self.holders is not None, "no holder records"
+        deadline = time.monotonic() + (self.holders.timeout_ms + self.timeout_ms) / 1000
+        future = self._pool.submit(self._discover, list(keys), deadline)
+        return PendingPeerLookup(future, len(keys), deadline, None, self._warner)
+
+    def _discover(self, keys: list[ChunkKey], deadline: float) -> tuple[PeerAddress, list[bool]]:
+        assert self.holders is not None
+        found = self.holders.holders_of([key.digest for key in keys[:: self._world_size]])  # rank 0's entries
+        now = time.monotonic()
+        peer = choose_holder(found, {p for p, until in list(self._down.items()) if until > now})
+        if peer is None:
+            raise PeerFault(NO_HOLDER, "no other server holds the first chunk")
+        try:
+            return peer, self._ask(peer, keys, deadline)
+        except PeerFault as fault:
+            if fault.reason in ("unreachable", "timeout", "refused"):  # refused: another model or layout
+                self._down[peer] = time.monotonic() + DOWN_FOR_S
+            raise
 
     def _ask(self, peer: PeerAddress, keys: list[ChunkKey], deadline: float) -> list[bool]:
         control = self._control
@@ -102,3 +137,5 @@ class PeerLookups:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.holders is not None:
+            self.holders.close()

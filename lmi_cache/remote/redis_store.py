@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from lmi_cache.errors import ConfigError
 from lmi_cache.remote.settings import PASSWORD_ENV, USERNAME_ENV, RemoteSettings
@@ -185,6 +185,19 @@ class RedisStore(RemoteStore):
             pipe.execute()
         except Exception as err:
             raise self._error("put", err) from None
+
+    def pipeline(self, commands: Callable[[Any], object], *, lookup: bool) -> list[Any]:
+        """The commands ``commands(pipe)`` queues on a redis-py pipeline, sent in one round trip; their replies.
+
+        For small records other parts keep in the same store (the peer tier's holders), on the lookup client
+        (its short timeout) or the I/O client."""
+        client = self._client(lookup)
+        try:
+            pipe = client.pipeline(transaction=False)
+            commands(pipe)
+            return list(pipe.execute())
+        except Exception as err:
+            raise self._error("pipeline", err) from None
 
     def ping(self) -> None:
         try:

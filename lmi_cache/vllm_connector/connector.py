@@ -217,6 +217,8 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._peer_node = None
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
         if self._remote_lookups is not None:
             self._remote_lookups.close(flush_timeout_s=0.0)
             self._remote_lookups = None

@@ -10,7 +10,9 @@ are asked about the chunks beyond the local hit in one batched, asynchronous
 existence check each: while one is in flight the answer is "pending" (None:
 vLLM asks again next step, the scheduler never waits); each answer is kept for
 the request until its local hit changes. A chunk both hold loads from the peer
-(one hop, no second copy).
+(one hop, no second copy). Without a hint, and with holder records in the
+fleet's shared store (``peer.holders``), the peer is the one the store names;
+it is kept as the request's peer once it answered that it holds chunks.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ def find_hit_tokens(geo: SchedulerGeometry, directory: PlacementDirectory, metri
     remote: set[tuple[int, int]] | None = set()
     peer: set[tuple[int, int]] | None = set()
     hinted = plan.peer if peers is not None else None  # the peer to ask: the router's hint, with the peer tier on
-    if directory.remote is not None or hinted is not None:
+    discover = peers is not None and hinted is None and peers.holders is not None  # else: the store's holder
+    if directory.remote is not None or hinted is not None or discover:
         useful_chunks = min(num_chunks, max(num_tokens - 1, 0) // geo.chunk_size_tokens)
         first = min(_leading(held, group, num_chunks) for group in range(len(keys)))
         if directory.remote is not None:
@@ -55,6 +58,11 @@ def find_hit_tokens(geo: SchedulerGeometry, directory: PlacementDirectory, metri
         if peers is not None and hinted is not None:
             peer = _unmirrored_hits(geo, metrics, plan, plan.peer_check, "peer",
                                     functools.partial(peers.ask, hinted), first, useful_chunks)
+        elif peers is not None and discover:
+            peer = _unmirrored_hits(geo, metrics, plan, plan.peer_check, "peer", peers.discover, first,
+                                    useful_chunks)
+            if peer:  # loads name this peer (``request_plan``), later checks ask it directly
+                plan.peer = plan.peer_check.answered_by
         if remote is None or peer is None:
             return None
     elsewhere = (remote or set()) | (peer or set())
@@ -91,6 +99,7 @@ def _unmirrored_hits(geo: SchedulerGeometry, metrics: SchedulerMetrics, plan: Re
         if found is None:
             return None
         outcome = getattr(check.pending, "outcome", "answered")
+        check.answered_by = getattr(check.pending, "peer", None)
         ranks = geo.world_size
         pairs = [(g, c) for c in range(first, end) for g in range(num_groups)]
         check.found = {pair for i, pair in enumerate(pairs) if all(found[i * ranks : (i + 1) * ranks])}

@@ -101,6 +101,7 @@ class ExistenceCheck:
     from_chunk: int = -1  # first chunk the question covers (-1: not asked yet)
     pending: Any = None  # the in-flight question (``poll()`` answers), None once answered
     found: set[tuple[int, int]] | None = None  # (group, chunk) from from_chunk present on every rank
+    answered_by: Any = None  # who answered (a peer found through the shared store's holder records)
 
 
 @dataclass
@@ -112,7 +113,9 @@ class RequestPlan:
     load_range: tuple[int, int] | None = None  # tokens [start, end) to load
     load_confirmed: bool = False
     remote: ExistenceCheck = field(default_factory=ExistenceCheck)  # in the remote store
-    peer: PeerAddress | None = None  # the peer the request's router names (kv_transfer_params), if any
+    # The peer the request's router names (kv_transfer_params), else the one the shared store named as holding
+    # its leading chunks (``peer.holders``), if any.
+    peer: PeerAddress | None = None
     peer_check: ExistenceCheck = field(default_factory=ExistenceCheck)  # at that peer
     # The load spec the last lookup found: (group, chunk) -> the tier holding it on every rank ("remote" and
     # "peer" too), so planning the load asks the directory nothing again (vLLM's kv_offload keeps its load spec

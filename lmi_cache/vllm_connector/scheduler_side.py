@@ -28,6 +28,10 @@ request it keeps a plan:
   the same chunks are asked of that peer (``lmi_cache.peer.lookup``, bounded by
   ``peer_timeout_ms``); a chunk the peer holds loads from it into a CPU-tier
   place the directory reserves (``prepare_load`` with source ``peer``).
+  Without a hint, with a Redis/Valkey store as well, the peer is one the
+  store's holder records name (``lmi_cache.peer.holders``); this side keeps
+  this server's own records (chunks its workers confirm in the CPU tier, and
+  withdrawals when the directory evicts them), sent as they happen.
 * ``update_state_after_alloc``: confirms (or drops) the planned load. With
   ``saves=False`` (a blended request: its KV past the exact prefix is not
   exact) no chunk of the request is ever saved, even after a preemption.
@@ -71,6 +75,7 @@ from lmi_cache.keys.key_inputs import KeyRule
 from lmi_cache.eviction.session_tracker import SessionTracker
 from lmi_cache.metrics.series import SchedulerMetrics, SchedulerStats
 from lmi_cache.peer.hint import peer_hint
+from lmi_cache.peer.holders import ADVERTISED_TIER
 from lmi_cache.peer.protocol import PeerIdentity
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.events import ChunkBlocks
@@ -117,6 +122,8 @@ class SchedulerSide:
         self._chunk_blocks = chunk_blocks  # None: no KV events (the directory keeps no descriptions)
         self._sessions = sessions  # None: no session retention
         self._peer_lookups = peer_lookups  # None: the peer tier is off (enable_p2p)
+        # This server's records in the shared store of what its CPU tier holds (None: no such records).
+        self._holders = peer_lookups.holders if peer_lookups is not None else None
         # One set of series with the directory's (the connector passes the same object to both).
         self.metrics = metrics if metrics is not None else directory.metrics
         # req id -> hit tokens of its last answered lookup, until admission counts it.
@@ -256,6 +263,8 @@ class SchedulerSide:
     def finish_step(self, meta: LmiConnectorMetadata) -> None:
         """The step is planned (blending's jobs too): its evictions go out with it, its pins go."""
         meta.evictions = self.directory.take_evictions()
+        if self._holders is not None:
+            self._holders.note_evictions(meta.evictions.get(0, ()))
         meta.layout_known = self._layouts.known
         self.directory.end_step()
 
@@ -288,6 +297,17 @@ class SchedulerSide:
         for rank in set(worker_meta.stored) | set(worker_meta.failed) | set(worker_meta.dropped):
             self.directory.complete(rank, worker_meta.stored.get(rank, ()), worker_meta.failed.get(rank, ()),
                                     worker_meta.dropped.get(rank, ()))
+        if self._holders is not None:
+            cpu = next((book for book in self.directory.books if book.name == ADVERTISED_TIER), None)
+            if cpu is not None:
+                self._holders.note_reports(worker_meta.stored.get(0, ()),
+                                           [*worker_meta.failed.get(0, ()), *worker_meta.dropped.get(0, ())],
+                                           still_held=cpu.holds)
+
+    def close(self) -> None:
+        """Stop the peer lookups (their pool, the holder records' client and writer thread)."""
+        if self._peer_lookups is not None:
+            self._peer_lookups.close()
 
     def request_finished(self, req_id: str) -> None:
         self._plans.pop(req_id, None)

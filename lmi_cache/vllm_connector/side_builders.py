@@ -104,9 +104,10 @@ def build_scheduler_side(
                                  directory, journal_path(config.local_disk, replica))
     peer_lookups = None
     if config.enable_p2p:
+        from lmi_cache.peer.holders import open_peer_holders
         from lmi_cache.peer.lookup import PeerLookups
 
-        peer_lookups = PeerLookups(config.peer_timeout_ms, geometry.world_size)
+        peer_lookups = PeerLookups(config.peer_timeout_ms, geometry.world_size, holders=open_peer_holders(config))
     side = SchedulerSide(geometry, deployment.key_space, directory, metrics, sessions=sessions, key_rule=key_rule,
                          chunk_blocks=reader, peer_lookups=peer_lookups)
     return side, remote_lookups

@@ -169,6 +169,8 @@ def test_the_peer_tier_is_planned_alike_whichever_way_in(way: str, tmp_path: Pat
     assert "Peer tier" in text and "ports [9100] / [9101], over tcp" in text
     served = dry_run(mdir, tmp_path, **env)
     assert served.exit_code == 0 and "Traceback" not in served.output, served.output
+    cache_line = next(line for line in served.output.splitlines() if "cache: " in line)
+    assert "peer tier on at 127.0.0.1, ports [9100] / [9101], over tcp" in cache_line, cache_line
     assert (plan["serve"]["cache_mode"] == "auto") == (way in ("option", "OPTION_env"))
     if plan["serve"]["cache_mode"] == "auto":  # the planned YAML (what serve writes) carries the plan
         from lmi_cache.config.cache_config import config_from_dict
@@ -176,6 +178,16 @@ def test_the_peer_tier_is_planned_alike_whichever_way_in(way: str, tmp_path: Pat
         config, _ = config_from_dict(plan["lmcache_config"])
         assert config.enable_p2p and config.p2p_init_ports == (9100,) and config.p2p_lookup_ports == (9101,)
         assert config.peer_transport == "tcp"
+
+
+def test_the_plan_says_how_a_request_without_a_hint_finds_a_peer(tmp_path: Path) -> None:
+    base = "option.lmcache_auto_config=true\noption.lmcache_enable_p2p=true\n"
+    alone = run(["plan", "--model-dir", str(model_dir(tmp_path / "alone", base)), *SMALL], tmp_path)
+    shared = run(["plan", "--model-dir", str(model_dir(tmp_path / "shared", base + "option.lmcache_remote_url="
+                                                       "redis://cache:6379\n")), *SMALL], tmp_path)
+    assert alone.exit_code == 0 and shared.exit_code == 0, alone.output + shared.output
+    assert "without a hint no peer is asked" in alone.stdout
+    assert "without a hint, a holder is found through the records" in shared.stdout
 
 
 def test_peer_ports_that_do_not_fit_the_ranks_are_refused(tmp_path: Path) -> None:
