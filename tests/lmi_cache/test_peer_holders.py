@@ -222,6 +222,12 @@ class _AskedHolders:
 
     gone = held
 
+    def note_evictions(self, evictions: object) -> None:
+        pass
+
+    def note_reports(self, stored: object, lost: object, still_held: object) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 
