@@ -13,6 +13,7 @@ mark that module, or import vLLM inside the glue package only.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -20,8 +21,10 @@ import sys
 import tempfile
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from engine_starts import ENGINE_STARTS_KEY, engine_starts_line
 
 VLLM_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bmark\.vllm\b", re.MULTILINE)
 E2E_DIR = Path(__file__).parent / "e2e"
@@ -106,8 +109,27 @@ def _start_mypy() -> tuple[subprocess.Popen[str], Path]:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if any(item.path == TYPING_TEST for item in session.items):
+    # Under pytest-xdist every worker collects every test: mypy then starts in the one that runs it (fixture).
+    if any(item.path == TYPING_TEST for item in session.items) and not os.environ.get("PYTEST_XDIST_WORKER"):
         session.config.stash[_MYPY] = _start_mypy()
+
+
+_WORKER_ENGINE_STARTS = pytest.StashKey[dict[str, int]]()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a worker finished (controller process)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    starts = getattr(node, "workeroutput", {}).get(ENGINE_STARTS_KEY)
+    if starts:
+        total = node.config.stash.setdefault(_WORKER_ENGINE_STARTS, {})
+        for name, count in starts.items():
+            total[name] = total.get(name, 0) + count
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    starts = terminalreporter.config.stash.get(_WORKER_ENGINE_STARTS, None)
+    if starts:
+        terminalreporter.write_line(engine_starts_line(starts))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -37,6 +37,7 @@ import pytest
 from shared_jobs import SHARED, TINY_CONNECTOR, TINY_REFERENCE, SharedJobs, gemma2_model_dir, jobs_used_by, tiny_model_dir
 
 from e2e_support import run_job
+from engine_starts import ENGINE_STARTS_KEY, engine_starts_line
 
 # The end-to-end jobs inherit this: they run the native copy kernels (a start-up error if they
 # cannot load), so CI proves the production path; the kernel unit tests compare native and torch.
@@ -53,6 +54,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).parent == here:
             item.add_marker(pytest.mark.vllm)
+            # Under pytest-xdist's ``--dist loadgroup`` every e2e test runs in one worker: the shared jobs,
+            # the job slots and the engine-start count are that process's, while the other worker runs the
+            # fast tier on the core vLLM's starts leave idle.
+            item.add_marker(pytest.mark.xdist_group("e2e"))
 
 
 def _count_engine_starts(root: Path) -> dict[str, int]:
@@ -69,8 +74,14 @@ def _count_engine_starts(root: Path) -> dict[str, int]:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _ENGINE_STARTS:
-        detail = ", ".join(f"{name} {n}" for name, n in sorted(_ENGINE_STARTS.items()))
-        terminalreporter.write_line(f"e2e: {sum(_ENGINE_STARTS.values())} vLLM engine starts ({detail})")
+        terminalreporter.write_line(engine_starts_line(_ENGINE_STARTS))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist sends the worker's output to the controller
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None and _ENGINE_STARTS:
+        workeroutput[ENGINE_STARTS_KEY] = dict(_ENGINE_STARTS)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 Slow (one server start): checks what the fake server cannot, that documents
 are sized with vLLM's own ``/tokenize`` and that a repeated document is
-measured as a faster first token.
+found in vLLM's prefix cache the second time.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from lmi_cache.bench.cli import bench
+from lmi_cache.bench.paired import scrape_total
 from lmi_cache.bench.vllm_server import ServerSpec, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -31,6 +32,7 @@ def test_bench_long_doc_qa_on_vllm(tmp_path: Path) -> None:
             ["--url", server.url, "--num-documents", "2", "--document-tokens", "1024", "--output-tokens", "4",
              "--concurrency", "1", "--ignore-eos", "--json", str(out)],
         )
+        hit_tokens = scrape_total(server.url, "vllm:prefix_cache_hits")
     assert run.exit_code == 0, run.output
     data = json.loads(out.read_text())
     assert data["settings"]["model"] == "tiny"
@@ -41,5 +43,7 @@ def test_bench_long_doc_qa_on_vllm(tmp_path: Path) -> None:
         assert request["completion_tokens"] == 4
         assert 1024 < request["prompt_tokens"] < 1024 + 64
     warmup, query = data["rounds"]
-    # 1024 tokens are 8 full blocks: the query round recomputes only the question.
-    assert query["ttft_s"]["mean"] < warmup["ttft_s"]["mean"]
+    assert warmup["ttft_s"]["mean"] > 0 and query["ttft_s"]["mean"] > 0
+    # 1024 tokens are 8 full blocks: the query round finds both documents' blocks in vLLM's prefix cache
+    # (the server's own count, not a timing: the suite shares its cores with other work).
+    assert hit_tokens >= 2 * 1024 - 2 * 128

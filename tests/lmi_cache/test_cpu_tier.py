@@ -169,6 +169,16 @@ def test_concurrent_readers_and_writers_never_see_wrong_bytes() -> None:
     assert tier.used_bytes <= tier.capacity_bytes
 
 
+@pytest.fixture()
+def warmer_on_any_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warmer at normal priority: under SCHED_IDLE it waits for an idle core, which a busy test machine may not have.
+
+    Its idle-only policy has its own test (``test_the_warmer_runs_only_on_idle_cores``).
+    """
+    monkeypatch.setattr("lmi_cache.tiers.host_memory._run_only_when_idle", lambda: None)
+
+
+@pytest.mark.usefixtures("warmer_on_any_core")
 def test_keep_warm_fills_the_pool_with_touched_buffers_in_the_background() -> None:
     import time
 
@@ -196,6 +206,7 @@ def _wait_for_pool(allocator: HostAllocator, num_bytes: int) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.usefixtures("warmer_on_any_core")
 def test_headroom_lets_the_warmer_touch_the_tiers_unused_budget() -> None:
     """Until the CPU tier is full its buffers come touched, not faulted in on vLLM's critical path."""
     size = size_class_bytes(100_000)
@@ -245,6 +256,7 @@ def test_page_locked_pools_keep_their_fixed_limit() -> None:
     allocator.trim()
 
 
+@pytest.mark.usefixtures("warmer_on_any_core")
 def test_an_engines_cpu_tier_budget_is_kept_warm() -> None:
     from lmi_cache.config.cache_config import CacheConfig
     from lmi_cache.engine import CacheEngine
