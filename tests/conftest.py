@@ -115,6 +115,25 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 _WORKER_ENGINE_STARTS = pytest.StashKey[dict[str, int]]()
+E2E_PREFIX = "tests/e2e/"
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook (controller process), under ``-n``
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Every e2e test in one worker, every other test spread over the workers one by one.
+
+    The e2e tier's shared vLLM jobs, job slots and engine-start count belong to one process (two workers
+    each starting the shared jobs and two jobs at once would overload a 2-core machine), while the other
+    worker runs the fast tier on the core vLLM's starts leave idle. (xdist's own ``loadgroup`` marks do not
+    group under pytest 9.2, which no longer reads the node id that xdist rewrites.)
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class E2eInOneWorker(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return "e2e" if nodeid.startswith(E2E_PREFIX) else nodeid
+
+    return E2eInOneWorker(config, log)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a worker finished (controller process)

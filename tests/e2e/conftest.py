@@ -54,10 +54,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).parent == here:
             item.add_marker(pytest.mark.vllm)
-            # Under pytest-xdist's ``--dist loadgroup`` every e2e test runs in one worker: the shared jobs,
-            # the job slots and the engine-start count are that process's, while the other worker runs the
-            # fast tier on the core vLLM's starts leave idle.
-            item.add_marker(pytest.mark.xdist_group("e2e"))
 
 
 def _count_engine_starts(root: Path) -> dict[str, int]:
