@@ -64,6 +64,9 @@ def plan_peer(settings: ServingSettings, rdma_drivers: list[str], why: list[str]
     """The peer tier's plan when ``option.lmcache_enable_p2p`` (or the LMCache key) asks for it, else None."""
     asked = settings.overrides
     if not asked.enable_p2p:
+        if asked.peer_holders is not None and asked.peer_holders.own:
+            warn.append("lmcache_peer_holders_url ignored: it is where the peer tier finds holders, and the peer "
+                        "tier is off (set lmcache_enable_p2p=true)")
         return None
     if settings.engine != "lmi_cache":
         warn.append("lmcache_enable_p2p ignored: upstream LMCache's P2P needs its own controller; the peer tier is "

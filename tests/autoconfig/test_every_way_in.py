@@ -204,6 +204,10 @@ def test_the_plan_says_how_a_request_without_a_hint_finds_a_peer(tmp_path: Path)
     assert "holders: records in the remote store redis://cache:6379" in lines["shared"]
     assert f"holders: records in {HOLDERS} (peer_holders_url, no KV there)" in lines["own"]
     assert lines["both"] == lines["own"]  # the records' own store wins over the remote tier's
+    off = run(["plan", "--model-dir", str(model_dir(tmp_path / "off", "option.lmcache_auto_config=true\n" + own)),
+               *SMALL], tmp_path)
+    assert off.exit_code == 0 and "! lmcache_peer_holders_url ignored: it is where the peer tier finds holders, " \
+                                  "and the peer tier is off" in off.stdout, off.output
 
 
 def test_a_holder_store_that_is_not_redis_or_valkey_is_refused_whichever_way_in(tmp_path: Path) -> None:
