@@ -18,6 +18,8 @@ came from. Tier overrides the planner honours (per rank, LMCache semantics):
 - ``option.lmcache_enable_p2p``          true/false: the peer tier (read a prefix from the server a
   request's router names); with ``option.lmcache_p2p_host``, ``_p2p_init_ports``,
   ``_p2p_lookup_ports`` (one port per rank, e.g. ``8200,8202``; planned when unset)
+- ``option.lmcache_peer_holders_url``    a Redis/Valkey where peers find each other's chunks
+  without a hint (holder records only, no KV; default: a Redis/Valkey ``lmcache_remote_url``)
 - ``option.lmcache_engine``              ``lmi_cache`` (default) or ``lmcache`` (upstream
   LMCache's connector, when that package is installed)
 - ``option.lmcache_enable_blending``     true/false: blending in LmiCacheConnector; with
@@ -59,6 +61,7 @@ from autoconfig.lmi.option_values import (
 )
 from autoconfig.lmi.workers import canonical_name, check_server_keys, default_replicas, lmi_devices, noted, worker_gpus
 from autoconfig.plan.settings import ServingSettings, TierOverrides
+from lmi_cache.config.peer import holder_records
 from lmi_cache.errors import UserError
 from lmi_cache.plain_files import PlainFileError, read_text_file
 
@@ -203,6 +206,7 @@ def resolve_properties(
     dp_option = get.value("data_parallel_degree", positive_int, None)
     recipe = find_recipe(options, env, mdir)
     engine = get.value("lmcache_engine", engine_name, "lmi_cache")
+    remote_url = _remote_url(options)
     settings = ServingSettings(
         tp=tp,
         pp=pp,
@@ -218,12 +222,13 @@ def resolve_properties(
             disk_path=get.value("lmcache_local_disk", abs_dir_path, None),
             chunk_size=get.value("lmcache_chunk_size", positive_int, None),
             use_odirect=get.value("lmcache_use_odirect", parse_bool, None),
-            remote_url=_remote_url(options),
+            remote_url=remote_url,
             session_retention_share=get.value("lmcache_session_retention_share", share, None),
             enable_p2p=get.value("lmcache_enable_p2p", parse_bool, None),
             p2p_host=get.value("lmcache_p2p_host", nonempty, None),
             p2p_init_ports=get.value("lmcache_p2p_init_ports", _ports, None),
             p2p_lookup_ports=get.value("lmcache_p2p_lookup_ports", _ports, None),
+            peer_holders=holder_records(_holders_url(options), remote_url),
         ),
     )
     auto = get.value("lmcache_auto_config", parse_bool, False)
@@ -323,6 +328,20 @@ def _remote_url(options: Mapping[str, RawOption]) -> str | None:
     except ConfigError as err:
         raise PropertiesError(f"{opt.where}: {err}") from None
     return opt.value.strip()
+
+
+def _holders_url(options: Mapping[str, RawOption]) -> str | None:
+    """option.lmcache_peer_holders_url, checked as the engine checks it; errors never echo the URL."""
+    opt = options.get("lmcache_peer_holders_url")
+    if opt is None or not opt.value.strip():
+        return None
+    from lmi_cache.config.peer import parse_holders_url
+    from lmi_cache.errors import ConfigError
+
+    try:
+        return parse_holders_url(opt.value.strip(), opt.where)
+    except ConfigError as err:
+        raise PropertiesError(str(err)) from None
 
 
 def _check_upstream_lmcache(where: str) -> None:

@@ -43,6 +43,7 @@ LMCACHE_OPTIONS = frozenset({
     "lmcache_max_local_disk_size", "lmcache_local_disk", "lmcache_chunk_size", "lmcache_use_odirect",
     "lmcache_engine", "lmcache_remote_url", "lmcache_session_retention_share",
     "lmcache_enable_p2p", "lmcache_p2p_host", "lmcache_p2p_init_ports", "lmcache_p2p_lookup_ports",
+    "lmcache_peer_holders_url",
 }) | frozenset(BLEND_OPTIONS)
 
 # vLLM arguments that serve controls itself: a user value would break the

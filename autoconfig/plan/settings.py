@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lmi_cache.blend.settings import BlendSettings
+from lmi_cache.config.peer import HolderRecords
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class TierOverrides:
     p2p_init_ports: tuple[int, ...] | None = None
     p2p_lookup_ports: tuple[int, ...] | None = None
     peer_timeout_ms: int | None = None
+    # Where peers find holders without a hint, resolved by lmi_cache.config.peer.holder_records from
+    # peer_holders_url and a Redis/Valkey remote_url (None: hints only); own=True is written as peer_holders_url.
+    peer_holders: HolderRecords | None = None
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,8 @@ def lmcache_labels(data: Mapping[str, Any] | None, source: str, env: Mapping[str
 
 def overrides_of(cfg: "CacheConfig") -> TierOverrides:
     """The tiers an LMCache config asks for, as planner overrides (the planner checks them against the host)."""
+    from lmi_cache.config.peer import holder_records
+
     disk_on = bool(cfg.local_disk) and cfg.max_local_disk_size > 0  # LMCache's reader says when one half is missing
     return TierOverrides(
         cpu_size_gib=cfg.max_local_cpu_size if cfg.local_cpu else 0.0,
@@ -89,4 +91,5 @@ def overrides_of(cfg: "CacheConfig") -> TierOverrides:
         p2p_init_ports=cfg.p2p_init_ports or None,
         p2p_lookup_ports=cfg.p2p_lookup_ports or None,
         peer_timeout_ms=cfg.peer_timeout_ms if cfg.enable_p2p else None,
+        peer_holders=holder_records(cfg.peer_holders_url, cfg.remote_url),
     )

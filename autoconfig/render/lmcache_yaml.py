@@ -40,6 +40,8 @@ def lmcache_dict(plan: "TierPlan") -> dict[str, Any]:
         data.update(plan.peer.lmcache_keys())
         data["extra_config"]["peer_transport"] = plan.peer.transport
         data["extra_config"]["peer_timeout_ms"] = plan.peer.timeout_ms
+        if plan.peer.holders is not None and plan.peer.holders.own:
+            data["extra_config"]["peer_holders_url"] = plan.peer.holders.url
     if plan.blend is not None:  # LMCache's own top-level keys, read by LmiCacheConnector
         data.update(plan.blend.to_lmcache_dict())
     return data

@@ -103,11 +103,13 @@ def _parts(cfg: "CacheConfig") -> list[str]:
 
 
 def _peer_part(cfg: "CacheConfig") -> str:
-    from lmi_cache.config.peer import DEFAULT_INIT_PORT
+    from autoconfig.plan.peer import holders_text
+    from lmi_cache.config.peer import DEFAULT_INIT_PORT, holder_records
 
     ports = (f"ports {list(cfg.p2p_init_ports)} / {list(cfg.p2p_lookup_ports)}" if cfg.p2p_init_ports
              else f"ports {DEFAULT_INIT_PORT} + 2 x rank")
-    return f"peer tier on at {cfg.p2p_host or '127.0.0.1'}, {ports}, over {cfg.peer_transport}"
+    return (f"peer tier on at {cfg.p2p_host or '127.0.0.1'}, {ports}, over {cfg.peer_transport}; "
+            f"{holders_text(holder_records(cfg.peer_holders_url, cfg.remote_url))}")
 
 
 # The variables behind each part of the cache line, in _parts' order.

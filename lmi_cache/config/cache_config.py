@@ -99,7 +99,8 @@ class CacheConfig:
     peer_transport: str = "tcp"  # tcp | rdma | efa
     peer_timeout_ms: int = 2000  # a peer read gives up after this; vLLM recomputes
     peer_lease_ms: int = 5000  # a peer pins chunks for a reader at most this long
-    peer_advertise: bool = True  # with a Redis/Valkey store: record there which chunks this server holds
+    peer_advertise: bool = True  # record in the holder store which chunks this server holds
+    peer_holders_url: str | None = None  # a Redis/Valkey for holder records only (else a Redis/Valkey remote_url)
 
     @property
     def cpu_capacity_bytes(self) -> int:
@@ -283,7 +284,7 @@ def _check(config: CacheConfig, source: str, warnings: list[str]) -> None:
     if remote is not None and not remote.served and config.remote_serde != "naive":
         warnings.append(f"{source}: remote_serde {config.remote_serde} is not used (no remote tier for "
                         f"{scheme}://); lmi_cache's remote tier stores KV losslessly (remote_serde: naive)")
-    check_peer(config, source)
+    warnings += check_peer(config, source)
     remote_settings(config, source)  # a served URL the store cannot use is an error now, not at the first request
 
 

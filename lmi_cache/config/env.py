@@ -14,6 +14,7 @@ from lmi_cache.config.keys import (
     DEPRECATED_ALIASES,
     ENV_NON_KEY_NAMES,
     ENV_NON_KEY_PREFIXES,
+    EXTRA_CONFIG_KEYS,
     LEGACY_KEYS,
     LMCACHE_KEYS,
 )
@@ -53,6 +54,10 @@ def misspelt_env_warnings(env: Mapping[str, str]) -> list[str]:
     for name in sorted(n for n in env if n.startswith("LMCACHE_") and n not in known):
         rest = name[len("LMCACHE_"):]
         if rest in ENV_NON_KEY_NAMES or rest.startswith(ENV_NON_KEY_PREFIXES):
+            continue
+        if rest.lower() in EXTRA_CONFIG_KEYS:  # LMCache reads extra_config from one variable, as a mapping
+            out.append(f"env {name}: not an LMCache variable, ignored; {rest.lower()} is an extra_config key: set "
+                       f"LMCACHE_EXTRA_CONFIG='{{\"{rest.lower()}\": ...}}'")
             continue
         close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.85)
         if close:

@@ -211,5 +211,6 @@ EXTRA_CONFIG_KEYS: frozenset[str] = frozenset(
     {"use_odirect", "disk_feed", "disk_fsync", "disk_write_workers", "disk_read_workers", "disk_queue_depth",
      "remote_compression", "remote_io_timeout_ms", "remote_put_queue_bytes", "remote_key_prefix", "remote_ttl_s",
      "remote_cluster", "s3_endpoint_url", "s3_region", "remote_max_workers", "session_retention_share",
-     "peer_transport", "peer_timeout_ms", "peer_lease_ms", "peer_advertise"}
+     "peer_transport", "peer_timeout_ms", "peer_lease_ms", "peer_advertise",
+     "peer_holders_url"}
 )

@@ -87,6 +87,15 @@ def remote_settings(config: CacheConfig, source: str = "config") -> RemoteSettin
     url = config.remote_url
     if not url or not parse_remote_url(url).served:
         return None
+    return store_settings(config, url, source)
+
+
+def store_settings(config: CacheConfig, url: str, source: str = "config") -> RemoteSettings:
+    """Settings for a store at ``url`` with the remote tier's timeouts, key prefix, cluster mode and backoff.
+
+    One reading of those keys for every Redis/Valkey client lmi_cache opens: the remote
+    tier's and the peer tier's holder records (which may live in a store of their own).
+    """
     from lmi_cache.remote.settings import RemoteSettings
 
     options = {field: getattr(config, key) for key, field in REMOTE_EXTRA_KEYS.items()}

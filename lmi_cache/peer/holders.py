@@ -1,7 +1,9 @@
 """PeerHolders: which servers' CPU tiers hold a chunk, kept in the fleet's shared Redis/Valkey (scheduler process).
 
 Without a router's hint a server still finds a peer that holds a prefix when
-the peer tier and a Redis/Valkey remote tier are both on. Every server
+the peer tier has a holder store: ``extra_config.peer_holders_url`` (a
+Redis/Valkey for these records only, so no KV is copied to it) or else a
+Redis/Valkey ``remote_url`` (``lmi_cache.config.peer.holder_records``). Every server
 advertises each chunk its CPU tier holds (rank 0's entry, once its worker
 confirms it) as one field of a hash per chunk digest:
 ``<remote_key_prefix>:peer:v1:<digest hex>`` -> ``{"host:port": expiry}``,
@@ -34,7 +36,8 @@ Why the shared store and not the KV events every server publishes: a reader
 of events must subscribe to every server and keep the fleet's state as it
 changes (a router's job, with a process of its own); the store is already
 there for the remote tier, keeps the state itself, and a lookup is one round
-trip.
+trip. A fleet that wants no second copy of its KV runs a small Valkey for the
+records alone (``peer_holders_url``).
 """
 from __future__ import annotations
 
@@ -259,33 +262,32 @@ def choose_holder(found: Sequence[Mapping[PeerAddress, int]], skip: Container[Pe
 
 
 def open_peer_holders(config: CacheConfig) -> PeerHolders | None:
-    """The holder records of a server with the peer tier and a Redis/Valkey remote tier, or None (then only a
-    router's hint finds a peer). Connects on first use: a store that is down costs misses, not a failed start."""
+    """The holder records of a server with the peer tier, in ``peer_holders_url`` or a Redis/Valkey remote
+    tier's store, or None (then only a router's hint finds a peer). Connects on first use: a store that is
+    down costs misses, not a failed start."""
     if not config.enable_p2p:
         return None
-    from lmi_cache.config.peer import peer_ports
-    from lmi_cache.config.remote import remote_settings
+    from lmi_cache.config.peer import holder_settings, peer_ports
 
-    settings = remote_settings(config, "lmi-cache config")
-    if settings is None:
+    found = holder_settings(config, "lmi-cache config")
+    if found is None:
+        logger.info("lmi-cache: peers are found by routers' hints only (holder records need "
+                    "extra_config.peer_holders_url or a Redis/Valkey remote_url)")
         return None
-    if settings.kind == "s3":
-        logger.info("lmi-cache: peers are found by routers' hints only (holder records need a Redis/Valkey "
-                    "remote_url, not S3)")
-        return None
+    settings, own = found
     from lmi_cache.peer.node import DEFAULT_HOST
     from lmi_cache.remote.redis_store import RedisStore
 
     ports = peer_ports(config, 0)
     assert ports is not None, "rank 0 always has peer ports"
-    own = PeerAddress(config.p2p_host or DEFAULT_HOST, ports[0])
-    holders = PeerHolders(RedisStore(settings), own, advertise=config.peer_advertise,
+    address = PeerAddress(config.p2p_host or DEFAULT_HOST, ports[0])
+    holders = PeerHolders(RedisStore(settings), address, advertise=config.peer_advertise,
                           timeout_ms=settings.lookup_timeout_ms, backoff_initial_s=settings.backoff_initial_s,
                           backoff_max_s=settings.backoff_max_s)
+    where = f"{settings.display_url} ({'peer_holders_url' if own else 'the remote tier store'})"
     if config.peer_advertise:
-        logger.info("lmi-cache: peers find this server's CPU-tier chunks in %s as %s%s", settings.display_url,
-                    own.text, "" if config.p2p_host else " (p2p_host unset: reachable from this host only)")
+        logger.info("lmi-cache: peers find this server's CPU-tier chunks in %s as %s%s", where, address.text,
+                    "" if config.p2p_host else " (p2p_host unset: reachable from this host only)")
     else:
-        logger.info("lmi-cache: peer_advertise is off: this server looks up holders in %s but names none",
-                    settings.display_url)
+        logger.info("lmi-cache: peer_advertise is off: this server looks up holders in %s but names none", where)
     return holders

@@ -82,19 +82,20 @@ class RemoteUrl:
         return parts.netloc, parts.path.strip("/")
 
 
-def parse_remote_url(text: str) -> RemoteUrl:
+def parse_remote_url(text: str, name: str = "remote_url") -> RemoteUrl:
     """Check ``text`` as a ``remote_url``; ConfigError (one line, credentials redacted) when it cannot be used.
 
     Any scheme LMCache knows parses; a served one must also say where its store is:
     Redis/Valkey a host (the port defaults to 6379, as in redis-py) and a valid
-    port if one is given, ``unix://`` a socket path, ``s3://`` a bucket.
+    port if one is given, ``unix://`` a socket path, ``s3://`` a bucket. ``name``
+    is the setting messages call it (the peer tier's holder store is checked here too).
     """
     scheme = text.partition("://")[0].lower() if "://" in text else ""
     if scheme == "file":
         return RemoteUrl(text, scheme)
     if scheme not in REMOTE_URL_SCHEMES:
         shown = f"scheme {scheme[:20]!r}" if scheme else "a value without a scheme://"
-        raise ConfigError(f"remote_url has {shown}, an unsupported scheme LMCache does not know either; use "
+        raise ConfigError(f"{name} has {shown}, an unsupported scheme LMCache does not know either; use "
                           f"{', '.join(s + '://' for s in sorted(SERVED_REMOTE_SCHEMES))} (or another of "
                           "LMCache's remote backends)")
     url = RemoteUrl(text, scheme)
@@ -104,13 +105,13 @@ def parse_remote_url(text: str) -> RemoteUrl:
         parts = urlsplit(text)
         host, _ = parts.hostname, parts.port  # .port raises ValueError on a bad one
     except ValueError:
-        raise ConfigError(f"remote_url {url.redacted!r} has a bad port; use a number 1-65535") from None
+        raise ConfigError(f"{name} {url.redacted!r} has a bad port; use a number 1-65535") from None
     if scheme == "unix":
         if not parts.path:
-            raise ConfigError(f"remote_url {url.redacted!r} has no socket path; e.g. unix:///run/redis.sock")
+            raise ConfigError(f"{name} {url.redacted!r} has no socket path; e.g. unix:///run/redis.sock")
     elif scheme == "s3":
         if not parts.netloc or "@" in parts.netloc:
-            raise ConfigError(f"remote_url {url.redacted!r} needs a bucket, e.g. s3://my-bucket/kv-cache")
+            raise ConfigError(f"{name} {url.redacted!r} needs a bucket, e.g. s3://my-bucket/kv-cache")
     elif not host:
-        raise ConfigError(f"remote_url {url.redacted!r} has no host; e.g. {scheme}://cache:6379")
+        raise ConfigError(f"{name} {url.redacted!r} has no host; e.g. {scheme}://cache:6379")
     return url

@@ -145,49 +145,80 @@ def test_a_planner_refusal_names_the_flag_as_typed(tmp_path: Path) -> None:
     assert line.startswith("--disk-size-gib=100000.0 GiB per rank does not fit"), line
 
 
+HOLDERS = "valkey://records:6379"  # a Redis/Valkey for the peer tier's holder records only
+
+
 @pytest.mark.parametrize("way", ["option", "OPTION_env", "LMCACHE_env", "yaml"])
 def test_the_peer_tier_is_planned_alike_whichever_way_in(way: str, tmp_path: Path) -> None:
     properties, env, yaml = "", {}, None
     if way == "option":
         properties = ("option.lmcache_auto_config=true\noption.lmcache_enable_p2p=true\n"
-                      "option.lmcache_p2p_init_ports=9100\noption.lmcache_p2p_lookup_ports=9101\n")
+                      "option.lmcache_p2p_init_ports=9100\noption.lmcache_p2p_lookup_ports=9101\n"
+                      f"option.lmcache_peer_holders_url={HOLDERS}\n")
     elif way == "OPTION_env":
         env = {"OPTION_LMCACHE_AUTO_CONFIG": "true", "OPTION_LMCACHE_ENABLE_P2P": "true",
-               "OPTION_LMCACHE_P2P_INIT_PORTS": "9100", "OPTION_LMCACHE_P2P_LOOKUP_PORTS": "9101"}
+               "OPTION_LMCACHE_P2P_INIT_PORTS": "9100", "OPTION_LMCACHE_P2P_LOOKUP_PORTS": "9101",
+               "OPTION_LMCACHE_PEER_HOLDERS_URL": HOLDERS}
     elif way == "LMCACHE_env":
-        env = {"LMCACHE_ENABLE_P2P": "true", "LMCACHE_P2P_INIT_PORTS": "9100", "LMCACHE_P2P_LOOKUP_PORTS": "9101"}
+        env = {"LMCACHE_ENABLE_P2P": "true", "LMCACHE_P2P_INIT_PORTS": "9100", "LMCACHE_P2P_LOOKUP_PORTS": "9101",
+               "LMCACHE_EXTRA_CONFIG": json.dumps({"peer_holders_url": HOLDERS})}
     else:
         properties = "option.lmcache_config_file=lmcache.yaml\n"
-        yaml = "chunk_size: 256\nmax_local_cpu_size: 4\nenable_p2p: true\np2p_init_ports: [9100]\np2p_lookup_ports: [9101]\n"
+        yaml = ("chunk_size: 256\nmax_local_cpu_size: 4\nenable_p2p: true\np2p_init_ports: [9100]\n"
+                f"p2p_lookup_ports: [9101]\nextra_config:\n  peer_holders_url: {HOLDERS}\n")
     mdir = model_dir(tmp_path, properties, yaml)
     planned = run(["plan", "--model-dir", str(mdir), *SMALL, "--json"], tmp_path, **env)
     assert planned.exit_code == 0, planned.output
     plan = json.loads(planned.stdout)
     assert plan["tiers"]["peer"] == {"host": "127.0.0.1", "init_ports": [9100], "lookup_ports": [9101],
-                                     "transport": "tcp", "timeout_ms": 2000}
+                                     "transport": "tcp", "timeout_ms": 2000,
+                                     "holders": {"url": HOLDERS, "store": "peer_holders_url"}}
+    assert "remote" not in plan["tiers"]  # the records' store is no remote tier: no KV is copied there
+    holders = f"holders: records in {HOLDERS} (peer_holders_url, no KV there)"
     text = run(["plan", "--model-dir", str(mdir), *SMALL], tmp_path, **env).stdout
-    assert "Peer tier" in text and "ports [9100] / [9101], over tcp" in text
+    assert "Peer tier" in text and f"ports [9100] / [9101], over tcp; {holders}" in text
     served = dry_run(mdir, tmp_path, **env)
     assert served.exit_code == 0 and "Traceback" not in served.output, served.output
     cache_line = next(line for line in served.output.splitlines() if "cache: " in line)
-    assert "peer tier on at 127.0.0.1, ports [9100] / [9101], over tcp" in cache_line, cache_line
+    assert f"peer tier on at 127.0.0.1, ports [9100] / [9101], over tcp; {holders}" in cache_line, cache_line
     assert (plan["serve"]["cache_mode"] == "auto") == (way in ("option", "OPTION_env"))
     if plan["serve"]["cache_mode"] == "auto":  # the planned YAML (what serve writes) carries the plan
         from lmi_cache.config.cache_config import config_from_dict
 
         config, _ = config_from_dict(plan["lmcache_config"])
         assert config.enable_p2p and config.p2p_init_ports == (9100,) and config.p2p_lookup_ports == (9101,)
-        assert config.peer_transport == "tcp"
+        assert config.peer_transport == "tcp" and config.peer_holders_url == HOLDERS and config.remote_url is None
 
 
 def test_the_plan_says_how_a_request_without_a_hint_finds_a_peer(tmp_path: Path) -> None:
     base = "option.lmcache_auto_config=true\noption.lmcache_enable_p2p=true\n"
-    alone = run(["plan", "--model-dir", str(model_dir(tmp_path / "alone", base)), *SMALL], tmp_path)
-    shared = run(["plan", "--model-dir", str(model_dir(tmp_path / "shared", base + "option.lmcache_remote_url="
-                                                       "redis://cache:6379\n")), *SMALL], tmp_path)
-    assert alone.exit_code == 0 and shared.exit_code == 0, alone.output + shared.output
-    assert "without a hint no peer is asked" in alone.stdout
-    assert "without a hint, a holder is found through the records" in shared.stdout
+    remote = "option.lmcache_remote_url=redis://cache:6379\n"
+    own = f"option.lmcache_peer_holders_url={HOLDERS}\n"
+    lines = {}
+    for name, extra in (("alone", ""), ("shared", remote), ("own", own), ("both", remote + own)):
+        result = run(["plan", "--model-dir", str(model_dir(tmp_path / name, base + extra)), *SMALL], tmp_path)
+        assert result.exit_code == 0, result.output
+        lines[name] = next(line for line in result.stdout.splitlines() if line.startswith("Peer tier"))
+        assert "without a hint" in result.stdout
+    assert "holders: router hints only" in lines["alone"]
+    assert "holders: records in the remote store redis://cache:6379" in lines["shared"]
+    assert f"holders: records in {HOLDERS} (peer_holders_url, no KV there)" in lines["own"]
+    assert lines["both"] == lines["own"]  # the records' own store wins over the remote tier's
+    off = run(["plan", "--model-dir", str(model_dir(tmp_path / "off", "option.lmcache_auto_config=true\n" + own)),
+               *SMALL], tmp_path)
+    assert off.exit_code == 0 and "! lmcache_peer_holders_url ignored: it is where the peer tier finds holders, " \
+                                  "and the peer tier is off" in off.stdout, off.output
+
+
+def test_a_holder_store_that_is_not_redis_or_valkey_is_refused_whichever_way_in(tmp_path: Path) -> None:
+    base = "option.lmcache_auto_config=true\noption.lmcache_enable_p2p=true\n"
+    option = model_dir(tmp_path / "option", base + "option.lmcache_peer_holders_url=s3://u:secret@bucket/kv\n")
+    line = error_line(run(["plan", "--model-dir", str(option), *SMALL], tmp_path))
+    assert "option.lmcache_peer_holders_url" in line and "Redis or Valkey" in line and "secret" not in line
+    yaml = model_dir(tmp_path / "yaml", "option.lmcache_config_file=lmcache.yaml\n",
+                     "chunk_size: 256\nenable_p2p: true\nextra_config:\n  peer_holders_url: redis://u:secret@:6379\n")
+    line = error_line(run(["plan", "--model-dir", str(yaml), *SMALL], tmp_path))
+    assert "extra_config.peer_holders_url" in line and "has no host" in line and "secret" not in line
 
 
 def test_peer_ports_that_do_not_fit_the_ranks_are_refused(tmp_path: Path) -> None:

@@ -39,3 +39,21 @@ def test_snapshots_without_the_field_still_load_and_round_trip() -> None:
     assert HostSnapshot.from_dict(data).rdma_drivers == ["efa"]
     del data["rdma_drivers"]
     assert HostSnapshot.from_dict(data).rdma_drivers == []
+
+
+def test_start_up_checks_the_holder_store_of_its_own_once() -> None:
+    from autoconfig.probe.remote_store import remote_store_messages
+    from lmi_cache.devtools.redis_server import RedisServer, free_port
+
+    def messages(**settings: object) -> list[str]:
+        return remote_store_messages({"chunk_size": 256, "enable_p2p": True, **settings}, None, {}, timeout_s=0.5)
+
+    with RedisServer() as server:
+        assert messages(extra_config={"peer_holders_url": server.url}) == [
+            f"note: peer holder store: the redis store {server.url} answers"]
+        both = messages(remote_url=server.url, extra_config={"peer_holders_url": server.url})
+        assert [m.split(":")[1] for m in both] == [" remote tier", " peer holder store"]
+        assert len(messages(remote_url=server.url)) == 1  # the records live in the remote tier's store
+    down = messages(extra_config={"peer_holders_url": f"redis://127.0.0.1:{free_port()}"})
+    assert len(down) == 1 and down[0].startswith("warning: peer holder store: ")
+    assert down[0].endswith("the server starts anyway (peers are found by routers' hints only until the store answers)")

@@ -2,8 +2,9 @@
 
 One module fixture starts both servers (separate CPU tiers, the peer tier on
 through ``option.lmcache_enable_p2p`` and its ports, auto-configured, and a
-Redis the test starts as both servers' shared store) and every scenario runs
-against them. Every answer is compared with vLLM without a connector
+Redis the test starts as both servers' ``option.lmcache_peer_holders_url``:
+holder records only, no remote tier, so no KV is copied anywhere) and every
+scenario runs against them. Every answer is compared with vLLM without a connector
 (float32, greedy: the shared reference job, ``TINY_REFERENCE``):
 
 - a long document sent to A, then to B with the router's hint naming A: B
@@ -11,11 +12,12 @@ against them. Every answer is compared with vLLM without a connector
   /metrics); B's time for it and for a cold document of the same length are
   printed side by side;
 - a document sent to A, then to B with no hint: B finds A in the holder
-  records A keeps in the shared store and loads it from A's CPU tier;
+  records A keeps in the Redis and loads it from A's CPU tier;
 - A serving corrupted bytes (its test hook, a flag file): B answers exactly,
   the damaged chunks counted as corrupted peer reads;
 - A killed while B's hinted request is on its way: B still answers exactly,
-  within the bounded wait.
+  within the bounded wait;
+- after all of them, the Redis holds holder records and no KV chunk.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def start(stack: ExitStack, tiny_model: Path, root: Path, redis_url: str,
              for line in EXAMPLE.read_text().splitlines()]
     lines += ["option.lmcache_enable_p2p=true", "option.lmcache_p2p_host=127.0.0.1",
               f"option.lmcache_p2p_init_ports={p2p}", f"option.lmcache_p2p_lookup_ports={lookup}",
-              f"option.lmcache_remote_url={redis_url}"]
+              f"option.lmcache_peer_holders_url={redis_url}"]
     (model_dir / "serving.properties").write_text("\n".join(lines) + "\n")
     extra: dict[str, str] = {}
     if corrupt_flag is not None:
@@ -122,10 +124,16 @@ def assert_reference_answer(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 def holder_records(pair: dict[str, Any]) -> int:
-    """How many chunks the servers' holder records name in the shared store."""
+    """How many chunks the servers' holder records name in the Redis."""
     import redis
 
     return len(redis.Redis.from_url(pair["redis"].url).keys("*:peer:v1:*"))
+
+
+def stored_keys(pair: dict[str, Any]) -> list[bytes]:
+    import redis
+
+    return list(redis.Redis.from_url(pair["redis"].url).keys("*"))
 
 
 def peer_series(server: Server, name: str) -> float:
@@ -165,7 +173,7 @@ def test_b_loads_a_document_from_a_and_answers_exactly(pair: dict[str, Any], ref
     assert peer_series(b, "lmi_cache_tier_hit_tokens_total") >= loaded
 
 
-def test_b_finds_a_in_the_shared_store_without_a_hint(pair: dict[str, Any], reference: dict[str, Any]) -> None:
+def test_b_finds_a_through_the_holder_records_without_a_hint(pair: dict[str, Any], reference: dict[str, Any]) -> None:
     a, b = pair["a"], pair["b"]
     records = holder_records(pair)
     complete(a, "found")
@@ -206,3 +214,13 @@ def test_a_killed_mid_request_costs_b_a_bounded_wait(pair: dict[str, Any], refer
     assert_reference_answer(result["reply"], reference["orphan"])
     # The bound, plus a cold prefill on a busy host.
     assert result["seconds"] < TIMEOUT_MS / 1000 + 50, f"B took {result['seconds']:.0f} s"
+
+
+def test_the_holder_store_got_records_and_no_kv(pair: dict[str, Any]) -> None:
+    """Last, after every document went through the servers: only ``<prefix>:peer:v1:<digest>`` records."""
+    complete(pair["b"], "cold")  # B holds (and advertises) at least this document, whichever tests ran before
+    deadline = time.monotonic() + 30
+    while holder_records(pair) < 10 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    keys = stored_keys(pair)
+    assert holder_records(pair) >= 10 and all(b":peer:v1:" in key for key in keys), sorted(keys)[:5]
