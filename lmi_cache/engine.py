@@ -65,7 +65,8 @@ import torch
 from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.config.cache_config import CacheConfig
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.peer.hint import PEER, source_tier
 from lmi_cache.placement.messages import REMOTE, TierEvent
 from lmi_cache.tiers.base import HitBatch, Tier

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
 from lmi_cache.placement.book import TierBook, TierSpec
 from lmi_cache.placement.events import JOURNALED_TIER, ChunkBlocks, TierChange, TierEventLog
 from lmi_cache.placement.evictions import EvictionOutbox

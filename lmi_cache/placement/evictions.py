@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
 from lmi_cache.placement.book import TierBook, Victim
 from lmi_cache.placement.events import TierEventLog
 from lmi_cache.placement.messages import Eviction

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from lmi_cache.config.cache_config import CacheConfig
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
 from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import PlacementDirectory, RemoteLookups
 from lmi_cache.placement.disk_space import DiskSpaceWatch

@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.keys.key_inputs import KeyRule
 from lmi_cache.eviction.session_tracker import SessionTracker
-from lmi_cache.metrics.series import SchedulerMetrics, SchedulerStats
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics, SchedulerStats
 from lmi_cache.peer.hint import peer_hint
 from lmi_cache.peer.holders import ADVERTISED_TIER
 from lmi_cache.peer.protocol import PeerIdentity

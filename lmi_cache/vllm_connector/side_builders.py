@@ -76,7 +76,7 @@ def build_scheduler_side(
     key_rule: KeyRule,
 ) -> tuple[SchedulerSide, Any]:
     """The scheduler side, and its client of the remote store (None without one; the connector closes it)."""
-    from lmi_cache.metrics.series import SchedulerMetrics
+    from lmi_cache.metrics.scheduler_series import SchedulerMetrics
     from lmi_cache.metrics.server import note_where_metrics_go, serve_metrics
     from lmi_cache.placement.event_journal import journal_path
     from lmi_cache.placement.startup import build_directory, open_remote_lookups, session_tracker
@@ -133,7 +133,7 @@ def build_worker_side(
 
     def make_engine() -> Engine:
         from lmi_cache.engine import CacheEngine
-        from lmi_cache.metrics.series import CacheMetrics
+        from lmi_cache.metrics.worker_series import CacheMetrics
         from lmi_cache.metrics.server import serve_metrics
         from lmi_cache.tiers.disk.ranks import rank_label
 

@@ -16,7 +16,7 @@ import torch
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import CacheMetrics
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.messages import REMOTE, TierEvent
 from lmi_cache.placement.startup import build_directory

@@ -21,7 +21,8 @@ from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine, scan_persisted_digests
 from lmi_cache.tiers.disk.ranks import rank_disk_dirs
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.tiers.disk import object_files, space
 from lmi_cache.tiers.disk.ranks import list_rank_dirs, prune_orphan_rank_dirs, rank_label
 from lmi_cache.tiers.disk.space import FreeSpaceLimit

@@ -15,7 +15,8 @@ import pytest
 
 from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.tiers.disk import object_files
 from lmi_cache.tiers.disk.tier import DiskTier, scan_persisted_digests_in
 from disk_verbs import disk_object, disk_put  # noqa: E402

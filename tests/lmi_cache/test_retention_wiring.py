@@ -11,7 +11,7 @@ from lmi_cache.keys.chunk_format import ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.eviction.session_tracker import SessionSource, SessionTracker
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
 from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.messages import TierEvent

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
 from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.messages import TierEvent

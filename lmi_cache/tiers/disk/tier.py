@@ -34,7 +34,8 @@ import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.private_dir import UnsafeDirectoryError
 from lmi_cache.thread_affinity import unpin_current_thread
 from lmi_cache.tiers.disk import object_files, trust
