@@ -28,7 +28,7 @@ class Directed:
     def __init__(self, config: CacheConfig, payload_bytes: int, metrics: CacheMetrics | None = None) -> None:
         self.directory: PlacementDirectory = build_directory(config, replica=0, world_size=1)
         self.engine = CacheEngine(config, metrics=metrics)
-        self.directory.set_chunk_bytes(0, 0, payload_bytes)
+        self.directory.sizes.set_chunk_bytes(0, 0, payload_bytes)
         self._instructed: list[TierEvent] = []
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ def make_directory(num_chunks: int, share: float) -> tuple[PlacementDirectory, i
     entry = cpu_entry_bytes(PAYLOAD_BYTES)
     config = CacheConfig(max_local_cpu_size=num_chunks * entry / 2**30, session_retention_share=share)
     directory = build_directory(config, replica=0, world_size=1, retention=share > 0)
-    directory.set_chunk_bytes(0, 0, PAYLOAD_BYTES * config.chunk_size // 16)  # 16-token keys
+    directory.sizes.set_chunk_bytes(0, 0, PAYLOAD_BYTES * config.chunk_size // 16)  # 16-token keys
     return directory, entry
 
 

@@ -18,7 +18,7 @@ def side_with(cpu_chunks: int = 8, disk_chunks: int = 0) -> SchedulerSide:
     specs = [TierSpec("cpu", cpu_chunks * 100, lambda b: b), TierSpec("disk", disk_chunks * 100, lambda b: b)]
     metrics = SchedulerMetrics()  # one set of series for the scheduler and its directory, as the connector builds them
     directory = PlacementDirectory(specs, chunk_tokens=CHUNK, write_through=("disk",), metrics=metrics)
-    directory.set_chunk_bytes(0, 0, 100)
+    directory.sizes.set_chunk_bytes(0, 0, 100)
     side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, 1), key_space(1), directory, metrics)
     side.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG}))
     return side
