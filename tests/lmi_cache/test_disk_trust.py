@@ -191,7 +191,7 @@ def test_planted_symlink_at_our_tmp_name_is_not_written_through(tmp_path: Path) 
     final = path_of(root, KEYS[0])
     final.parent.mkdir(parents=True, exist_ok=True)
     # The writer threads' tmp names are predictable (pid, thread id): plant one for every writer.
-    for worker in tier._workers:
+    for worker in tier.writer.threads:
         Path(f"{final}.{os.getpid()}-{worker.ident}.tmp").symlink_to(victim)
     data = payload(KEYS[0])
     assert disk_put(tier, KEYS[0], ChunkHeader.for_key(KEYS[0], SIZE, "uint8", (SIZE,)), data)
