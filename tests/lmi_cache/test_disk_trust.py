@@ -22,8 +22,8 @@ from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
 from lmi_cache.metrics.warner import RateLimitedWarner
 from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.tiers.disk import object_files
-from lmi_cache.tiers.disk.tier import DiskTier, scan_persisted_digests_in
-from disk_verbs import disk_object, disk_put  # noqa: E402
+from lmi_cache.tiers.disk.tier import DiskTier
+from disk_verbs import disk_object, disk_put, scan_persisted_digests_in  # noqa: E402
 
 OTHER_UID = 65534
 NS = KeyNamespace("m", "uint8", "trust-v1")

@@ -204,15 +204,6 @@ class DiskTier(Tier):
         self._metrics.usage(self.name, self.used_bytes, self.capacity_bytes)
 
 
-def scan_persisted_digests_in(dirs: Sequence[str]) -> set[bytes]:
-    """Digests of object files in ``dirs`` by name only (nothing is read or deleted)."""
-    digests: set[bytes] = set()
-    for root in dirs:
-        if trust.tier_dir_problem(root) is None:
-            digests.update(f.digest for f in object_files.scan_root(root, remove_garbage=False))
-    return digests
-
-
 def build(config: CacheConfig, context: TierContext) -> DiskTier | None:
     """This rank's disk tier (``local_disk``, ``max_local_disk_size``), or None when it is 0."""
     if config.disk_capacity_bytes <= 0:
