@@ -65,13 +65,12 @@ import torch
 from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.config.cache_config import CacheConfig
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.peer.hint import PEER, source_tier
 from lmi_cache.placement.messages import REMOTE, TierEvent
 from lmi_cache.tiers.base import HitBatch, Tier
 from lmi_cache.tiers.buffers import dtype_name
-from lmi_cache.tiers.disk.ranks import replica_rank_dirs
-from lmi_cache.tiers.disk.tier import scan_persisted_digests_in
 from lmi_cache.tiers.factory import TierContext, build_tiers
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 
@@ -295,14 +294,3 @@ def _placement_name(tier: Tier) -> str:
     (its metrics say "redis" or "s3"); the peer tier is "peer" (its sources add which peer: ``peer@H:P``)."""
     return tier.name if tier.local or tier.name == PEER else REMOTE
 
-
-def scan_persisted_digests(config: CacheConfig, replica: int = 0, world_size: int | None = None) -> set[bytes]:
-    """Digests of one replica's object files, by file name only (scheduler process, start-up).
-
-    Only ranks below ``world_size`` (all when None) and only directories and
-    files that are ours count: digests no worker of this replica can serve
-    must not make the scheduler promise hits.
-    """
-    if config.disk_capacity_bytes <= 0:
-        return set()
-    return scan_persisted_digests_in([d.path for _, d in replica_rank_dirs(config.local_disk, replica, world_size)])

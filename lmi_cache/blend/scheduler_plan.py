@@ -42,7 +42,7 @@ from lmi_cache.blend.segments import BlendPlan, SegmentSplit, Span, plan_blend, 
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
 from lmi_cache.keys.key_inputs import KeyRule
-from lmi_cache.metrics.series import BlendSchedulerMetrics
+from lmi_cache.metrics.scheduler_series import BlendSchedulerMetrics
 from lmi_cache.placement.directory import PlacementDirectory
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, NoReturn, overload
 from prometheus_client import Counter
 
 if TYPE_CHECKING:
-    from lmi_cache.metrics.series import CacheMetrics
+    from lmi_cache.metrics.worker_series import CacheMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lmi_cache.metrics.series import RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
 from lmi_cache.peer.control import PeerFault
 from lmi_cache.peer.hint import PeerAddress
 from lmi_cache.remote.store import Backoff, StoreError

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
 from lmi_cache.peer.control import PeerControl, PeerFault
 from lmi_cache.peer.hint import PeerAddress
 from lmi_cache.peer.holders import NO_HOLDER, PeerHolders, choose_holder

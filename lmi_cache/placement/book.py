@@ -10,8 +10,9 @@ planned in one step never overfill a budget.
 
 Eviction order is the tier's ``cache_policy`` (LRU or FIFO), with open
 sessions' chunks evicted last within ``session_retention_share`` of the CPU
-tier (``eviction.retaining``). Entries loaded or stored in the step being
-planned are pinned: a store never evicts what the same step reads or writes.
+tier (``eviction.retaining``); each budget evicts in that order (``budget``).
+Entries loaded or stored in the step being planned are pinned: a store never
+evicts what the same step reads or writes.
 A lease (``lease``/``end_lease``) pins an entry across steps, for a reader
 outside the step (a peer server reading a CPU chunk).
 
@@ -23,15 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 from lmi_cache.eviction import EvictionPolicy, make_policy
 from lmi_cache.eviction.retaining import RetainingPolicy
+from lmi_cache.placement.budget import Budget, Victim
 from lmi_cache.placement.recent_digests import RecentDigests
 from lmi_cache.tiers.disk.index import shard_index  # a chunk's disk directory, as the disk tier picks it
 
-# An entry evicted to make room: its digest and payload bytes.
-Victim = tuple[bytes, int]
 # Budget bytes of an entry from its payload bytes (the tier's own rounding: allocator size class, file blocks).
 EntryBytes = Callable[[int], int]
 # Pending entries evicted before their store was confirmed, remembered (this many) until the confirmation comes.
@@ -50,95 +49,12 @@ class TierSpec:
     retention_share: float = 0.0  # the CPU tier: open sessions' chunks are evicted last within this share
 
 
-@dataclass
-class _Entry:
-    ready: bool  # False while its store is planned but not confirmed
-    size_bytes: int  # what it takes of the budget
-    payload_bytes: int  # what it holds (a demotion reserves this much in the next tier)
-
-
-class _Budget:
-    """One byte budget: entries (ready flag, bytes) in the policy's order; pinned digests are never victims."""
-
-    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, pinned: set[bytes],
-                 leased: dict[bytes, int]) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.limit_bytes: int | None = None  # what the medium has room for now, when less (a filling filesystem)
-        self.used_bytes = 0  # ready and pending entries
-        self.ready_bytes = 0
-        self.evicted_pending: list[bytes] = []  # victims whose store was not confirmed yet (the book takes them)
-        self.policy = policy
-        self.entries: dict[bytes, _Entry] = {}
-        self._pinned = pinned
-        self._leased = leased
-
-    def size_of(self, digest: object) -> int | None:
-        entry = self.entries.get(cast(bytes, digest))
-        return None if entry is None else entry.size_bytes
-
-    @property
-    def room_bytes(self) -> int:
-        """The size entries may take: the configured one, or the medium's room when that is less."""
-        return self.capacity_bytes if self.limit_bytes is None else min(self.capacity_bytes, self.limit_bytes)
-
-    def admit(self, digest: bytes, size_bytes: int, payload_bytes: int, ready: bool) -> list[Victim] | None:
-        """Add an entry, evicting what it needs; the victims, or None when it cannot fit (nothing changes)."""
-        if size_bytes > self.room_bytes:
-            return None
-        victims, need = self._victims(self.used_bytes + size_bytes - self.room_bytes)
-        if need > 0:
-            return None  # what is left is pinned by this step's loads and stores
-        self._evict(victims)
-        self.entries[digest] = _Entry(ready, size_bytes, payload_bytes)
-        self.used_bytes += size_bytes
-        self.ready_bytes += size_bytes if ready else 0
-        self.policy.on_insert(digest)
-        return victims
-
-    def shrink(self) -> list[Victim]:
-        """Evict in the policy's order until the entries fit ``room_bytes`` (pinned ones stay, over it if need be)."""
-        victims, _ = self._victims(self.used_bytes - self.room_bytes)
-        self._evict(victims)
-        return victims
-
-    def _evict(self, victims: list[Victim]) -> None:
-        for victim, _ in victims:
-            if not self.entries[victim].ready:
-                self.evicted_pending.append(victim)
-            self.forget(victim)
-
-    def _victims(self, need: int) -> tuple[list[Victim], int]:
-        """Unpinned entries in eviction order freeing ``need`` bytes, and the bytes still needed (> 0: too few)."""
-        victims: list[Victim] = []
-        for candidate in self.policy.candidates():  # collect first: the policy must not change mid-iteration
-            if need <= 0:
-                break
-            if candidate in self._pinned or candidate in self._leased:
-                continue
-            entry = self.entries[cast(bytes, candidate)]
-            victims.append((cast(bytes, candidate), entry.payload_bytes))
-            need -= entry.size_bytes
-        return victims, need
-
-    def confirm(self, digest: bytes) -> None:
-        entry = self.entries[digest]
-        if not entry.ready:
-            entry.ready = True
-            self.ready_bytes += entry.size_bytes
-
-    def forget(self, digest: bytes) -> None:
-        entry = self.entries.pop(digest)
-        self.used_bytes -= entry.size_bytes
-        self.ready_bytes -= entry.size_bytes if entry.ready else 0
-        self.policy.on_remove(digest)
-
-
 class TierBook:
     """What one local tier holds, on every rank; see the module docstring."""
 
     def __init__(self, spec: TierSpec) -> None:
         self.spec = spec
-        self._budgets: dict[tuple[int, int], _Budget] = {}
+        self._budgets: dict[tuple[int, int], Budget] = {}
         self._where: dict[bytes, tuple[int, int]] = {}  # digest -> (rank, shard)
         self._pinned: set[bytes] = set()
         self._leased: dict[bytes, int] = {}  # digest -> open leases (pinned across steps)
@@ -152,7 +68,7 @@ class TierBook:
     def name(self) -> str:
         return self.spec.name
 
-    def _budget(self, rank: int, shard: int) -> _Budget:
+    def _budget(self, rank: int, shard: int) -> Budget:
         budget = self._budgets.get((rank, shard))
         if budget is None:
             spec = self.spec
@@ -162,7 +78,7 @@ class TierBook:
                 retaining = RetainingPolicy(policy, int(spec.capacity_bytes // spec.num_shards * spec.retention_share),
                                             lambda digest: budget.size_of(digest) if budget is not None else None)
                 policy = retaining
-            budget = _Budget(spec.capacity_bytes // spec.num_shards, policy, self._pinned, self._leased)
+            budget = Budget(spec.capacity_bytes // spec.num_shards, policy, self._pinned, self._leased)
             self._budgets[(rank, shard)] = budget
             if retaining is not None:
                 self._retaining[(rank, shard)] = retaining
@@ -210,7 +126,7 @@ class TierBook:
         self._where[digest] = (rank, shard)
         return victims
 
-    def _taken(self, budget: _Budget, victims: list[Victim]) -> None:
+    def _taken(self, budget: Budget, victims: list[Victim]) -> None:
         """``victims`` left ``budget``: forget where they were, remember those evicted while pending."""
         for victim, _ in victims:
             del self._where[victim]

@@ -1,34 +1,15 @@
 """The placement directory: the one owner of what is cached where (vLLM scheduler process).
 
-Shaped like vLLM's ``kv_offload`` manager. The scheduler side asks it, and
-workers only carry out what it decided:
+Shaped like vLLM's ``kv_offload`` manager. The scheduler side asks it
+(``lookup``, ``ask_remote``), plans each step's loads and stores with it
+(``prepare_load``, ``prepare_store``, ``prepare_receive``, ``lease``), hands
+it what the workers report (``complete``) and takes its decisions into the
+step's metadata (``take_evictions``, ``end_step``); the workers only carry
+out what it decided. Each method states its contract; docs/architecture.md
+("One owner of placement") draws them together.
 
-- ``lookup(keys)``: the local tier that holds a chunk on every rank (ready
-  entries only), or None. The remote store is shared by a fleet and evicts on
-  its own, so it is asked, not mirrored: ``ask_remote`` sends one batched,
-  asynchronous existence check through the directory's client.
-- ``prepare_load(keys, source)``: the load's source tier and whether to
-  promote the chunk into the first tier (room is made there now); the
-  entries are pinned for the step.
-- ``prepare_store(keys, group, num_tokens)``: the tiers a new chunk goes to
-  (the first local tier, every write-through tier behind it, the remote
-  store), with room reserved in each local one; () when every tier already
-  holds or expects it, or nothing can fit.
-- ``prepare_receive(keys, group, tier)``: room in one tier for a chunk
-  another component writes there (a peer server's read into a CPU slot);
-  completed like a store.
-- ``lease(keys, tier)`` / ``end_lease(keys, tier)``: keep a held chunk from
-  eviction across steps (a reader outside the step, such as a peer server).
-- ``complete(rank, stored, failed, dropped)``: what the workers report back.
-  A store it never planned is refused, counted
-  (``lmi_cache_placement_unplanned_stores_total``: a bug) and evicted from
-  that rank; one it planned and evicted before the report came (asynchronous
-  scheduling) is counted apart
-  (``lmi_cache_placement_evicted_before_confirm_total``).
-- ``take_evictions()``: the evictions and demotions decided since the last
-  call (``evictions``), by rank, for this step's metadata; the disk tier's
-  filesystem is checked first (``disk_space``).
-- ``end_step()``: the step is planned; its pins go.
+The remote store is asked, not mirrored (``placement.remote_asks``): it is
+shared by a fleet and evicts on its own.
 
 This is the only budget-and-evict implementation. Budgets are per rank (every
 rank's tiers have the configured sizes) and use each tier's own rounding
@@ -38,24 +19,24 @@ file, a full filesystem), reports the entry dropped and the directory forgets
 it. A worker that cannot serve a planned load makes vLLM recompute, so a
 stale entry costs time, never correctness.
 
-Sizes: an entry's payload is ``num_tokens`` x the per-token bytes of its KV
-cache group on its rank, which each worker reports once with its layout
-(``set_chunk_bytes``).
+Sizes: an entry's payload is what its rank's worker reported for its KV
+cache group (``sizes``, ``placement.chunk_sizes``).
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
 from lmi_cache.placement.book import TierBook, TierSpec
+from lmi_cache.placement.chunk_sizes import ChunkSizes
 from lmi_cache.placement.events import JOURNALED_TIER, ChunkBlocks, TierChange, TierEventLog
 from lmi_cache.placement.evictions import EvictionOutbox
 from lmi_cache.placement.messages import REMOTE, Eviction, TierEvent
-from lmi_cache.placement.recent_digests import RecentDigests
+from lmi_cache.placement.remote_asks import RemoteAsks, RemoteLookups
 
 if TYPE_CHECKING:
     from lmi_cache.placement.disk_space import DiskSpaceWatch
@@ -63,17 +44,6 @@ if TYPE_CHECKING:
     from lmi_cache.remote.cache import PendingLookup
 
 logger = logging.getLogger(__name__)
-
-# The remote store is asked, not mirrored; these many digests written to it lately are not written again
-# (a shared prefix of concurrent requests). Beyond that a rewrite only costs a redundant put.
-REMOTE_RECENT_DIGESTS = 65536
-
-
-class RemoteLookups(Protocol):
-    """The remote store's existence checks (``lmi_cache.remote.cache.RemoteCache``)."""
-
-    def has_many_async(self, keys: Sequence[ChunkKey]) -> PendingLookup: ...
-
 
 @dataclass(frozen=True)
 class LoadSource:
@@ -95,10 +65,8 @@ class PlacementDirectory:
         self._by_name = {book.name: book for book in self.books}
         self._write_through = {name for name in write_through if name in self._by_name}
         self.chunk_tokens = chunk_tokens
-        self.remote = remote
-        self._remote_writes = remote_writes and remote is not None
-        self._chunk_bytes: dict[tuple[int, int], int] = {}  # (rank, group) -> payload bytes of a full chunk
-        self._remote_recent = RecentDigests(REMOTE_RECENT_DIGESTS)
+        self.remote = RemoteAsks(remote, remote_writes) if remote is not None else None
+        self.sizes = ChunkSizes(chunk_tokens)
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         target = self._by_name.get(demote_to or "")
         first = self.books[0] if self.books else None
@@ -132,22 +100,7 @@ class PlacementDirectory:
             if not self.events.described(digests):
                 self.events.describe(digests, describe())
 
-    # -- sizes ---------------------------------------------------------------------------
-
-    def set_chunk_bytes(self, rank: int, group: int, payload_bytes: int) -> None:
-        self._chunk_bytes[(rank, group)] = payload_bytes
-
-    def payload_bytes(self, rank: int, group: int, num_tokens: int) -> int:
-        """Payload bytes of ``num_tokens`` of a group's KV on a rank, rounded up (integers: a full chunk is exactly
-        the size the worker reported, so the tiers, which count the same, never find more than was reserved)."""
-        chunk = self._chunk_bytes.get((rank, group))
-        if chunk is None:  # an unreported group: the largest size known (over-reserving is safe)
-            chunk = max(self._chunk_bytes.values(), default=0)
-        return -(-chunk * num_tokens // self.chunk_tokens)
-
-    @property
-    def first_tier(self) -> TierBook | None:
-        return self.books[0] if self.books else None
+    # -- tiers ---------------------------------------------------------------------------
 
     @property
     def first_tier_name(self) -> str:
@@ -168,13 +121,14 @@ class PlacementDirectory:
     def ask_remote(self, keys: Sequence[ChunkKey]) -> PendingLookup:
         """One batched, asynchronous existence check in the remote store (``poll()`` answers); needs ``remote``."""
         assert self.remote is not None, "no remote store"
-        return self.remote.has_many_async(list(keys))
+        return self.remote.ask(keys)
 
     # -- loads and stores ----------------------------------------------------------------
 
     def prepare_load(self, keys: Sequence[ChunkKey], group: int, source: str,
                      describe: Describe | None = None, payload_bytes: int | None = None) -> LoadSource:
-        """Plan a load from ``source``; promote it into the first tier when it comes from behind it.
+        """Plan a load from ``source`` (its entries pinned for the step); promote it into the first tier when it
+        comes from behind it (room is made there now).
         ``payload_bytes``: each rank's entry's size when it is not the group's chunks' (blending's objects)."""
         self._describe(keys, describe)
         digests = [key.digest for key in keys]
@@ -183,7 +137,7 @@ class PlacementDirectory:
             for digest in digests:
                 book.touch(digest)
             book.pin(digests)
-        first = self.first_tier
+        first = self.books[0] if self.books else None
         if first is None or source == first.name:
             return LoadSource(source)
         first.pin(digests)
@@ -193,7 +147,8 @@ class PlacementDirectory:
 
     def prepare_store(self, keys: Sequence[ChunkKey], group: int, num_tokens: int | None = None,
                       describe: Describe | None = None, payload_bytes: int | None = None) -> tuple[str, ...]:
-        """The tiers to store a chunk into (room reserved), or () when there is nothing to store.
+        """The tiers to store a chunk into (the first local tier, every write-through tier behind it, the remote
+        store; room reserved in each local one), or () when every tier holds or expects it, or nothing can fit.
         ``payload_bytes``: each rank's entry's size when it is not the group's chunks' (blending's objects)."""
         tiers: list[str] = []
         digests = [key.digest for key in keys]
@@ -206,7 +161,7 @@ class PlacementDirectory:
             if self._reserve_all(book, keys, group, num_tokens, payload_bytes):
                 tiers.append(book.name)
             # else: no room that this step does not use (or larger than a budget): not stored there
-        if self._remote_writes and self._remote_recent.admit(digests):
+        if self.remote is not None and self.remote.admit_write(digests):
             tiers.append(REMOTE)
         self._describe(keys, describe)
         return tuple(tiers)
@@ -243,7 +198,7 @@ class PlacementDirectory:
         done: list[bytes] = []
         for rank, key in enumerate(keys):
             payload = payload_bytes if payload_bytes is not None else \
-                self.payload_bytes(rank, group, key.num_tokens if num_tokens is None else num_tokens)
+                self.sizes.payload_bytes(rank, group, key.num_tokens if num_tokens is None else num_tokens)
             knew = book.knows(key.digest)
             victims = book.reserve(rank, key.digest, payload)
             if victims is None:
@@ -264,7 +219,8 @@ class PlacementDirectory:
 
     def complete(self, rank: int, stored: Iterable[TierEvent] = (), failed: Iterable[TierEvent] = (),
                  dropped: Iterable[TierEvent] = ()) -> None:
-        """One rank's report: stores that landed, planned ones that did not, entries its media lost."""
+        """One rank's report: stores that landed, planned ones that did not, entries its media lost. A store it
+        never planned is refused, counted (a bug) and evicted from that rank again."""
         for event in stored:
             book = self._by_name.get(event.tier)
             if book is None:
@@ -314,6 +270,7 @@ class PlacementDirectory:
         return self._outbox.take()
 
     def end_step(self) -> None:
+        """The step is planned: its pins go."""
         for book in self.books:
             book.unpin_all()
             self.metrics.placement(book.name, len(book), book.protected_bytes())

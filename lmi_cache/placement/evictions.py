@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import SchedulerMetrics
-from lmi_cache.placement.book import TierBook, Victim
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
+from lmi_cache.placement.book import TierBook
+from lmi_cache.placement.budget import Victim
 from lmi_cache.placement.events import TierEventLog
 from lmi_cache.placement.messages import Eviction
 from lmi_cache.placement.recent_digests import RecentDigests

@@ -21,9 +21,10 @@ import time
 from typing import TYPE_CHECKING
 
 from lmi_cache.config.cache_config import CacheConfig
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
 from lmi_cache.placement.book import TierSpec
-from lmi_cache.placement.directory import PlacementDirectory, RemoteLookups
+from lmi_cache.placement.directory import PlacementDirectory
+from lmi_cache.placement.remote_asks import RemoteLookups
 from lmi_cache.placement.disk_space import DiskSpaceWatch
 from lmi_cache.tiers.disk import object_files
 from lmi_cache.tiers.disk.ranks import prune_orphan_rank_dirs, replica_rank_dirs

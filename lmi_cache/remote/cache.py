@@ -31,7 +31,8 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from lmi_cache.keys.chunk_format import BytesLike
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.remote.put_queue import Batch, PutQueue
 from lmi_cache.remote.settings import RemoteSettings
 from lmi_cache.remote.store import Backoff, BodyAllocator, ReceivedValue, RemoteStore, StoreError

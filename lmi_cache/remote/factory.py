@@ -7,7 +7,8 @@ checks reachability once, for start-up messages.
 """
 from __future__ import annotations
 
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.remote.cache import RemoteCache
 from lmi_cache.remote.settings import RemoteSettings
 from lmi_cache.remote.store import RemoteStore

@@ -24,7 +24,8 @@ import torch
 
 from lmi_cache.keys.chunk_format import HEADER_BYTES
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.remote.cache import RemoteCache
 from lmi_cache.remote.factory import open_remote
 from lmi_cache.remote.settings import RemoteSettings

@@ -25,7 +25,8 @@ import time
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.tiers.base import HitBatch, Tier
 from lmi_cache.tiers.entry_sizes import cpu_entry_bytes
 from lmi_cache.tiers.host_memory import ChunkObject

@@ -44,7 +44,7 @@ import torch
 from lmi_cache.blend.jobs import BlendConnectorMetadata, attention_key, attention_payload_bytes
 from lmi_cache.blend.scheduler_plan import BlendScheduler, KeySpaceFactory
 from lmi_cache.blend.settings import BlendConfigError, BlendSettings
-from lmi_cache.metrics.series import BlendSchedulerMetrics
+from lmi_cache.metrics.scheduler_series import BlendSchedulerMetrics
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.messages import TierEvent
 from lmi_cache.transfer.layouts import LayoutDescriptor
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from lmi_cache.blend.worker_jobs import BlendWorker
-    from lmi_cache.metrics.series import SchedulerMetrics
+    from lmi_cache.metrics.scheduler_series import SchedulerMetrics
     from lmi_cache.vllm_connector.worker_side import WorkerSide
 
 logger = logging.getLogger(__name__)

@@ -52,7 +52,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lmi_cache.blend.settings import BlendSettings, load_blend_settings
 from lmi_cache.keys.hashing import KeySpace
-from lmi_cache.keys.key_inputs import KeyRule, environment_trusts_mm_ids
 from lmi_cache.vllm_connector.blending import BlendContext, ConnectorBlending, check_model
 from lmi_cache.vllm_connector.metadata import LmiConnectorMetadata, LmiWorkerMeta
 from lmi_cache.vllm_connector.scheduler_side import SchedulerSide
@@ -65,7 +64,6 @@ from lmi_cache.vllm_connector.side_builders import (
 )
 from lmi_cache.vllm_connector.startup import (
     check_chunk_size,
-    drafter_planning,
     kv_groups,
     load_cache_config,
     warn_on_sparse_state_retention,
@@ -124,9 +122,9 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._remote_lookups: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            key_rule = KeyRule(mm_ids_are_content=environment_trusts_mm_ids(vllm_config))
-            self._init_scheduler(vllm_config, kv_cache_config, block_size, key_rule,
-                                 drafter_planning(vllm_config, block_size))
+            self._scheduler, self._remote_lookups = build_scheduler_side(
+                self._config, self._deployment, vllm_config, kv_cache_config, self._kv_transfer_config,
+                block_size=block_size, groups=self._kv_groups)
         else:
             self._worker = build_worker_side(self._config, self._deployment, vllm_config, block_size=block_size,
                                              groups=self._kv_groups)
@@ -148,15 +146,6 @@ class LmiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def key_space(self, layout_tag: str) -> KeySpace:
         """The deployment's key space for the workers' KV layout tag (the scheduler's keys, blending's segments)."""
         return self._deployment.key_space(layout_tag)
-
-    def _init_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, block_size: int,
-                        key_rule: KeyRule, drafter: tuple[int, int]) -> None:
-        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            logger.info("lmi-cache: kv_load_failure_policy set to 'recompute' (a cache miss must not fail a request)")
-        self._scheduler, self._remote_lookups = build_scheduler_side(
-            self._config, self._deployment, vllm_config, kv_cache_config, block_size=block_size,
-            groups=self._kv_groups, drafter=drafter, key_rule=key_rule)
 
     # -- worker hooks --------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
 from lmi_cache.peer.hint import PEER
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.messages import REMOTE

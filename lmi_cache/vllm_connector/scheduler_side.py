@@ -4,57 +4,12 @@ It never touches tensors. What is cached where, and what to evict, is the
 placement directory's (``lmi_cache.placement``): this side asks it whether a
 chunk is held, plans each load from the tier it names and each save into the
 tiers it reserves room in, and hands the workers' reports back to it. Per
-request it keeps a plan:
-
-* ``get_num_new_matched_tokens``: chunk keys of the prompt for every rank,
-  from the :class:`KeySpace` built once the layout tag is known (model, KV
-  dtype, layout tag, TP/PP size) and the request's key inputs
-  (``lmi_cache.keys.key_inputs``: its multimodal items, prompt embeddings,
-  adapter content and ``cache_salt``; the prompt is hashed once, not once per
-  rank); leading chunks held by all ranks (``hit_lookup``: one directory
-  lookup per chunk, kept as the request's load spec, and the checks of the
-  stores the directory does not mirror, "pending" while in flight), capped so
-  at least one token is left to compute, aligned down to vLLM's block size,
-  minus what vLLM's prefix cache already covers; below ``min_retrieve_tokens``
-  it is 0; one block shorter with an EAGLE-family drafter (``request_plan``).
-  Loads are synchronous (``(n, False)``): the worker loads before the forward;
-  except for models that are not one full-attention group (``loads_async``).
-  Until the first worker reports its layout tag the key namespace is unknown,
-  so the answer is ``None`` (vLLM asks again after one empty step); so it is
-  while a check is pending. With a remote store the chunks beyond the local
-  hit are asked of it (through the directory's client; the check gives up
-  after ``lookup_timeout_ms``). With the peer tier on (``enable_p2p``) and a
-  request whose router names a peer (``kv_transfer_params.remote_kv_source``),
-  the same chunks are asked of that peer (``lmi_cache.peer.lookup``, bounded by
-  ``peer_timeout_ms``); a chunk the peer holds loads from it into a CPU-tier
-  place the directory reserves (``prepare_load`` with source ``peer``).
-  Without a hint, with a Redis/Valkey store as well, the peer is one the
-  store's holder records name (``lmi_cache.peer.holders``); this side keeps
-  this server's own records (chunks its workers confirm in the CPU tier, and
-  withdrawals when the directory evicts them), sent as they happen.
-* ``update_state_after_alloc``: confirms (or drops) the planned load. With
-  ``saves=False`` (a blended request: its KV past the exact prefix is not
-  exact) no chunk of the request is ever saved, even after a preemption.
-* ``build_connector_meta``: per scheduled request, the confirmed load (chunk
-  keys -> block ids) and the full prompt chunks whose last token is computed
-  by this step (chunked prefill saves each chunk once it is complete). A
-  preempted request forgets its blocks; when it resumes vLLM asks for its
-  matches again and it re-plans; chunks already saved are not saved again.
-* ``request_finished`` / finished ids: the plan is dropped (aborts included).
-
-KV cache groups (vLLM's hybrid KV cache manager, ``lmi_cache.keys.kv_groups``):
-every group has its own block table and its own keys (the group is in the key
-namespace). A hit needs every chunk before it for full-attention groups and
-only the chunks of the window before it for sliding-window groups; a
-sliding-window group loads only the blocks vLLM allocates for it (from the
-window's start) and never saves a chunk vLLM has freed blocks of. Such models
-load asynchronously: the load is planned into the blocks
-``update_state_after_alloc`` receives and goes out with the next metadata
-(``async_loads``) while the request waits; the workers report it done or failed
-per request, and vLLM recomputes a failed one from its first token. A state
-group (Mamba layers, prefix caching in "align" mode) loads the one state at
-the hit (a chunk boundary) and saves the boundary states vLLM offers in
-``scheduler_output.kv_connector_block_state`` that end a prompt chunk.
+request it keeps a plan (``request_plan.RequestPlan``): the prompt's chunk
+keys for every rank and KV cache group, hashed once; the lookup's answers
+(``hit_lookup``), kept as the load spec; the confirmed load and the
+request's blocks. docs/architecture.md ("The scheduler side, hook by hook")
+says what each of vLLM's hooks does here and how KV cache groups (sliding
+window, Mamba state) are loaded and saved.
 
 Metrics (``SchedulerMetrics``): a lookup is counted once per admission, in
 ``update_state_after_alloc``, with the answer of the last
@@ -73,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.keys.key_inputs import KeyRule
 from lmi_cache.eviction.session_tracker import SessionTracker
-from lmi_cache.metrics.series import SchedulerMetrics, SchedulerStats
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics, SchedulerStats
 from lmi_cache.peer.hint import peer_hint
 from lmi_cache.peer.holders import ADVERTISED_TIER
 from lmi_cache.peer.protocol import PeerIdentity

@@ -8,11 +8,12 @@ builds the connector.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lmi_cache.keys.hashing import KeySpace
-from lmi_cache.keys.key_inputs import KeyRule
+from lmi_cache.keys.key_inputs import KeyRule, environment_trusts_mm_ids
 from lmi_cache.keys.kv_groups import KvCacheGroup
 from lmi_cache.transfer.layouts import ExpectedGeometry
 from lmi_cache.vllm_connector.request_plan import SchedulerGeometry
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from lmi_cache.config.cache_config import CacheConfig
     from lmi_cache.engine import Engine
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Deployment:
@@ -69,19 +71,24 @@ def build_scheduler_side(
     deployment: Deployment,
     vllm_config: VllmConfig,
     kv_cache_config: Any,
+    kv_transfer_config: Any,
     *,
     block_size: int,
     groups: tuple[KvCacheGroup, ...],
-    drafter: tuple[int, int],
-    key_rule: KeyRule,
 ) -> tuple[SchedulerSide, Any]:
-    """The scheduler side, and its client of the remote store (None without one; the connector closes it)."""
-    from lmi_cache.metrics.series import SchedulerMetrics
+    """The scheduler side, and its client of the remote store (None without one; the connector closes it).
+    vLLM's ``kv_load_failure_policy`` becomes "recompute": a cache fault must never fail a request."""
+    from lmi_cache.metrics.scheduler_series import SchedulerMetrics
     from lmi_cache.metrics.server import note_where_metrics_go, serve_metrics
     from lmi_cache.placement.event_journal import journal_path
     from lmi_cache.placement.startup import build_directory, open_remote_lookups, session_tracker
     from lmi_cache.vllm_connector.kv_events import event_blocks_reader
 
+    if getattr(kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+        kv_transfer_config.kv_load_failure_policy = "recompute"
+        logger.info("lmi-cache: kv_load_failure_policy set to 'recompute' (a cache miss must not fail a request)")
+    drafter = startup.drafter_planning(vllm_config, block_size)
+    key_rule = KeyRule(mm_ids_are_content=environment_trusts_mm_ids(vllm_config))
     geometry = SchedulerGeometry(
         block_size_tokens=block_size,
         chunk_size_tokens=config.chunk_size,
@@ -133,7 +140,7 @@ def build_worker_side(
 
     def make_engine() -> Engine:
         from lmi_cache.engine import CacheEngine
-        from lmi_cache.metrics.series import CacheMetrics
+        from lmi_cache.metrics.worker_series import CacheMetrics
         from lmi_cache.metrics.server import serve_metrics
         from lmi_cache.tiers.disk.ranks import rank_label
 

@@ -58,7 +58,7 @@ class WorkerLayouts:
         for rank, sizes in worker_meta.chunk_bytes.items():
             self._sized_ranks.add(rank)
             for group, payload_bytes in sizes.items():
-                self._directory.set_chunk_bytes(rank, group, payload_bytes)
+                self._directory.sizes.set_chunk_bytes(rank, group, payload_bytes)
 
     def _disable(self, reason: str) -> None:
         self.disabled_reason = reason

@@ -97,7 +97,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     job = json.loads(Path(sys.argv[1]).read_text())
     result = run(job)
-    from lmi_cache.metrics.series import safety_net_firings
+    from lmi_cache.metrics.worker_series import safety_net_firings
 
     result["safety_net_firings"] = safety_net_firings()  # planned puts a tier refused (test_blend_e2e asserts 0)
     sys.stdout.write("RESULT_JSON:" + json.dumps(result) + "\n")

@@ -209,7 +209,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     job = json.loads(Path(sys.argv[1]).read_text())
     result = run(job)
-    from lmi_cache.metrics.series import safety_net_firings
+    from lmi_cache.metrics.worker_series import safety_net_firings
 
     result["safety_net_firings"] = safety_net_firings()  # planned puts a tier refused: e2e_support asserts 0
     side = getattr(_worker_connector(), "worker_side", None)

@@ -16,7 +16,7 @@ import torch
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import CacheMetrics
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.messages import REMOTE, TierEvent
 from lmi_cache.placement.startup import build_directory
@@ -28,7 +28,7 @@ class Directed:
     def __init__(self, config: CacheConfig, payload_bytes: int, metrics: CacheMetrics | None = None) -> None:
         self.directory: PlacementDirectory = build_directory(config, replica=0, world_size=1)
         self.engine = CacheEngine(config, metrics=metrics)
-        self.directory.set_chunk_bytes(0, 0, payload_bytes)
+        self.directory.sizes.set_chunk_bytes(0, 0, payload_bytes)
         self._instructed: list[TierEvent] = []
 
     def close(self) -> None:

@@ -10,7 +10,8 @@ import torch
 
 from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner, safety_net_firings
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics, safety_net_firings
 from lmi_cache.tiers.buffers import size_class_bytes
 from lmi_cache.tiers.cpu_tier import CpuTier
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator

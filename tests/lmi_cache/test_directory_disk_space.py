@@ -14,7 +14,7 @@ import torch
 
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace
-from lmi_cache.metrics.series import safety_net_firings
+from lmi_cache.metrics.worker_series import safety_net_firings
 from lmi_cache.placement.book import TierBook, TierSpec
 from lmi_cache.placement.disk_space import DiskSpaceWatch
 from lmi_cache.tiers.disk import space

@@ -16,7 +16,7 @@ import torch
 
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace
-from lmi_cache.metrics.series import safety_net_firings
+from lmi_cache.metrics.worker_series import safety_net_firings
 from directed_engine import Directed  # noqa: E402
 from engine_verbs import keys_for  # noqa: E402
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from lmi_cache.keys.chunk_format import HEADER_BYTES
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.tiers.disk.tier import DiskTier
 from disk_verbs import disk_object  # noqa: E402
 
@@ -36,7 +37,8 @@ WRITER = textwrap.dedent("""
     import numpy as np
     from lmi_cache.keys.chunk_format import ChunkHeader
     from lmi_cache.keys.hashing import KeyNamespace, chunk_keys
-    from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+    from lmi_cache.metrics.warner import RateLimitedWarner
+    from lmi_cache.metrics.worker_series import CacheMetrics
     from lmi_cache.tiers.disk.tier import DiskTier
     root, first, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     sys.path.insert(0, sys.argv[5])

@@ -19,15 +19,16 @@ import torch
 from lmi_cache.keys.chunk_format import ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
 from lmi_cache.config.cache_config import CacheConfig
-from lmi_cache.engine import CacheEngine, scan_persisted_digests
+from lmi_cache.engine import CacheEngine
 from lmi_cache.tiers.disk.ranks import rank_disk_dirs
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.tiers.disk import object_files, space
 from lmi_cache.tiers.disk.ranks import list_rank_dirs, prune_orphan_rank_dirs, rank_label
 from lmi_cache.tiers.disk.space import FreeSpaceLimit
 from lmi_cache.tiers.disk.tier import DiskTier
 from engine_verbs import load, lookup, save  # noqa: E402
-from disk_verbs import disk_put  # noqa: E402
+from disk_verbs import disk_put, scan_persisted_digests  # noqa: E402
 
 NS = [KeyNamespace("m", "float32", "rep-v1", tp_rank=r, tp_size=4) for r in range(4)]
 TOKENS = list(range(16 * 8))

@@ -15,10 +15,11 @@ import pytest
 
 from lmi_cache.keys.chunk_format import HEADER_BYTES, ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.tiers.disk import object_files
-from lmi_cache.tiers.disk.tier import DiskTier, scan_persisted_digests_in
-from disk_verbs import disk_object, disk_put  # noqa: E402
+from lmi_cache.tiers.disk.tier import DiskTier
+from disk_verbs import disk_object, disk_put, scan_persisted_digests_in  # noqa: E402
 
 NS = KeyNamespace("m", "uint8", "test-v1")
 KEYS = chunk_keys(list(range(64 * 16)), NS, 16)

@@ -19,10 +19,11 @@ import pytest
 
 from lmi_cache.keys.chunk_format import ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace, chunk_keys
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.tiers.disk import object_files
-from lmi_cache.tiers.disk.tier import DiskTier, scan_persisted_digests_in
-from disk_verbs import disk_object, disk_put  # noqa: E402
+from lmi_cache.tiers.disk.tier import DiskTier
+from disk_verbs import disk_object, disk_put, scan_persisted_digests_in  # noqa: E402
 
 OTHER_UID = 65534
 NS = KeyNamespace("m", "uint8", "trust-v1")
@@ -190,7 +191,7 @@ def test_planted_symlink_at_our_tmp_name_is_not_written_through(tmp_path: Path) 
     final = path_of(root, KEYS[0])
     final.parent.mkdir(parents=True, exist_ok=True)
     # The writer threads' tmp names are predictable (pid, thread id): plant one for every writer.
-    for worker in tier._workers:
+    for worker in tier.writer.threads:
         Path(f"{final}.{os.getpid()}-{worker.ident}.tmp").symlink_to(victim)
     data = payload(KEYS[0])
     assert disk_put(tier, KEYS[0], ChunkHeader.for_key(KEYS[0], SIZE, "uint8", (SIZE,)), data)

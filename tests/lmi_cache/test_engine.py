@@ -15,11 +15,12 @@ import torch
 
 from lmi_cache.keys.hashing import ChunkKey, KeyNamespace
 from lmi_cache.config.cache_config import CacheConfig
-from lmi_cache.engine import CacheEngine, scan_persisted_digests
+from lmi_cache.engine import CacheEngine
 from lmi_cache.tiers.disk import object_files
-from lmi_cache.metrics.series import safety_net_firings
+from lmi_cache.metrics.worker_series import safety_net_firings
 from directed_engine import Directed  # noqa: E402
 from engine_verbs import all_tiers, held_by, keys_for, load, load_many, lookup, lookup_tokens, save, tier  # noqa: E402
+from disk_verbs import scan_persisted_digests  # noqa: E402
 
 NS = KeyNamespace("tiny-llama", "float32", "cpu-lbhnc-v1")
 TOKENS = list(range(1000, 1000 + 16 * 20))

@@ -10,7 +10,8 @@ from lmi_cache.keys.chunk_format import ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.eviction import make_policy
 from lmi_cache.eviction.lru import FIFOPolicy, LRUPolicy
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.tiers.cpu_tier import CpuTier
 from lmi_cache.tiers.host_memory import ChunkObject, HostAllocator
 

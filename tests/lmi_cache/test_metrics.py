@@ -1,4 +1,4 @@
-"""Tests for lmi_cache.metrics.series: the series of one engine and one scheduler, multiprocess aggregation, warnings."""
+"""Tests for lmi_cache.metrics.scheduler_series and worker_series: the series of one engine and one scheduler, multiprocess aggregation, warnings."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +15,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from lmi_cache.keys.hashing import KeyNamespace
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.engine import CacheEngine
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner, SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from directed_engine import Directed  # noqa: E402
 from engine_verbs import keys_for, load, lookup, save  # noqa: E402
 
@@ -80,7 +82,8 @@ def test_registries_are_separate() -> None:
 # One vLLM process each: a scheduler per data-parallel replica and a worker per (replica, rank).
 _WRITER = """
 import sys
-from lmi_cache.metrics.series import CacheMetrics, SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
+from lmi_cache.metrics.worker_series import CacheMetrics
 role, engine = sys.argv[1], sys.argv[2]
 if role == "scheduler":
     SchedulerMetrics(engine_label=engine).lookup(100, 64, 32)

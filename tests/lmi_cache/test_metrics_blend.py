@@ -26,7 +26,8 @@ from lmi_cache.blend.jobs import (
 from lmi_cache.blend.scheduler_plan import BlendScheduler
 from lmi_cache.blend.settings import BlendSettings
 from lmi_cache.keys.hashing import ChunkKey, KeySpace
-from lmi_cache.metrics.series import BlendSchedulerMetrics, CacheMetrics, SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import BlendSchedulerMetrics, SchedulerMetrics
+from lmi_cache.metrics.worker_series import CacheMetrics
 
 from lmi_cache.vllm_connector.blending import BlendContext, ConnectorBlending
 from placement_helpers import confirm_stored, directory
@@ -198,7 +199,8 @@ def test_blend_series_add_up_across_processes(tmp_path: Path) -> None:
     """With PROMETHEUS_MULTIPROC_DIR (as under lmi-cache serve) the series join vLLM's /metrics like the others."""
     code = (
         "from lmi_cache.blend.worker_jobs import BlendWorkerStats\n"
-        "from lmi_cache.metrics.series import BlendSchedulerMetrics, CacheMetrics, SchedulerMetrics\n"
+        "from lmi_cache.metrics.scheduler_series import BlendSchedulerMetrics, SchedulerMetrics\n"
+        "from lmi_cache.metrics.worker_series import CacheMetrics\n"
         "import sys\n"
         "rank = sys.argv[1]\n"
         "if rank == 'scheduler':\n"

@@ -7,7 +7,7 @@ import pytest
 
 from lmi_cache.blend.worker_jobs import BlendWorkerStats
 from lmi_cache.metrics import counts as counts_module
-from lmi_cache.metrics.series import CacheMetrics
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.vllm_connector.worker_stats import WorkerStats
 
 RANK = {"engine": "1", "rank": "3"}

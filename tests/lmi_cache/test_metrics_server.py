@@ -10,7 +10,8 @@ import pytest
 
 from tests.local_ports import free_port_block
 
-from lmi_cache.metrics.series import CacheMetrics, SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.metrics.server import note_where_metrics_go, serve_metrics
 
 

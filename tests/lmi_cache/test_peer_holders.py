@@ -91,7 +91,7 @@ def holder_a() -> Iterator[tuple[CacheEngine, int]]:
 def test_confirmed_cpu_chunks_are_advertised_and_evicted_ones_withdrawn(redis_server: RedisServer) -> None:
     records = holders(redis_server.url, "adv", 8200)
     side = side_with(records, cpu_bytes=100)
-    side.directory.set_chunk_bytes(0, 0, 60)  # the CPU tier fits one chunk
+    side.directory.sizes.set_chunk_bytes(0, 0, 60)  # the CPU tier fits one chunk
     confirm(side, range(1))
     assert wait_for(lambda: record(redis_server.url, records, 0))
     fields = record(redis_server.url, records, 0)

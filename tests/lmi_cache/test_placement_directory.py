@@ -29,7 +29,7 @@ def directory(cpu_chunks: int = 3, disk_chunks: int = 0, ranks: int = 1, demote:
     d = PlacementDirectory(specs, chunk_tokens=CHUNK, write_through=() if demote else ("disk",),
                            demote_to="disk" if demote else None, remote=remote, remote_writes=remote is not None)
     for rank in range(ranks):
-        d.set_chunk_bytes(rank, 0, PAYLOAD)
+        d.sizes.set_chunk_bytes(rank, 0, PAYLOAD)
     return d
 
 
@@ -115,10 +115,10 @@ def test_a_disk_hit_is_promoted_when_the_first_tier_has_room() -> None:
 
 def test_every_rank_must_hold_a_chunk_and_a_half_reservation_is_rolled_back() -> None:
     d = directory(cpu_chunks=2, ranks=2)
-    d.set_chunk_bytes(1, 0, 3 * PAYLOAD)  # rank 1's chunks do not fit its budget
+    d.sizes.set_chunk_bytes(1, 0, 3 * PAYLOAD)  # rank 1's chunks do not fit its budget
     assert d.prepare_store(keys(1, 2), 0) == ()
     assert not d.books[0].knows(key(1, 0).digest)  # rank 0's room was given back
-    d.set_chunk_bytes(1, 0, PAYLOAD)
+    d.sizes.set_chunk_bytes(1, 0, PAYLOAD)
     d.end_step()
     tiers = d.prepare_store(keys(1, 2), 0)
     d.complete(0, stored=[TierEvent("cpu", key(1, 0).digest, PAYLOAD)])

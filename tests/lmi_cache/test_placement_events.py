@@ -38,7 +38,7 @@ def directory(cpu_chunks: int = 2, disk_chunks: int = 0, ranks: int = 1, demote:
     d = PlacementDirectory(specs, chunk_tokens=CHUNK, write_through=() if demote else ("disk",),
                            demote_to="disk" if demote else None)
     for rank in range(ranks):
-        d.set_chunk_bytes(rank, 0, PAYLOAD)
+        d.sizes.set_chunk_bytes(rank, 0, PAYLOAD)
     if events:
         d.enable_events()
     return d

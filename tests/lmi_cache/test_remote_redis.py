@@ -18,7 +18,7 @@ from remote_fixtures import (  # noqa: F401
     redis_settings,
 )
 
-from lmi_cache.metrics.series import CacheMetrics
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.remote import open_remote
 from lmi_cache.remote.cache import RemoteCache
 from lmi_cache.devtools.redis_server import RedisServer

@@ -11,7 +11,7 @@ from lmi_cache.keys.chunk_format import ChunkHeader
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.config.cache_config import CacheConfig
 from lmi_cache.eviction.session_tracker import SessionSource, SessionTracker
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
 from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.messages import TierEvent
@@ -32,7 +32,7 @@ def make_directory(num_chunks: int, share: float) -> tuple[PlacementDirectory, i
     entry = cpu_entry_bytes(PAYLOAD_BYTES)
     config = CacheConfig(max_local_cpu_size=num_chunks * entry / 2**30, session_retention_share=share)
     directory = build_directory(config, replica=0, world_size=1, retention=share > 0)
-    directory.set_chunk_bytes(0, 0, PAYLOAD_BYTES * config.chunk_size // 16)  # 16-token keys
+    directory.sizes.set_chunk_bytes(0, 0, PAYLOAD_BYTES * config.chunk_size // 16)  # 16-token keys
     return directory, entry
 
 

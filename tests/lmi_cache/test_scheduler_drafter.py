@@ -11,7 +11,7 @@ from lmi_cache.keys.kv_groups import KvCacheGroup
 from lmi_cache.vllm_connector.request_plan import SchedulerGeometry, usable_hit_tokens
 from lmi_cache.vllm_connector.scheduler_side import SchedulerSide
 from lmi_cache.vllm_connector.startup import drafter_identity, drafter_planning
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
 from lmi_cache.vllm_connector.metadata import LmiWorkerMeta
 from placement_helpers import directory
 from test_scheduler_side import BLOCK, CHUNK, PROMPT, TAG, key_space, new_req, output, planned_hit, request, warm

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmi_cache.metrics.series import SchedulerMetrics
+from lmi_cache.metrics.scheduler_series import SchedulerMetrics
 from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import PlacementDirectory
 from lmi_cache.placement.messages import TierEvent
@@ -18,7 +18,7 @@ def side_with(cpu_chunks: int = 8, disk_chunks: int = 0) -> SchedulerSide:
     specs = [TierSpec("cpu", cpu_chunks * 100, lambda b: b), TierSpec("disk", disk_chunks * 100, lambda b: b)]
     metrics = SchedulerMetrics()  # one set of series for the scheduler and its directory, as the connector builds them
     directory = PlacementDirectory(specs, chunk_tokens=CHUNK, write_through=("disk",), metrics=metrics)
-    directory.set_chunk_bytes(0, 0, 100)
+    directory.sizes.set_chunk_bytes(0, 0, 100)
     side = SchedulerSide(SchedulerGeometry(BLOCK, CHUNK, 1), key_space(1), directory, metrics)
     side.update_from_workers(LmiWorkerMeta(layout_tags={0: TAG}))
     return side

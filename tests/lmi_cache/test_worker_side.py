@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmi_cache.keys.hashing import KeyNamespace, chunk_keys
-from lmi_cache.metrics.series import CacheMetrics
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.transfer.layouts import ExpectedGeometry, KvLayoutError
 from lmi_cache.placement.messages import Eviction, TierEvent
 from lmi_cache.vllm_connector.metadata import ChunkTransfer, LmiConnectorMetadata

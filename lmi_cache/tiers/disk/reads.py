@@ -24,7 +24,8 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 from lmi_cache.keys.chunk_format import HEADER_BYTES, BytesLike, ChunkFormatError, ChunkHeader, FingerprintMismatch, verify_parts
 from lmi_cache.keys.hashing import ChunkKey
-from lmi_cache.metrics.series import CacheMetrics, RateLimitedWarner
+from lmi_cache.metrics.warner import RateLimitedWarner
+from lmi_cache.metrics.worker_series import CacheMetrics
 from lmi_cache.thread_affinity import unpin_current_thread
 from lmi_cache.tiers.disk import object_files, trust
 from lmi_cache.tiers.base import HitBatch
