@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from engine_verbs import save  # noqa: E402
 from placement_helpers import directory, stored  # noqa: E402
 from remote_fixtures import redis_server, redis_settings  # noqa: E402,F401
-from test_peer_wiring import PROMPT, hinted, peer_engine, peer_outcomes  # noqa: E402
+from test_peer_wiring import PROMPT, hinted, holder, peer_outcomes  # noqa: E402,F401 (holder: a fixture)
 from test_scheduler_remote import ask_until_answered  # noqa: E402
 from test_scheduler_side import BLOCK, CHUNK, TAG, key_space, new_req, output, rank_keys  # noqa: E402
 
@@ -77,17 +77,6 @@ def plain(req_id: str) -> Any:
     return hinted(req_id, None)
 
 
-@pytest.fixture
-def holder_a() -> Iterator[tuple[CacheEngine, int]]:
-    """Server A's worker: a peer node whose CPU tier holds PROMPT's first two chunks."""
-    engine, node, port = peer_engine()
-    for number, key in enumerate(rank_keys(PROMPT, 0, 1)[:2]):
-        assert save(engine, key, torch.full((2, 8, 4), float(number + 1)))
-    yield engine, port
-    node.close()
-    engine.close()
-
-
 def test_confirmed_cpu_chunks_are_advertised_and_evicted_ones_withdrawn(redis_server: RedisServer) -> None:
     records = holders(redis_server.url, "adv", 8200)
     side = side_with(records, cpu_bytes=100)
@@ -113,8 +102,8 @@ def test_advertising_off_writes_nothing(redis_server: RedisServer) -> None:
 
 
 def test_a_request_without_hint_loads_from_the_holder_the_store_names(redis_server: RedisServer,
-                                                                      holder_a: tuple[CacheEngine, int]) -> None:
-    _, port = holder_a
+                                                                      holder: tuple[CacheEngine, int]) -> None:
+    _, port = holder
     records_a = holders(redis_server.url, "find", port)
     confirm(side_with(records_a), range(2))  # A's scheduler advertises what its worker holds
     assert wait_for(lambda: record(redis_server.url, records_a, 1))
@@ -130,8 +119,8 @@ def test_a_request_without_hint_loads_from_the_holder_the_store_names(redis_serv
     records_b.close()
 
 
-def test_a_hint_wins_over_the_store(redis_server: RedisServer, holder_a: tuple[CacheEngine, int]) -> None:
-    _, port = holder_a
+def test_a_hint_wins_over_the_store(redis_server: RedisServer, holder: tuple[CacheEngine, int]) -> None:
+    _, port = holder
     records_a = holders(redis_server.url, "hint", port)
     confirm(side_with(records_a), range(2))
     assert wait_for(lambda: record(redis_server.url, records_a, 1))
@@ -144,8 +133,8 @@ def test_a_hint_wins_over_the_store(redis_server: RedisServer, holder_a: tuple[C
     records_b.close()
 
 
-def test_a_stale_record_is_a_miss(redis_server: RedisServer, holder_a: tuple[CacheEngine, int]) -> None:
-    _, port = holder_a
+def test_a_stale_record_is_a_miss(redis_server: RedisServer, holder: tuple[CacheEngine, int]) -> None:
+    _, port = holder
     records_a = holders(redis_server.url, "stale", port)
     keys = rank_keys(PROMPT, 0, 1)
     records_a.held([keys[2].digest])  # A never held chunk 2 (or evicted it and the withdrawal was lost)
