@@ -2,7 +2,9 @@
 
 Used by ``benchmarks/bench_connector.py``; does not import vLLM (the server may
 live in another venv, e.g. LMCache's). Every run gets its own folder for
-``VLLM_CACHE_ROOT``, ``VLLM_RPC_BASE_PATH`` and the server log, and the env
+``VLLM_CACHE_ROOT`` and the server log, a short folder of its own under the
+system's temp directory for ``VLLM_RPC_BASE_PATH`` (vLLM's IPC sockets: a
+socket path longer than 107 bytes fails the start), and the env
 that makes CPU runs comparable (``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` always:
 otherwise a kv_transfer_config silently changes the thread count).
 """
@@ -13,8 +15,10 @@ import os
 import re
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -88,6 +92,14 @@ class VllmServer:
         self.port = free_port()
         self.log_path = run_dir / "server.log"
         self._process: subprocess.Popen[bytes] | None = None
+        self._rpc_dir: Path | None = None
+
+    @property
+    def rpc_dir(self) -> Path:
+        """vLLM's IPC socket folder: short, whatever ``run_dir`` is (a Unix socket path has 107 bytes)."""
+        if self._rpc_dir is None:
+            self._rpc_dir = Path(tempfile.mkdtemp(prefix="lmi-rpc-"))
+        return self._rpc_dir
 
     @property
     def url(self) -> str:
@@ -114,7 +126,7 @@ class VllmServer:
             VLLM_CPU_KVCACHE_SPACE=str(self.spec.kvcache_space_gib),
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",
             VLLM_CACHE_ROOT=str(self.run_dir / "vllm-cache"),
-            VLLM_RPC_BASE_PATH=str(self.run_dir / "rpc"),
+            VLLM_RPC_BASE_PATH=str(self.rpc_dir),
             # No phoning home and no hub look-ups from a machine without network.
             VLLM_NO_USAGE_STATS="1",
             HF_HUB_OFFLINE="1",
@@ -128,7 +140,6 @@ class VllmServer:
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "rpc").mkdir(exist_ok=True)
         with open(self.log_path, "wb") as log:
             # Own session: stop() can signal the server and its engine workers as a group.
             self._process = subprocess.Popen(
@@ -162,20 +173,13 @@ class VllmServer:
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM (vLLM shuts its engine down cleanly, connectors flush), then SIGKILL."""
         process, self._process = self._process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=grace_s)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                pass
-        # Also when the server itself already exited: its engine processes share its group.
         try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait(timeout=10)
+            if process is not None:
+                _end_process_group(process, grace_s)
+        finally:
+            if self._rpc_dir is not None:
+                shutil.rmtree(self._rpc_dir, ignore_errors=True)
+                self._rpc_dir = None
 
     def __enter__(self) -> VllmServer:
         self.start()
@@ -188,3 +192,18 @@ class VllmServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _end_process_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=grace_s)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+    # Also when the server itself already exited: its engine processes share its group.
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=10)
