@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_starts import ENGINE_STARTS_KEY, SLOTS_DIR_ENV, engine_starts_line
+from engine_starts import ENGINE_STARTS_KEY, engine_starts_line
 
 VLLM_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bmark\.vllm\b", re.MULTILINE)
 E2E_DIR = Path(__file__).parent / "e2e"
@@ -46,11 +46,6 @@ def _vllm_deselected(config: pytest.Config) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_GUARD] = _vllm_deselected(config) and "vllm" not in sys.modules
-    if config.getoption("numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER") and _two_e2e_groups():
-        # The controller, before it starts the workers (they inherit the variable): one set of vLLM job slots.
-        folder = tempfile.mkdtemp(prefix="lmi-cache-e2e-slots-")
-        os.environ[SLOTS_DIR_ENV] = folder
-        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 _GUARD = pytest.StashKey[bool]()
@@ -120,52 +115,26 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 _WORKER_ENGINE_STARTS = pytest.StashKey[dict[str, int]]()
-E2E_PREFIX = "tests/e2e/"
-
-
-# An e2e module that reads a job shared between modules (tests/e2e/shared_jobs.py) runs in the worker that
-# runs every such module, so each shared job starts once; the other e2e modules (their own servers and jobs)
-# form a second group that runs beside it.
-SHARED_JOB_READER = re.compile(r"\bshared_jobs\b|\bbaseline\b|\bconnector_run\b|_REFERENCE\b|\bTINY_CONNECTOR\b")
-_E2E_GROUPS: dict[str, str] = {}
-
-
-def _two_e2e_groups() -> bool:
-    """``LMI_CACHE_E2E_GROUPS=2``: the e2e modules in two groups that run side by side (not yet the default:
-    the two groups' servers are not bound by the job slots, so a loaded machine may slow a bounded wait)."""
-    return os.environ.get("LMI_CACHE_E2E_GROUPS", "1") == "2"
-
-
-def e2e_group(nodeid: str) -> str | None:
-    """The worker group of an e2e test (None: not an e2e test)."""
-    if not nodeid.startswith(E2E_PREFIX):
-        return None
-    if not _two_e2e_groups():
-        return "e2e"
-    module = nodeid.split("::", 1)[0]
-    if module not in _E2E_GROUPS:
-        text = (REPO / module).read_text(encoding="utf-8", errors="replace")
-        _E2E_GROUPS[module] = "e2e-shared" if SHARED_JOB_READER.search(text) else "e2e-own"
-    return _E2E_GROUPS[module]
+E2E_PREFIX = f"{E2E_DIR.relative_to(REPO).as_posix()}/"  # how node ids (rootdir-relative) begin
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook (controller process), under ``-n``
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """The e2e modules whole in one worker (or in two groups, ``LMI_CACHE_E2E_GROUPS=2``), every other test
-    spread over the workers.
+    """Every e2e test in one worker, every other test spread over the workers one by one.
 
-    A group's shared vLLM jobs and engine-start count belong to one process; with two groups the vLLM job
-    slots are lock files shared by both workers (``LMI_CACHE_E2E_SLOTS_DIR``), so the machine never runs more
-    jobs at once than one process would. The fast tier fills the cores vLLM's starts leave idle. (xdist's own
-    ``loadgroup`` marks do not group under pytest 9.2, which no longer reads the node id xdist rewrites.)
+    The e2e tier's shared vLLM jobs, job slots and engine-start count belong to one process (two workers
+    each starting the shared jobs and their own jobs would overload a 2-core machine and slow the tests'
+    bounded waits), while the other worker runs the fast tier on the core vLLM's starts leave idle.
+    (xdist's own ``loadgroup`` marks do not group under pytest 9.2, which no longer reads the node id that
+    xdist rewrites.)
     """
     from xdist.scheduler import LoadScopeScheduling
 
-    class E2eGroups(LoadScopeScheduling):  # type: ignore[misc]
+    class E2eInOneWorker(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            return e2e_group(nodeid) or nodeid
+            return "e2e" if nodeid.startswith(E2E_PREFIX) else nodeid
 
-    return E2eGroups(config, log)
+    return E2eInOneWorker(config, log)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a worker finished (controller process)

@@ -6,8 +6,6 @@ worker, which hands the count to the controller under ``ENGINE_STARTS_KEY`` (``t
 from __future__ import annotations
 
 ENGINE_STARTS_KEY = "lmi_cache_e2e_engine_starts"
-# Under pytest-xdist: the folder of the vLLM job slots' lock files, shared by the workers (e2e_support.job_slot).
-SLOTS_DIR_ENV = "LMI_CACHE_E2E_SLOTS_DIR"
 
 
 def engine_starts_line(starts: dict[str, int]) -> str:

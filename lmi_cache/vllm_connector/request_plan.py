@@ -101,7 +101,7 @@ class ExistenceCheck:
     from_chunk: int = -1  # first chunk the question covers (-1: not asked yet)
     pending: Any = None  # the in-flight question (``poll()`` answers), None once answered
     found: set[tuple[int, int]] | None = None  # (group, chunk) from from_chunk present on every rank
-    answered_by: Any = None  # who answered (a peer found through the shared store's holder records)
+    answered_by: PeerAddress | None = None  # the peer that answered (one the shared store's holder records named)
 
 
 @dataclass

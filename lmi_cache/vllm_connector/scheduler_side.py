@@ -77,8 +77,10 @@ class SchedulerSide:
         self._chunk_blocks = chunk_blocks  # None: no KV events (the directory keeps no descriptions)
         self._sessions = sessions  # None: no session retention
         self._peer_lookups = peer_lookups  # None: the peer tier is off (enable_p2p)
-        # This server's records in the shared store of what its CPU tier holds (None: no such records).
-        self._holders = peer_lookups.holders if peer_lookups is not None else None
+        # This server's records in the shared store of what its CPU tier holds, and that tier's book (None: no
+        # such records, or no CPU tier to advertise).
+        self._advertised = next((book for book in directory.books if book.name == ADVERTISED_TIER), None)
+        self._holders = peer_lookups.holders if peer_lookups is not None and self._advertised is not None else None
         # One set of series with the directory's (the connector passes the same object to both).
         self.metrics = metrics if metrics is not None else directory.metrics
         # req id -> hit tokens of its last answered lookup, until admission counts it.
@@ -252,12 +254,10 @@ class SchedulerSide:
         for rank in set(worker_meta.stored) | set(worker_meta.failed) | set(worker_meta.dropped):
             self.directory.complete(rank, worker_meta.stored.get(rank, ()), worker_meta.failed.get(rank, ()),
                                     worker_meta.dropped.get(rank, ()))
-        if self._holders is not None:
-            cpu = next((book for book in self.directory.books if book.name == ADVERTISED_TIER), None)
-            if cpu is not None:
-                self._holders.note_reports(worker_meta.stored.get(0, ()),
-                                           [*worker_meta.failed.get(0, ()), *worker_meta.dropped.get(0, ())],
-                                           still_held=cpu.holds)
+        if self._holders is not None and self._advertised is not None:
+            self._holders.note_reports(worker_meta.stored.get(0, ()),
+                                       [*worker_meta.failed.get(0, ()), *worker_meta.dropped.get(0, ())],
+                                       still_held=self._advertised.holds)
 
     def close(self) -> None:
         """Stop the peer lookups (their pool, the holder records' client and writer thread)."""

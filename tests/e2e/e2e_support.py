@@ -7,21 +7,17 @@ are shared (``shared_jobs.py``), and up to ``SLOTS`` jobs run at once.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import random
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-from engine_starts import SLOTS_DIR_ENV
 
 from lmi_cache.keys.kv_groups import KvCacheGroup
 
@@ -99,8 +95,6 @@ def cache_env(disk_dir: Path | None, cpu_gib: float = 1.0) -> dict[str, str]:
 # vLLM processes that run at once (LMI_CACHE_E2E_JOBS, default 2): much of a start is on one core
 # (imports, model load), so two overlap well on two cores; 1 runs them one by one.
 SLOTS = max(1, int(os.environ.get("LMI_CACHE_E2E_JOBS", "2")))
-# Under pytest-xdist two workers run e2e modules: the slots are then lock files in a folder the controller
-# made (tests/conftest.py), so the limit holds for the machine, not per process.
 _free = SLOTS
 _slots_changed = threading.Condition()
 
@@ -109,11 +103,6 @@ _slots_changed = threading.Condition()
 def job_slot(whole_machine: bool = False) -> Iterator[None]:
     """Hold one slot while a vLLM process runs; ``whole_machine`` (a job that binds every core: TP or DP) holds all."""
     need = SLOTS if whole_machine else 1
-    folder = os.environ.get(SLOTS_DIR_ENV)
-    if folder:
-        with _slot_files(Path(folder), need):
-            yield
-        return
     global _free
     with _slots_changed:
         _slots_changed.wait_for(lambda: _free >= need)
@@ -124,36 +113,6 @@ def job_slot(whole_machine: bool = False) -> Iterator[None]:
         with _slots_changed:
             _free += need
             _slots_changed.notify_all()
-
-
-@contextmanager
-def _slot_files(folder: Path, need: int) -> Iterator[None]:
-    """``need`` of the SLOTS lock files held (flock: per open file, so threads and processes alike count)."""
-    paths = [folder / f"slot-{i}" for i in range(SLOTS)]
-    held: list[int] = []
-    try:
-        if need >= SLOTS:  # all of them, taken in one order: two such jobs never hold half each
-            for path in paths:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-                held.append(fd)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-        else:
-            while not held:
-                for path in paths:
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        os.close(fd)
-                        continue
-                    held.append(fd)
-                    break
-                else:
-                    time.sleep(0.2)
-        yield
-    finally:
-        for fd in held:
-            os.close(fd)  # closing the file releases its lock
 
 
 class JobFailed(AssertionError):
