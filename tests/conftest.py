@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e_groups import e2e_scope
 from engine_starts import ENGINE_STARTS_KEY, engine_starts_line
 
 VLLM_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bmark\.vllm\b", re.MULTILINE)
@@ -115,26 +116,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 _WORKER_ENGINE_STARTS = pytest.StashKey[dict[str, int]]()
-E2E_PREFIX = f"{E2E_DIR.relative_to(REPO).as_posix()}/"  # how node ids (rootdir-relative) begin
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook (controller process), under ``-n``
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Every e2e test in one worker, every other test spread over the workers one by one.
+    """Each e2e group in one worker, every other test spread over the workers one by one.
 
-    The e2e tier's shared vLLM jobs, job slots and engine-start count belong to one process (two workers
-    each starting the shared jobs and their own jobs would overload a 2-core machine and slow the tests'
-    bounded waits), while the other worker runs the fast tier on the core vLLM's starts leave idle.
-    (xdist's own ``loadgroup`` marks do not group under pytest 9.2, which no longer reads the node id that
-    xdist rewrites.)
+    A group's shared vLLM jobs, job slots and engine-start count belong to its worker. With ``-n 3`` (the
+    README's command) two workers start on the two groups, the largest scopes, and the third runs the
+    fast tier, then all three share what is left. (xdist's own ``loadgroup`` marks do not group under
+    pytest 9.2, which no longer reads the node id that xdist rewrites.)
     """
     from xdist.scheduler import LoadScopeScheduling
 
-    class E2eInOneWorker(LoadScopeScheduling):  # type: ignore[misc]
+    class E2eGroups(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            return "e2e" if nodeid.startswith(E2E_PREFIX) else nodeid
+            return e2e_scope(nodeid) or nodeid
 
-    return E2eInOneWorker(config, log)
+    return E2eGroups(config, log)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a worker finished (controller process)

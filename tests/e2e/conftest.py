@@ -16,9 +16,14 @@ How to share a vLLM start (each costs tens of seconds; the tier's time is mostly
   ``lmi-cache serve`` through ``test_serve_e2e.running_serve``); put the checks
   that need the same configuration in one module, behind one module fixture.
 - **Your own jobs**: ``e2e_support.run_job`` holds one of ``LMI_CACHE_E2E_JOBS``
-  slots (default 2) while vLLM runs, so submitting independent jobs of a
-  fixture to a thread pool (``run_jobs``) runs them side by side. A job that
-  must see what another wrote (a restart from disk, a model swap) runs after it.
+  slots while vLLM runs (default 2 alone, 1 per e2e worker under pytest-xdist),
+  so submitting independent jobs of a fixture to a thread pool (``run_jobs``)
+  runs them side by side where slots allow. A job that must see what another
+  wrote (a restart from disk, a model swap) runs after it. Each job is forked
+  from a process that imported vLLM once (``warm_start.py``).
+- **Which worker**: the e2e modules are two groups (``E2E_SECOND_GROUP`` in
+  ``tests/conftest.py``), each in one pytest-xdist worker; a new module joins
+  the first unless it reads a shared job of the second or balances the two.
 
 Shared jobs start in the background when the session's first e2e test runs.
 At the end the session prints how many vLLM engines the e2e tests started.
@@ -36,6 +41,7 @@ from typing import Any
 import pytest
 from shared_jobs import SHARED, TINY_CONNECTOR, TINY_REFERENCE, SharedJobs, gemma2_model_dir, jobs_used_by, tiny_model_dir
 
+from e2e_groups import e2e_scope
 from e2e_support import run_job
 from engine_starts import ENGINE_STARTS_KEY, engine_starts_line
 
@@ -97,10 +103,25 @@ def shared_jobs(e2e_dir: Path) -> Iterator[SharedJobs]:
     jobs.close()
 
 
-@pytest.fixture(scope="session", autouse=True)
+_SHARED_STARTED = False
+
+
+@pytest.fixture(autouse=True)
 def _start_shared_jobs(request: pytest.FixtureRequest) -> None:
-    """Start, in the background, the shared jobs that the selected tests read (at the first e2e test)."""
-    names = jobs_used_by(request.session.items, SHARED)
+    """At this process's first e2e test, start in the background the shared jobs its tests read.
+
+    Alone, that is every selected test; under pytest-xdist (where every worker collects every test) the
+    tests of this test's e2e group (``tests/e2e_groups.py``), the group this worker runs.
+    """
+    global _SHARED_STARTED
+    if _SHARED_STARTED:
+        return
+    _SHARED_STARTED = True
+    items = request.session.items
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        group = e2e_scope(request.node.nodeid)
+        items = [item for item in items if e2e_scope(item.nodeid) == group]
+    names = jobs_used_by(items, SHARED)
     if names and importlib.util.find_spec("vllm") is not None:
         request.getfixturevalue("shared_jobs").start(names)
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lmi_cache.keys.kv_groups import KvCacheGroup
+from warm_start import run_script
 
 RUN_LLM = Path(__file__).with_name("run_llm.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -92,9 +91,10 @@ def cache_env(disk_dir: Path | None, cpu_gib: float = 1.0) -> dict[str, str]:
     return env
 
 
-# vLLM processes that run at once (LMI_CACHE_E2E_JOBS, default 2): much of a start is on one core
-# (imports, model load), so two overlap well on two cores; 1 runs them one by one.
-SLOTS = max(1, int(os.environ.get("LMI_CACHE_E2E_JOBS", "2")))
+# vLLM processes that run at once in this process (LMI_CACHE_E2E_JOBS): much of a start is on one core
+# (model load, profiling), so two overlap well on two cores. Under pytest-xdist the e2e tests are two
+# groups in two workers (tests/conftest.py), whose one job each already fill two cores: 1 there, 2 alone.
+SLOTS = max(1, int(os.environ.get("LMI_CACHE_E2E_JOBS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")))
 _free = SLOTS
 _slots_changed = threading.Condition()
 
@@ -125,7 +125,7 @@ class JobFailed(AssertionError):
 
 
 def run_job(job: dict[str, Any], work_dir: Path, timeout_s: float = 420.0) -> dict[str, Any]:
-    """Run one vLLM job in a fresh subprocess and return its parsed results."""
+    """Run one vLLM job in a fresh process (forked from the warm forkserver: ``warm_start``), return its results."""
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / "rpc").mkdir(exist_ok=True)
     job_path = work_dir / "job.json"
@@ -143,12 +143,7 @@ def run_job(job: dict[str, Any], work_dir: Path, timeout_s: float = 420.0) -> di
     )
     kwargs = job.get("llm_kwargs", {})
     with job_slot(whole_machine=kwargs.get("tensor_parallel_size", 1) > 1 or kwargs.get("data_parallel_size", 1) > 1):
-        proc = subprocess.run(
-            [sys.executable, str(RUN_LLM), str(job_path)], env=env, cwd=work_dir, capture_output=True, text=True,
-            timeout=timeout_s,
-        )
-    (work_dir / "stdout.txt").write_text(proc.stdout)
-    (work_dir / "stderr.txt").write_text(proc.stderr)
+        proc = run_script(RUN_LLM, [str(job_path)], env, work_dir, timeout_s)  # stdout.txt, stderr.txt in work_dir
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT_JSON:"):
             result: dict[str, Any] = json.loads(line.removeprefix("RESULT_JSON:"))

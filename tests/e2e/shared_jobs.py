@@ -12,9 +12,10 @@ load, profiling); the tier's time is mostly starts. Two levers:
   cache emptied before each module's first phase (``reset_prefix_cache``), so
   each module's phases see what a fresh process would show them. A job with
   the connector keeps one owner (its tiers carry over from phase to phase).
-- **Two at a time.** Every vLLM job started through ``e2e_support.run_job``
-  (or inside ``e2e_support.job_slot``) holds a slot;
-  ``LMI_CACHE_E2E_JOBS`` slots exist (default 2, 1 runs them one by one).
+- **A slot each.** Every vLLM job started through ``e2e_support.run_job``
+  (or inside ``e2e_support.job_slot``) holds a slot; ``LMI_CACHE_E2E_JOBS``
+  slots exist (default 2 alone, 1 in each of the two e2e workers under
+  pytest-xdist, whose groups already fill two cores: ``tests/conftest.py``).
   A job that binds every core itself (tensor or data parallel) holds all of
   them. Shared jobs start in the background as soon as the session's first
   e2e test runs, so they overlap with the modules before their readers.

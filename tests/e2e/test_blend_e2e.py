@@ -26,14 +26,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 from e2e_support import REPO_ROOT, job_slot, phase
+from warm_start import run_script
 
 RUN_BLEND_LLM = Path(__file__).with_name("run_blend_llm.py")
 SEP = [306, 306, 224]  # the tiny tokenizer's ids of LMCache's separator " # # " (checked below)
@@ -124,10 +123,7 @@ def blend_run(tiny_model: Path, e2e_dir: Path) -> dict[str, Any]:
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), str(plugin_dir), env.get("PYTHONPATH", "")) if p),
     })
     with job_slot():  # one of the vLLM processes that may run at once (e2e_support.SLOTS)
-        proc = subprocess.run([sys.executable, str(RUN_BLEND_LLM), str(work / "job.json")], env=env, cwd=work,
-                              capture_output=True, text=True, timeout=300)
-    (work / "stdout.txt").write_text(proc.stdout)
-    (work / "stderr.txt").write_text(proc.stderr)
+        proc = run_script(RUN_BLEND_LLM, [str(work / "job.json")], env, work, 300)  # stdout.txt, stderr.txt in work
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT_JSON:"):
             result: dict[str, Any] = json.loads(line.removeprefix("RESULT_JSON:"))

@@ -45,7 +45,12 @@ WRITER = textwrap.dedent("""
     from disk_verbs import disk_put
     real_write = os.write
 
+    started = []
+
     def slow_write(fd, data):  # a slow device with short writes: kills land mid-file
+        if not started:  # the test kills at a random time after the first write, not after start-up
+            started.append(True)
+            print("writing", flush=True)
         time.sleep(0.001)
         return real_write(fd, memoryview(data)[:65536])
 
@@ -91,7 +96,16 @@ def test_sigkill_mid_write_never_yields_wrong_bytes(tmp_path: Path) -> None:
         )
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.01, 0.15))
+        # The kill comes at a random time after the first write began (not after start-up, whose length
+        # depends on the machine's load), so it lands mid-file in most rounds.
+        assert child.stdout.readline().strip() == "writing"
+        while round_number == ROUNDS - 1 and not durable:
+            # No earlier kill came after a flush: the last round waits for one durable report (and then
+            # dies mid-write as the others), so the check below has something to hold.
+            report = child.stdout.readline()
+            durable.update(int(m.group(1)) for m in re.finditer(r"^durable (\d+)\n", report, re.MULTILINE))
+            assert report, "the writer ended without a durable report"
+        time.sleep(rng.uniform(0.0, 0.08))
         os.kill(child.pid, signal.SIGKILL)
         output, _ = child.communicate()
         # Whole lines only: the kill may land while the child prints (a cut report claims nothing).

@@ -1,0 +1,92 @@
+"""vLLM job scripts forked from a process that imported vLLM once (test process).
+
+Importing torch, vLLM and transformers takes about 15 s of one core on a 2-core
+machine: more than a tiny model's whole engine start after it. So each
+``run_llm.py`` / ``run_blend_llm.py`` job is forked from a multiprocessing
+forkserver that imported them once (``job_preload``), instead of being a new
+interpreter. The child is still a fresh process for vLLM and lmi-cache: neither
+builds an engine nor imports lmi-cache before the fork (the forkserver preloads
+vLLM's modules only), so a job that restarts from a disk tier sees what a new
+server would. Its environment, working directory, ``sys.path`` (``PYTHONPATH``
+entries first, as a new interpreter would) and stdout/stderr are set as for a
+subprocess. ``LMI_CACHE_E2E_FORK=0`` runs each job as a new interpreter again.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import traceback
+from collections.abc import Mapping
+from multiprocessing.context import BaseContext
+from pathlib import Path
+from typing import NamedTuple
+
+FORK = os.environ.get("LMI_CACHE_E2E_FORK", "1") != "0"
+_context: BaseContext | None = None
+
+
+class Finished(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _forkserver() -> BaseContext:
+    global _context
+    if _context is None:
+        context = multiprocessing.get_context("forkserver")
+        # Imported once in the forkserver (by module name: this folder is on its sys.path, inherited from us).
+        context.set_forkserver_preload(["job_preload"])
+        _context = context
+    return _context
+
+
+def _child(script: str, args: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
+    """In the forked child: become ``python script args`` with ``env`` in ``cwd``, output to two files."""
+    # The code under test must start fresh in each job: the forkserver imports vLLM only.
+    assert not any(name == "lmi_cache" or name.startswith("lmi_cache.") for name in sys.modules), \
+        "the e2e forkserver imported lmi_cache before forking a job"
+    for fd, path in ((1, stdout), (2, stderr)):
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(handle, fd)
+        os.close(handle)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [str(Path(script).parent), *extra]
+    sys.argv = [script, *args]
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # the job's own failure: its traceback is its output, as for a subprocess
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_script(script: Path, args: list[str], env: Mapping[str, str], cwd: Path, timeout_s: float) -> Finished:
+    """Run ``python script args`` (forked from the warm forkserver unless LMI_CACHE_E2E_FORK=0)."""
+    stdout, stderr = cwd / "stdout.txt", cwd / "stderr.txt"
+    if not FORK:
+        proc = subprocess.run([sys.executable, str(script), *args], env=dict(env), cwd=cwd, capture_output=True,
+                              text=True, timeout=timeout_s)
+        stdout.write_text(proc.stdout)
+        stderr.write_text(proc.stderr)
+        return Finished(proc.returncode, proc.stdout, proc.stderr)
+    process = _forkserver().Process(  # type: ignore[attr-defined]
+        target=_child, args=(str(script), args, dict(env), str(cwd), str(stdout), str(stderr)), daemon=False)
+    process.start()
+    process.join(timeout_s)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
+        raise subprocess.TimeoutExpired([str(script), *args], timeout_s)
+    return Finished(process.exitcode, stdout.read_text(errors="replace"), stderr.read_text(errors="replace"))
