@@ -23,7 +23,7 @@ install() {
     for link in $(.venv/bin/pip config list 2>/dev/null | sed -n "s/^[^=]*find-links='\(.*\)'$/\1/p" | sort -u); do
       links+=(--find-links "$link")
     done
-    .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python "${links[@]}" "$@" && return 0
+    .venv/bin/uv pip install -q --python .venv/bin/python "${links[@]}" "$@" && return 0
     echo "setup: uv could not install $*; trying pip" >&2
   fi
   .venv/bin/pip install -q "$@"

@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_groups import e2e_scope
+from e2e_groups import E2E_DIR, e2e_scope
 from engine_starts import ENGINE_STARTS_KEY, engine_starts_line
 
 VLLM_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bmark\.vllm\b", re.MULTILINE)
-E2E_DIR = Path(__file__).parent / "e2e"
 
 
 def _vllm_deselected(config: pytest.Config) -> bool:

@@ -22,7 +22,7 @@ How to share a vLLM start (each costs tens of seconds; the tier's time is mostly
   wrote (a restart from disk, a model swap) runs after it. Each job is forked
   from a process that imported vLLM once (``warm_start.py``).
 - **Which worker**: the e2e modules are two groups (``E2E_SECOND_GROUP`` in
-  ``tests/conftest.py``), each in one pytest-xdist worker; a new module joins
+  ``tests/e2e_groups.py``), each in one pytest-xdist worker; a new module joins
   the first unless it reads a shared job of the second or balances the two.
 
 Shared jobs start in the background when the session's first e2e test runs.

@@ -93,7 +93,7 @@ def cache_env(disk_dir: Path | None, cpu_gib: float = 1.0) -> dict[str, str]:
 
 # vLLM processes that run at once in this process (LMI_CACHE_E2E_JOBS): much of a start is on one core
 # (model load, profiling), so two overlap well on two cores. Under pytest-xdist the e2e tests are two
-# groups in two workers (tests/conftest.py), whose one job each already fill two cores: 1 there, 2 alone.
+# groups in two workers (tests/e2e_groups.py), whose one job each already fill two cores: 1 there, 2 alone.
 SLOTS = max(1, int(os.environ.get("LMI_CACHE_E2E_JOBS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")))
 _free = SLOTS
 _slots_changed = threading.Condition()

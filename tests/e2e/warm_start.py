@@ -13,6 +13,7 @@ subprocess. ``LMI_CACHE_E2E_FORK=0`` runs each job as a new interpreter again.
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import runpy
@@ -25,7 +26,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 FORK = os.environ.get("LMI_CACHE_E2E_FORK", "1") != "0"
-_context: BaseContext | None = None
 
 
 class Finished(NamedTuple):
@@ -34,14 +34,12 @@ class Finished(NamedTuple):
     stderr: str
 
 
+@functools.cache
 def _forkserver() -> BaseContext:
-    global _context
-    if _context is None:
-        context = multiprocessing.get_context("forkserver")
-        # Imported once in the forkserver (by module name: this folder is on its sys.path, inherited from us).
-        context.set_forkserver_preload(["job_preload"])
-        _context = context
-    return _context
+    context = multiprocessing.get_context("forkserver")
+    # Imported once in the forkserver (by module name: this folder is on its sys.path, inherited from us).
+    context.set_forkserver_preload(["job_preload"])
+    return context
 
 
 def _child(script: str, args: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
