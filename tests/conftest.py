@@ -2,7 +2,9 @@
 
 Also mypy starts in the background as soon as the session's tests are collected
 (when ``tests/test_typing.py`` is selected): it takes about a minute on one
-core, which the other core spends on the tests before it (fixture ``mypy_run``).
+core, which the other core spends on the tests before it (fixture ``mypy_run``),
+and the session's vLLM model-info folder is made before any worker starts
+(``tests/vllm_cache.py``).
 
 A test module that needs vLLM says so with a module-level ``pytestmark`` naming
 ``pytest.mark.vllm`` (``tests/e2e`` marks its items in its own conftest). When
@@ -26,6 +28,7 @@ from typing import Any
 import pytest
 from e2e_groups import E2E_DIR, e2e_scope
 from engine_starts import ENGINE_STARTS_KEY, engine_starts_line
+from vllm_cache import share_modelinfos
 
 VLLM_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bmark\.vllm\b", re.MULTILINE)
 
@@ -46,9 +49,12 @@ def _vllm_deselected(config: pytest.Config) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_GUARD] = _vllm_deselected(config) and "vllm" not in sys.modules
+    # Before pytest-xdist starts its workers: they and the vLLM processes they start inherit the folder.
+    config.stash[_MODELINFOS] = share_modelinfos()
 
 
 _GUARD = pytest.StashKey[bool]()
+_MODELINFOS = pytest.StashKey["Path | None"]()
 _REPORTED = pytest.StashKey[bool]()
 
 
@@ -151,6 +157,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    owned = config.stash.get(_MODELINFOS, None)
+    if owned is not None:
+        shutil.rmtree(owned, ignore_errors=True)
     started = config.stash.get(_MYPY, None)
     if started is not None:
         proc, work = started

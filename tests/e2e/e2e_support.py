@@ -20,6 +20,8 @@ from typing import Any
 from lmi_cache.keys.kv_groups import KvCacheGroup
 from warm_start import run_script
 
+from tests.vllm_cache import vllm_cache_root
+
 RUN_LLM = Path(__file__).with_name("run_llm.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHUNK_TOKENS = 256  # two vLLM CPU blocks of 128
@@ -135,7 +137,7 @@ def run_job(job: dict[str, Any], work_dir: Path, timeout_s: float = 420.0) -> di
         {
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_CACHE_ROOT": str(work_dir / "vllm-cache"),
+            "VLLM_CACHE_ROOT": vllm_cache_root(work_dir),
             "VLLM_RPC_BASE_PATH": str(work_dir / "rpc"),
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),

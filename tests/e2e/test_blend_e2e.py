@@ -34,6 +34,8 @@ import pytest
 from e2e_support import REPO_ROOT, job_slot, phase
 from warm_start import run_script
 
+from tests.vllm_cache import vllm_cache_root
+
 RUN_BLEND_LLM = Path(__file__).with_name("run_blend_llm.py")
 SEP = [306, 306, 224]  # the tiny tokenizer's ids of LMCache's separator " # # " (checked below)
 LOGPROB_ATOL = 2e-3  # float32, our attention vs vLLM's kernel: rounding only
@@ -118,7 +120,7 @@ def blend_run(tiny_model: Path, e2e_dir: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_RPC_BASE_PATH": str(work / "rpc"),
+        "VLLM_CACHE_ROOT": vllm_cache_root(work), "VLLM_RPC_BASE_PATH": str(work / "rpc"),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), str(plugin_dir), env.get("PYTHONPATH", "")) if p),
     })

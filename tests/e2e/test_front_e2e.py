@@ -32,6 +32,8 @@ from typing import Any, Iterator
 import pytest
 from server_process import running_server
 
+from tests.vllm_cache import vllm_cache_root
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,7 +136,7 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
         "SAGEMAKER_BIND_TO_PORT": str(port),
         "LMI_CACHE_RUNTIME_DIR": str(root / "runtime"),
         "VLLM_RPC_BASE_PATH": str(root / "rpc"),
-        "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+        "VLLM_CACHE_ROOT": vllm_cache_root(root),
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     })

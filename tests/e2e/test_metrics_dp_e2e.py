@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.local_ports import free_port_block
+from tests.vllm_cache import vllm_cache_root
 from server_process import running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -69,7 +70,7 @@ def dp_server(tiny_model: Path, e2e_dir: Path) -> Iterator[DpServer]:
         "LMI_CACHE_METRICS_PORT": str(exporter_base),
         "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "true", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5",
         "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_RPC_BASE_PATH": str(root / "rpc"), "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+        "VLLM_RPC_BASE_PATH": str(root / "rpc"), "VLLM_CACHE_ROOT": vllm_cache_root(root),
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     })

@@ -27,6 +27,8 @@ from test_serve_e2e import external_hit_tokens, free_port, metric_values, post, 
 
 from lmi_cache.devtools.tiny_audio_model import tone, wav_bytes
 
+from tests.vllm_cache import vllm_cache_root
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 128  # = vLLM's CPU block size: the system text spans whole chunks before the clip
@@ -63,7 +65,7 @@ def reference_answers(model: Path, root: Path) -> dict[str, dict[str, Any]]:
         (root / sub).mkdir()
     port = free_port()
     env = {**os.environ, **CPU_ENV, "VLLM_RPC_BASE_PATH": str(root / "rpc"),
-           "VLLM_CACHE_ROOT": str(root / "vllm-cache"), "HF_HUB_OFFLINE": "1"}
+           "VLLM_CACHE_ROOT": vllm_cache_root(root), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
            "--no-enable-prefix-caching"]

@@ -27,6 +27,8 @@ import psutil
 import pytest
 from server_process import get_status, resend_until_cached, running_server
 
+from tests.vllm_cache import vllm_cache_root
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,7 +109,7 @@ def serve_env(root: Path, port: int, extra: Mapping[str, str] | None = None) -> 
         "SAGEMAKER_BIND_TO_PORT": str(port),
         "LMI_CACHE_RUNTIME_DIR": str(root / "runtime"),
         "VLLM_RPC_BASE_PATH": str(root / "rpc"),  # vLLM leaves IPC sockets behind
-        "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+        "VLLM_CACHE_ROOT": vllm_cache_root(root),
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     })

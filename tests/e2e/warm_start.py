@@ -1,15 +1,21 @@
 """vLLM job scripts forked from a process that imported vLLM once (test process).
 
-Importing torch, vLLM and transformers takes about 15 s of one core on a 2-core
-machine: more than a tiny model's whole engine start after it. So each
-``run_llm.py`` / ``run_blend_llm.py`` job is forked from a multiprocessing
-forkserver that imported them once (``job_preload``), instead of being a new
-interpreter. The child is still a fresh process for vLLM and lmi-cache: neither
-builds an engine nor imports lmi-cache before the fork (the forkserver preloads
-vLLM's modules only), so a job that restarts from a disk tier sees what a new
-server would. Its environment, working directory, ``sys.path`` (``PYTHONPATH``
-entries first, as a new interpreter would) and stdout/stderr are set as for a
-subprocess. ``LMI_CACHE_E2E_FORK=0`` runs each job as a new interpreter again.
+Importing torch, vLLM and transformers takes about 8 s of one core with
+compiled bytecode: more than a tiny model's whole engine start after it. So
+each ``run_llm.py`` / ``run_blend_llm.py`` job is forked from a multiprocessing
+forkserver that imported vLLM's modules once (``PRELOAD``), instead of being a
+new interpreter. The child is still a fresh process for vLLM and lmi-cache: no
+engine is built and no torch operator runs before the fork (so no OpenMP thread
+pool is lost across it), and nothing of lmi-cache is imported there, so a job
+that restarts from a disk tier sees what a new server would. Its environment,
+working directory, ``sys.path`` (``PYTHONPATH`` entries first, as a new
+interpreter would) and stdout/stderr are set as for a subprocess.
+``LMI_CACHE_E2E_FORK=0`` runs each job as a new interpreter again.
+
+The forkserver is a new interpreter with the default ``sys.path`` (CPython 3.11
+does not apply the one it is handed), and it skips a preload module that fails
+to import without a word: so ``PRELOAD`` names modules of site-packages only, and
+each child checks that they are there.
 """
 from __future__ import annotations
 
@@ -34,16 +40,25 @@ class Finished(NamedTuple):
     stderr: str
 
 
+# vLLM's LLM entry point, and what building a CPU engine for a Llama-shaped model imports (measured: about
+# 1 s less per job than the entry point alone); other models' modules are imported in the job.
+PRELOAD = ["vllm.entrypoints.llm", "vllm.config", "vllm.inputs", "vllm.lora.request", "vllm.sampling_params",
+           "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn",
+           "vllm.model_executor.model_loader", "vllm.model_executor.models.llama", "compressed_tensors"]
+
+
 @functools.cache
 def _forkserver() -> BaseContext:
     context = multiprocessing.get_context("forkserver")
     # Imported once in the forkserver (by module name: this folder is on its sys.path, inherited from us).
-    context.set_forkserver_preload(["job_preload"])
+    context.set_forkserver_preload(PRELOAD)
     return context
 
 
 def _child(script: str, args: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
     """In the forked child: become ``python script args`` with ``env`` in ``cwd``, output to two files."""
+    missing = [name for name in PRELOAD if name not in sys.modules]
+    assert not missing, f"the e2e forkserver did not import {missing} (see warm_start.PRELOAD)"
     # The code under test must start fresh in each job: the forkserver imports vLLM only.
     assert not any(name == "lmi_cache" or name.startswith("lmi_cache.") for name in sys.modules), \
         "the e2e forkserver imported lmi_cache before forking a job"

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from lmi_cache.bench.cli import bench
 from lmi_cache.bench.paired import scrape_total
 from lmi_cache.bench.vllm_server import ServerSpec, VllmServer
+from tests.vllm_cache import vllm_cache_root
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -26,6 +27,7 @@ def test_bench_long_doc_qa_on_vllm(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path / "model", size="7m")
     spec = ServerSpec(model_dir=model_dir, prefix_caching=True, max_model_len=2048)
     out = tmp_path / "bench.json"
+    vllm_cache_root(tmp_path / "run")  # the folder the server uses as VLLM_CACHE_ROOT: model info shared
     with VllmServer(spec, tmp_path / "run") as server:
         run = CliRunner().invoke(
             bench,

@@ -73,14 +73,16 @@ def test_endpoint_down_is_a_bounded_miss(moto_s3: str, caplog: pytest.LogCapture
     server.start()
     host, port = server.get_host_and_port()
     server.stop()  # the port this test owned now has nothing behind it
-    cache = open_s3(f"http://{host}:{port}", "down", lookup_timeout_ms=300, io_timeout_ms=300)
+    # 1.5 s, not less: a refused connect is immediate, but boto3's own work before it can take over 300 ms on a
+    # loaded CI machine, and then the warning names a timeout instead of the refused connection checked below.
+    cache = open_s3(f"http://{host}:{port}", "down", lookup_timeout_ms=1500, io_timeout_ms=1500)
     keys = make_keys(4)
     try:
         with caplog.at_level(logging.WARNING):
             started = time.monotonic()
             assert cache.has_many(keys) == [False] * 4
             assert all(isinstance(r, MissReason) for r in cache.read_many(keys))
-            assert time.monotonic() - started < 2.5
+            assert time.monotonic() - started < 4.0  # one lookup and one read, each within its 1.5 s
         assert sum("is not answering" in r.message for r in caplog.records) == 1
         assert "Could not connect" in caplog.text or "Connect" in caplog.text  # the network path, not credentials
         assert cache.ping(timeout_s=1.0) is not None

@@ -1,0 +1,39 @@
+"""A ``VLLM_CACHE_ROOT`` for each vLLM the tests start, all sharing one model-info cache (test process).
+
+Before vLLM builds an engine it inspects the model's class (multimodal? pooling? ...), and it does so in a
+new Python interpreter that imports vLLM: several seconds of one core, unless ``VLLM_CACHE_ROOT/modelinfos``
+already holds the answer (one JSON file per class, keyed by a hash of the class's source file, written
+atomically). Each job and server keeps a cache root of its own (no job reads another's compiled graphs),
+but its ``modelinfos`` folder is a link to one folder per test session, so each model class is inspected
+once per session instead of once per vLLM start.
+
+The session's first process (the pytest-xdist controller, or pytest alone) makes that folder and names it
+in ``LMI_CACHE_TEST_MODELINFOS``, which the workers and every process they start inherit.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+MODELINFOS_ENV = "LMI_CACHE_TEST_MODELINFOS"
+
+
+def share_modelinfos() -> Path | None:
+    """Make the session's model-info folder and name it in the environment; None if a parent process did."""
+    if os.environ.get(MODELINFOS_ENV):
+        return None
+    path = Path(tempfile.mkdtemp(prefix="lmi-cache-modelinfos-"))
+    os.environ[MODELINFOS_ENV] = str(path)
+    return path
+
+
+def vllm_cache_root(work_dir: Path) -> str:
+    """``work_dir/vllm-cache`` (made here), its ``modelinfos`` linked to the session's folder when there is one."""
+    root = work_dir / "vllm-cache"
+    root.mkdir(parents=True, exist_ok=True)
+    shared = os.environ.get(MODELINFOS_ENV)
+    link = root / "modelinfos"
+    if shared and not link.is_symlink() and not link.exists():
+        link.symlink_to(shared, target_is_directory=True)
+    return str(root)
