@@ -51,6 +51,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_GUARD] = _vllm_deselected(config) and "vllm" not in sys.modules
     # Before pytest-xdist starts its workers: they and the vLLM processes they start inherit the folder.
     config.stash[_MODELINFOS] = share_modelinfos()
+    _share_the_cores()
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, a worker's own torch work uses its share of the cores, not all of them.
+
+    torch's OpenMP pool has one thread per core in every worker; three workers on two cores then spin against
+    each other (a 37 s blend test took 170 s beside two vLLM jobs). vLLM processes the workers start set their
+    own threads; this is the worker's in-process torch only.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 1:
+        return
+    import torch
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 _GUARD = pytest.StashKey[bool]()
