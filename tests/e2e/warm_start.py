@@ -50,7 +50,7 @@ PRELOAD = ["vllm.entrypoints.llm", "vllm.config", "vllm.inputs", "vllm.lora.requ
 @functools.cache
 def _forkserver() -> BaseContext:
     context = multiprocessing.get_context("forkserver")
-    # Imported once in the forkserver (by module name: this folder is on its sys.path, inherited from us).
+    # Imported once in the forkserver; one it cannot import is skipped without a word (hence _child's check).
     context.set_forkserver_preload(PRELOAD)
     return context
 
