@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from lmi_cache.keys.kv_groups import KvCacheGroup
+from vllm_cache import vllm_cache_root
 from warm_start import run_script
-
-from tests.vllm_cache import vllm_cache_root
 
 RUN_LLM = Path(__file__).with_name("run_llm.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -126,12 +125,10 @@ class JobFailed(AssertionError):
         self.output = output
 
 
-def run_job(job: dict[str, Any], work_dir: Path, timeout_s: float = 420.0) -> dict[str, Any]:
-    """Run one vLLM job in a fresh process (forked from the warm forkserver: ``warm_start``), return its results."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    (work_dir / "rpc").mkdir(exist_ok=True)
-    job_path = work_dir / "job.json"
-    job_path.write_text(json.dumps(job))
+def job_env(work_dir: Path, *paths: Path) -> dict[str, str]:
+    """A vLLM job's environment: the caller's without LMCACHE_ settings, vLLM's scratch under ``work_dir``, the
+    engine core in the job's process, and the checkout (then ``paths``) first on PYTHONPATH."""
+    (work_dir / "rpc").mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env.update(
         {
@@ -140,9 +137,17 @@ def run_job(job: dict[str, Any], work_dir: Path, timeout_s: float = 420.0) -> di
             "VLLM_CACHE_ROOT": vllm_cache_root(work_dir),
             "VLLM_RPC_BASE_PATH": str(work_dir / "rpc"),
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), *map(str, paths), env.get("PYTHONPATH", "")) if p),
         }
     )
+    return env
+
+
+def run_job(job: dict[str, Any], work_dir: Path, timeout_s: float = 420.0) -> dict[str, Any]:
+    """Run one vLLM job in a fresh process (forked from the warm forkserver: ``warm_start``), return its results."""
+    env = job_env(work_dir)
+    job_path = work_dir / "job.json"
+    job_path.write_text(json.dumps(job))
     kwargs = job.get("llm_kwargs", {})
     with job_slot(whole_machine=kwargs.get("tensor_parallel_size", 1) > 1 or kwargs.get("data_parallel_size", 1) > 1):
         proc = run_script(RUN_LLM, [str(job_path)], env, work_dir, timeout_s)  # stdout.txt, stderr.txt in work_dir

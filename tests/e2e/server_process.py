@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.local_ports import free_port_block
-from tests.vllm_cache import vllm_cache_root
+from vllm_cache import vllm_cache_root
 
 REPO = Path(__file__).resolve().parents[2]
 CONNECTOR = {"kv_connector": "LmiCacheConnector", "kv_connector_module_path": "lmi_cache.vllm_connector",

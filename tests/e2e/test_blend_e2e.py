@@ -31,10 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import REPO_ROOT, job_slot, phase
+from e2e_support import job_env, job_slot, phase
 from warm_start import run_script
-
-from tests.vllm_cache import vllm_cache_root
 
 RUN_BLEND_LLM = Path(__file__).with_name("run_blend_llm.py")
 SEP = [306, 306, 224]  # the tiny tokenizer's ids of LMCache's separator " # # " (checked below)
@@ -93,7 +91,7 @@ def blend_run(tiny_model: Path, e2e_dir: Path) -> dict[str, Any]:
 
     assert AutoTokenizer.from_pretrained(str(tiny_model)).encode(" # # ", add_special_tokens=False) == SEP
     work = e2e_dir / "blend"
-    (work / "rpc").mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     ref = "reference"
     config = work / "lmcache.yaml"
     config.write_text(f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: 1\n"
@@ -117,13 +115,7 @@ def blend_run(tiny_model: Path, e2e_dir: Path) -> dict[str, Any]:
     }
     (work / "job.json").write_text(json.dumps(job))
     plugin_dir = _plugin_path(Path(tempfile.mkdtemp(prefix="plugin-", dir=work)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
-    env.update({
-        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CACHE_ROOT": vllm_cache_root(work), "VLLM_RPC_BASE_PATH": str(work / "rpc"),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), str(plugin_dir), env.get("PYTHONPATH", "")) if p),
-    })
+    env = job_env(work, plugin_dir)
     with job_slot():  # one of the vLLM processes that may run at once (e2e_support.SLOTS)
         proc = run_script(RUN_BLEND_LLM, [str(work / "job.json")], env, work, 300)  # stdout.txt, stderr.txt in work
     for line in proc.stdout.splitlines():

@@ -31,8 +31,7 @@ from typing import Any, Iterator
 
 import pytest
 from server_process import running_server
-
-from tests.vllm_cache import vllm_cache_root
+from vllm_cache import vllm_cache_root
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

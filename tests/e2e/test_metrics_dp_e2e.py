@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.local_ports import free_port_block
-from tests.vllm_cache import vllm_cache_root
 from server_process import running_server
+from vllm_cache import vllm_cache_root
+
+from tests.local_ports import free_port_block
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

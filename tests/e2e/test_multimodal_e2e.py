@@ -24,10 +24,9 @@ from typing import Any
 import pytest
 from server_process import running_server
 from test_serve_e2e import external_hit_tokens, free_port, metric_values, post, running_serve, serve_env
+from vllm_cache import vllm_cache_root
 
 from lmi_cache.devtools.tiny_audio_model import tone, wav_bytes
-
-from tests.vllm_cache import vllm_cache_root
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -26,8 +26,7 @@ from typing import Any, Iterator, Mapping
 import psutil
 import pytest
 from server_process import get_status, resend_until_cached, running_server
-
-from tests.vllm_cache import vllm_cache_root
+from vllm_cache import vllm_cache_root
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from vllm_cache import vllm_cache_root
 
 from lmi_cache.bench.cli import bench
 from lmi_cache.bench.paired import scrape_total
 from lmi_cache.bench.vllm_server import ServerSpec, VllmServer
-from tests.vllm_cache import vllm_cache_root
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
