@@ -9,6 +9,8 @@ once per session instead of once per vLLM start.
 
 The session's first process (the pytest-xdist controller, or pytest alone) makes that folder and names it
 in ``LMI_CACHE_TEST_MODELINFOS``, which the workers and every process they start inherit.
+
+``WORKER_IN_ENGINE_CORE`` is the other setting every test server runs with (see its comment).
 """
 from __future__ import annotations
 
@@ -17,6 +19,13 @@ import tempfile
 from pathlib import Path
 
 MODELINFOS_ENV = "LMI_CACHE_TEST_MODELINFOS"
+
+# Every test server with one rank runs its model in the engine core's process, as vLLM does for TP=1 on a
+# GPU. vLLM's CPU backend would otherwise start one more spawned interpreter for it (to bind its OpenMP
+# threads), which imports vLLM again: about 15 s of one core per server start. The API server and engine
+# core stay separate processes, and the connector code is the same; tensor-parallel jobs keep a worker
+# process per rank, a data-parallel server an engine core per replica.
+WORKER_IN_ENGINE_CORE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def share_modelinfos() -> Path | None:

@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -31,11 +29,10 @@ from typing import Any, Iterator
 
 import pytest
 from server_process import running_server
-from vllm_cache import vllm_cache_root
+from test_serve_e2e import free_port, serve_command, serve_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 SESSION_TTL_S = 15
 MAX_SESSIONS = 4
 PROMPTS = ["def main():\n    return", "import os\nimport sys\n", "class Tree:\n    def __init__(self"]
@@ -125,22 +122,9 @@ def server(tiny_model: Path, e2e_dir: Path) -> Iterator[Server]:
     (model_dir / "adapters" / "tenant-f" / "model.py").write_text(FORMATTERS)
     make_tiny_lora(tiny_model, model_dir / "adapters" / "bad-code", seed=3)
     (model_dir / "adapters" / "bad-code" / "model.py").write_text("import no_such_module_for_lmi_cache\n")
-    for sub in ("rpc", "vllm-cache", "runtime"):
-        (root / sub).mkdir()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SM_", "HF_MODEL_ID", "LMCACHE_"))}
-    env.update({
-        "SAGEMAKER_BIND_TO_PORT": str(port),
-        "LMI_CACHE_RUNTIME_DIR": str(root / "runtime"),
-        "VLLM_RPC_BASE_PATH": str(root / "rpc"),
-        "VLLM_CACHE_ROOT": vllm_cache_root(root),
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-    })
-    script = Path(sys.executable).with_name("lmi-cache")
-    command = [str(script), "serve"] if script.exists() else [sys.executable, "-m", "autoconfig.cli", "serve"]
+    port = free_port()
+    env = serve_env(root, port)
+    command = serve_command()
     log_path = root / "serve.log"
     try:
         with running_server([*command, "--model-dir", str(model_dir)], env=env, cwd=root,

@@ -76,7 +76,9 @@ def reference(shared_jobs: SharedJobs) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model: Path, e2e_dir: Path) -> Iterator[dict[str, Any]]:
+def pair(tiny_model: Path, e2e_dir: Path, reference: dict[str, dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Both servers, started after ``reference``: they hold every job slot, so a shared job that had not
+    run yet would wait for them for ever (a run of this module alone did)."""
     flag = e2e_dir / "peer-corrupt-flag"
     with job_slot(whole_machine=True), ExitStack() as stack:
         redis = stack.enter_context(RedisServer())

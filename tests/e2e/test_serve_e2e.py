@@ -4,15 +4,15 @@ The model directory holds only a serving.properties (the cpu-tiny-demo example,
 pointed at the tiny model). Checks the SageMaker contract (/ping, /invocations
 for completion and chat payloads), that a repeated long prompt is loaded from
 lmi-cache (vLLM's own prefix cache is off in the example, so every reused token
-is an external hit), and that SIGTERM stops the server with exit status 0.
-A second start checks that a server whose engine dies makes serve exit 1.
+is an external hit), and, last, that a server whose engine dies makes serve
+exit 1. (That SIGTERM stops serve with exit status 0 is checked on the
+LMI-recipe server of ``test_serve_lmi_e2e.py``, so each module starts once.)
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping
 import psutil
 import pytest
 from server_process import get_status, resend_until_cached, running_server
-from vllm_cache import vllm_cache_root
+from vllm_cache import WORKER_IN_ENGINE_CORE, vllm_cache_root
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -110,6 +110,7 @@ def serve_env(root: Path, port: int, extra: Mapping[str, str] | None = None) -> 
         "VLLM_RPC_BASE_PATH": str(root / "rpc"),  # vLLM leaves IPC sockets behind
         "VLLM_CACHE_ROOT": vllm_cache_root(root),
         "HF_HUB_OFFLINE": "1",
+        **WORKER_IN_ENGINE_CORE,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     })
     env.update(extra or {})
@@ -207,27 +208,18 @@ def test_lmi_cache_series_are_on_the_serving_ports_metrics(server: Server) -> No
     assert metric_values(server.url, "vllm:num_requests_running"), "vLLM's own series must stay"
 
 
-def test_sigterm_stops_the_server_with_exit_0(server: Server) -> None:
-    server.proc.send_signal(signal.SIGTERM)
-    try:
-        returncode = server.proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running 60 s after SIGTERM:\n{server.log_tail()}")
-    assert returncode == 0, server.log_tail()
-
-
-def test_an_engine_that_dies_makes_serve_exit_1(tiny_model: Path, e2e_dir: Path) -> None:
+def test_an_engine_that_dies_makes_serve_exit_1(server: Server) -> None:
     # vLLM's server exits 0 after its engine died; serve, its parent, turns that into a failure.
-    with serving(tiny_model, e2e_dir / "serve-engine-death") as running:
-        engines = [p for p in psutil.Process(running.proc.pid).children(recursive=True)
-                   if "EngineCore" in " ".join(p.cmdline())]
-        assert engines, f"no EngineCore process under serve:\n{running.log_tail()}"
-        for engine in engines:
-            engine.kill()
-        try:
-            returncode = running.proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"serve still running 90 s after its engine was killed:\n{running.log_tail()}")
-        log = running.log_tail(20000)
+    # Last in the module: it ends the module's server.
+    engines = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+               if "EngineCore" in " ".join(p.cmdline())]
+    assert engines, f"no EngineCore process under serve:\n{server.log_tail()}"
+    for engine in engines:
+        engine.kill()
+    try:
+        returncode = server.proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"serve still running 90 s after its engine was killed:\n{server.log_tail()}")
+    log = server.log_tail(20000)
     assert returncode == 1, log
     assert "lmi-cache serve: error: the server stopped on its own" in log

@@ -5,12 +5,15 @@ naming ``LMCacheConnectorV1``, the YAML through ``LMCACHE_CONFIG_FILE``, as
 LMI's user guide shows), LMI's dtype value ``fp32`` and two API keys. The
 start must use lmi-cache's connector (upstream LMCache is not installed here:
 before, this start failed), reuse a repeated prompt, enforce the keys, and
-keep them off every process's command line and out of the log.
+keep them off every process's command line and out of the log; last, SIGTERM
+stops serve with exit status 0.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -109,3 +112,13 @@ def test_repeated_prompt_is_reused_through_the_lmi_recipe(server: Server) -> Non
     again, cached = resend_until_cached(lambda: post(f"{server.url}/v1/completions", payload, KEYS[0])[1])
     assert cached >= first["usage"]["prompt_tokens"] // 2, server.log_tail()
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_sigterm_stops_serve_with_exit_0(server: Server) -> None:
+    # Last in the module: it ends the module's server.
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        returncode = server.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running 60 s after SIGTERM:\n{server.log_tail()}")
+    assert returncode == 0, server.log_tail()
