@@ -10,7 +10,7 @@ once per session instead of once per vLLM start.
 The session's first process (the pytest-xdist controller, or pytest alone) makes that folder and names it
 in ``LMI_CACHE_TEST_MODELINFOS``, which the workers and every process they start inherit.
 
-``WORKER_IN_ENGINE_CORE`` is the other setting every test server runs with (see its comment).
+``LEAN_VLLM_ENV`` is what else every vLLM the tests start runs with (see its comment).
 """
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ from pathlib import Path
 
 MODELINFOS_ENV = "LMI_CACHE_TEST_MODELINFOS"
 
-# Every test server with one rank runs its model in the engine core's process, as vLLM does for TP=1 on a
-# GPU. vLLM's CPU backend would otherwise start one more spawned interpreter for it (to bind its OpenMP
-# threads), which imports vLLM again: about 15 s of one core per server start. The API server and engine
-# core stay separate processes, and the connector code is the same; tensor-parallel jobs keep a worker
-# process per rank, a data-parallel server an engine core per replica.
-WORKER_IN_ENGINE_CORE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# What every vLLM job and one-rank server of the tests runs with: the model in the engine core's process, as
+# vLLM runs TP=1 on a GPU. vLLM's CPU backend would otherwise start one more spawned interpreter for it (to
+# bind its OpenMP threads), which imports vLLM again: about 15 s of one core per start. A server's API process
+# and engine core stay separate processes; tensor-parallel jobs keep a worker per rank, and the data-parallel
+# server runs vLLM's default. (One OpenMP thread per process would save more CPU, but it changes float32
+# rounding between two jobs of the speculative module: their logprobs, compared exactly, differed.)
+LEAN_VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def share_modelinfos() -> Path | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lmi_cache.keys.kv_groups import KvCacheGroup
-from vllm_cache import vllm_cache_root
+from vllm_cache import LEAN_VLLM_ENV, vllm_cache_root
 from warm_start import run_script
 
 RUN_LLM = Path(__file__).with_name("run_llm.py")
@@ -127,7 +127,8 @@ class JobFailed(AssertionError):
 
 def job_env(work_dir: Path, *paths: Path) -> dict[str, str]:
     """A vLLM job's environment: the caller's without LMCACHE_ settings, vLLM's scratch under ``work_dir``, the
-    engine core in the job's process, and the checkout (then ``paths``) first on PYTHONPATH."""
+    engine core in the job's process (``LEAN_VLLM_ENV``), and the checkout (then ``paths``)
+    first on PYTHONPATH."""
     (work_dir / "rpc").mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env.update(
@@ -136,7 +137,7 @@ def job_env(work_dir: Path, *paths: Path) -> dict[str, str]:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_CACHE_ROOT": vllm_cache_root(work_dir),
             "VLLM_RPC_BASE_PATH": str(work_dir / "rpc"),
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            **LEAN_VLLM_ENV,
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), *map(str, paths), env.get("PYTHONPATH", "")) if p),
         }
     )

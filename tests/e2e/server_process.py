@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.local_ports import free_port_block
-from vllm_cache import WORKER_IN_ENGINE_CORE, vllm_cache_root
+from vllm_cache import LEAN_VLLM_ENV, vllm_cache_root
 
 REPO = Path(__file__).resolve().parents[2]
 CONNECTOR = {"kv_connector": "LmiCacheConnector", "kv_connector_module_path": "lmi_cache.vllm_connector",
@@ -140,7 +140,7 @@ def front_vllm_server(model: Path, root: Path, cache_config: dict[str, Any],
         "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "true", "SAGEMAKER_SESSIONS_PATH": str(root / "sessions"),
         "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_RPC_BASE_PATH": str(root / "rpc"), "VLLM_CACHE_ROOT": vllm_cache_root(root),
-        "HF_HUB_OFFLINE": "1", **WORKER_IN_ENGINE_CORE,
+        "HF_HUB_OFFLINE": "1", **LEAN_VLLM_ENV,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
         **(extra_env or {}),
     })

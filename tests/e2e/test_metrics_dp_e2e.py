@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from server_process import running_server
-from vllm_cache import WORKER_IN_ENGINE_CORE, vllm_cache_root
+from vllm_cache import vllm_cache_root
 
 from tests.local_ports import free_port_block
 
@@ -72,7 +72,7 @@ def dp_server(tiny_model: Path, e2e_dir: Path) -> Iterator[DpServer]:
         "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "true", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5",
         "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_RPC_BASE_PATH": str(root / "rpc"), "VLLM_CACHE_ROOT": vllm_cache_root(root),
-        "HF_HUB_OFFLINE": "1", **WORKER_IN_ENGINE_CORE,
+        "HF_HUB_OFFLINE": "1",  # vLLM's own process layout for data parallel (no tests/vllm_cache.LEAN_VLLM_ENV)
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     })
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),

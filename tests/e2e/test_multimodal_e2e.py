@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from server_process import running_server
 from test_serve_e2e import external_hit_tokens, free_port, metric_values, post, running_serve, serve_env
-from vllm_cache import WORKER_IN_ENGINE_CORE, vllm_cache_root
+from vllm_cache import LEAN_VLLM_ENV, vllm_cache_root
 
 from lmi_cache.devtools.tiny_audio_model import tone, wav_bytes
 
@@ -64,7 +64,7 @@ def reference_answers(model: Path, root: Path) -> dict[str, dict[str, Any]]:
         (root / sub).mkdir()
     port = free_port()
     env = {**os.environ, **CPU_ENV, "VLLM_RPC_BASE_PATH": str(root / "rpc"),
-           "VLLM_CACHE_ROOT": vllm_cache_root(root), "HF_HUB_OFFLINE": "1", **WORKER_IN_ENGINE_CORE}
+           "VLLM_CACHE_ROOT": vllm_cache_root(root), "HF_HUB_OFFLINE": "1", **LEAN_VLLM_ENV}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
            "--no-enable-prefix-caching"]

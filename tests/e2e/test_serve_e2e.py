@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping
 import psutil
 import pytest
 from server_process import get_status, resend_until_cached, running_server
-from vllm_cache import WORKER_IN_ENGINE_CORE, vllm_cache_root
+from vllm_cache import LEAN_VLLM_ENV, vllm_cache_root
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -110,7 +110,7 @@ def serve_env(root: Path, port: int, extra: Mapping[str, str] | None = None) -> 
         "VLLM_RPC_BASE_PATH": str(root / "rpc"),  # vLLM leaves IPC sockets behind
         "VLLM_CACHE_ROOT": vllm_cache_root(root),
         "HF_HUB_OFFLINE": "1",
-        **WORKER_IN_ENGINE_CORE,
+        **LEAN_VLLM_ENV,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     })
     env.update(extra or {})

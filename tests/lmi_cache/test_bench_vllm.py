@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from vllm_cache import WORKER_IN_ENGINE_CORE, vllm_cache_root
+from vllm_cache import LEAN_VLLM_ENV, vllm_cache_root
 
 from lmi_cache.bench.cli import bench
 from lmi_cache.bench.paired import scrape_total
@@ -26,7 +26,7 @@ def test_bench_long_doc_qa_on_vllm(tmp_path: Path) -> None:
 
     model_dir = make_tiny_model(tmp_path / "model", size="7m")
     spec = ServerSpec(model_dir=model_dir, prefix_caching=True, max_model_len=2048,
-                      extra_env=dict(WORKER_IN_ENGINE_CORE))
+                      extra_env=dict(LEAN_VLLM_ENV))
     out = tmp_path / "bench.json"
     vllm_cache_root(tmp_path / "run")  # the folder the server uses as VLLM_CACHE_ROOT: model info shared
     with VllmServer(spec, tmp_path / "run") as server:
