@@ -62,9 +62,37 @@ def _start(what: str) -> subprocess.Popen[str]:
     return proc
 
 
+def _signal_state(pid: int) -> str:
+    """State and signal masks of ``pid`` and its children (from /proc), for a failure message."""
+    lines = []
+    for each in [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]:
+        try:
+            status = Path(f"/proc/{each}/status").read_text().splitlines()
+        except OSError:
+            continue
+        fields = [line for line in status if line.startswith(("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn",
+                                                                 "SigCgt"))]
+        lines.append(f"pid {each}: " + "; ".join(fields))
+    return "\n".join(lines)
+
+
+def _finish(proc: subprocess.Popen[str], timeout_s: float = 30) -> tuple[str, str]:
+    """``proc.communicate``; on a timeout, a failure naming each process's state and signal masks (a hang
+    seen once under load, not understood yet: this says where the signal stopped)."""
+    try:
+        return proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        state = _signal_state(proc.pid)
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"serve still running {timeout_s} s later:\n{state}\nstdout: {out!r}\nstderr: {err[-2000:]!r}")
+
+
 def test_a_server_that_stops_on_its_own_with_status_0_fails_the_container() -> None:
     proc = _start("exit0")
-    out, err = proc.communicate(timeout=30)
+    out, err = _finish(proc)
     assert proc.returncode == UNASKED_EXIT_STATUS
     assert out.strip() == f"status {UNASKED_EXIT_STATUS}"
     lines = err.strip().splitlines()
@@ -74,7 +102,7 @@ def test_a_server_that_stops_on_its_own_with_status_0_fails_the_container() -> N
 def test_sigterm_is_forwarded_and_a_clean_drain_is_success() -> None:
     proc = _start("serve")
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    out, err = _finish(proc)
     assert out.split("\n")[:2] == [f"got {int(signal.SIGTERM)}", "status 0"]
     assert proc.returncode == 0 and err == ""
 
@@ -84,7 +112,7 @@ def test_sigint_is_forwarded_and_a_server_it_kills_exits_130() -> None:
     # finishes by dying of SIGINT itself, so serve reports 128 + 2 as a shell would.
     proc = _start("serve")
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    out, err = _finish(proc)
     assert proc.returncode == 128 + signal.SIGINT and "KeyboardInterrupt" in err and "on its own" not in err
 
 
@@ -93,13 +121,13 @@ def test_a_server_killed_by_a_signal_exits_128_plus_it() -> None:
     children = psutil.Process(proc.pid).children()
     assert len(children) == 1
     children[0].kill()
-    out, _ = proc.communicate(timeout=30)
+    out, _ = _finish(proc)
     assert proc.returncode == 128 + signal.SIGKILL and out.strip() == f"status {128 + signal.SIGKILL}"
 
 
 def test_a_non_zero_exit_passes_through() -> None:
     proc = _start("exit3")
-    out, err = proc.communicate(timeout=30)
+    out, err = _finish(proc)
     assert proc.returncode == 3 and out.strip() == "status 3" and err == ""
 
 
@@ -122,7 +150,7 @@ def test_orphans_that_end_while_the_server_runs_are_reaped() -> None:
     assert proc.stdout.readline().strip() == "orphan ended"
     assert _zombie_children(proc.pid) == []
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    out, _ = _finish(proc)
     assert proc.returncode == 0
 
 
