@@ -1,6 +1,7 @@
 """serve as the server's parent: signals forwarded, statuses passed on, an unasked exit 0 is a failure."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -62,10 +63,18 @@ def _start(what: str) -> subprocess.Popen[str]:
     return proc
 
 
+def _descendants(pid: int) -> list[int]:
+    """The pids under ``pid``; none when it has just exited."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def _signal_state(pid: int) -> str:
     """State and signal masks of ``pid`` and its children (from /proc), for a failure message."""
     lines = []
-    for each in [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]:
+    for each in [pid, *_descendants(pid)]:
         try:
             status = Path(f"/proc/{each}/status").read_text().splitlines()
         except OSError:
@@ -83,8 +92,9 @@ def _finish(proc: subprocess.Popen[str], timeout_s: float = 30) -> tuple[str, st
         return proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         state = _signal_state(proc.pid)
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
+        for child in _descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
         proc.kill()
         out, err = proc.communicate()
         pytest.fail(f"serve still running {timeout_s} s later:\n{state}\nstdout: {out!r}\nstderr: {err[-2000:]!r}")
