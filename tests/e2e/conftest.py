@@ -44,6 +44,8 @@ from shared_jobs import SHARED, TINY_CONNECTOR, TINY_REFERENCE, SharedJobs, gemm
 from e2e_groups import e2e_scope
 from e2e_support import run_job
 from engine_starts import ENGINE_STARTS_KEY, engine_starts_line
+from vllm_cache import vllm_cache_root
+from warm_start import warm_model_infos
 
 # The end-to-end jobs inherit this: they run the native copy kernels (a start-up error if they
 # cannot load), so CI proves the production path; the kernel unit tests compare native and torch.
@@ -108,7 +110,8 @@ _SHARED_STARTED = False
 
 @pytest.fixture(autouse=True)
 def _start_shared_jobs(request: pytest.FixtureRequest) -> None:
-    """At this process's first e2e test, start in the background the shared jobs its tests read.
+    """At this process's first e2e test, fill vLLM's model-info cache, then start in the background the
+    shared jobs its tests read.
 
     Alone, that is every selected test; under pytest-xdist (where every worker collects every test) the
     tests of this test's e2e group (``tests/e2e_groups.py``), the group this worker runs.
@@ -121,8 +124,12 @@ def _start_shared_jobs(request: pytest.FixtureRequest) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         group = e2e_scope(request.node.nodeid)
         items = [item for item in items if e2e_scope(item.nodeid) == group]
+    if importlib.util.find_spec("vllm") is None:
+        return
+    e2e_dir = request.getfixturevalue("e2e_dir")
+    warm_model_infos(Path(vllm_cache_root(e2e_dir / "model-infos")))
     names = jobs_used_by(items, SHARED)
-    if names and importlib.util.find_spec("vllm") is not None:
+    if names:
         request.getfixturevalue("shared_jobs").start(names)
 
 

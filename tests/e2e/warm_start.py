@@ -12,6 +12,11 @@ working directory, ``sys.path`` (``PYTHONPATH`` entries first, as a new
 interpreter would) and stdout/stderr are set as for a subprocess.
 ``LMI_CACHE_E2E_FORK=0`` runs each job as a new interpreter again.
 
+Before its first engine, each vLLM process inspects the model's class (multimodal? pooling? ...) in a new
+interpreter that imports vLLM again, about 10 s of one core, unless the model-info cache already holds it
+(``tests/vllm_cache.py`` shares one cache per session). :func:`warm_model_infos` fills that cache for
+every architecture of the suite's models in one child of the forkserver, in about a second.
+
 The forkserver is a new interpreter with the default ``sys.path`` (CPython 3.11
 does not apply the one it is handed), and it skips a preload module that fails
 to import without a word: so ``PRELOAD`` names modules of site-packages only, and
@@ -19,6 +24,7 @@ each child checks that they are there.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import multiprocessing
 import os
@@ -83,6 +89,59 @@ def _child(script: str, args: list[str], env: dict[str, str], cwd: str, stdout: 
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# The vLLM architectures of the suite's models: the tiny models of ``lmi_cache.devtools``, the speculative
+# drafters and MTP layers of ``spec_heads.py``, the MLA and audio models. One missing here is still
+# inspected, by vLLM itself (10 s); a name vLLM does not know fails the warm-up.
+MODEL_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM", "GraniteMoeHybridForCausalLM",
+    "EagleLlamaForCausalLM", "Eagle3LlamaForCausalLM", "MiMoForCausalLM", "MiMoMTPModel",
+    "DeepseekV2ForCausalLM", "Qwen2AudioForConditionalGeneration",
+)
+
+
+def _warm_child(cache_root: str, architectures: tuple[str, ...], stderr: str) -> None:
+    """In a forked child: vLLM's own model-info cache entries, each inspected here instead of in a new interpreter."""
+    handle = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(handle, 2)
+    code = 0
+    try:
+        os.environ["VLLM_CACHE_ROOT"] = cache_root  # read by vLLM when it reads or writes the cache
+        from vllm.model_executor.models import registry
+
+        # vLLM inspects in a new interpreter so that no CUDA context is made in its own process; this child
+        # has none to protect and exits right after. The cache files are vLLM's own (same keys and hashes).
+        registry._run_in_subprocess = lambda fn: fn()
+        with open(Path(cache_root) / "modelinfos" / ".warm.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one worker inspects; the other then finds every entry cached
+            for name in architectures:
+                if name not in registry.ModelRegistry.models:
+                    raise KeyError(f"tests/e2e/warm_start.py: vLLM knows no architecture {name!r} (MODEL_ARCHITECTURES)")
+                registry.ModelRegistry.models[name].inspect_model_cls()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def warm_model_infos(cache_root: Path, timeout_s: float = 120.0) -> None:
+    """Fill the model-info cache under ``cache_root`` (made by ``vllm_cache.vllm_cache_root``) for every
+    architecture in ``MODEL_ARCHITECTURES``; nothing to do when jobs are not forked."""
+    if not FORK:
+        return
+    stderr = cache_root.parent / "warm-model-infos.txt"
+    process = _forkserver().Process(  # type: ignore[attr-defined]
+        target=_warm_child, args=(str(cache_root), MODEL_ARCHITECTURES, str(stderr)), daemon=False)
+    process.start()
+    process.join(timeout_s)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
+    if process.exitcode != 0:
+        raise RuntimeError(f"filling vLLM's model-info cache failed ({process.exitcode}):\n"
+                           f"{stderr.read_text(errors='replace')[-3000:] if stderr.exists() else ''}")
 
 
 def run_script(script: Path, args: list[str], env: Mapping[str, str], cwd: Path, timeout_s: float) -> Finished:
