@@ -105,13 +105,20 @@ def shared_jobs(e2e_dir: Path) -> Iterator[SharedJobs]:
     jobs.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _model_infos_warmed(e2e_dir: Path) -> None:
+    """vLLM's model-info cache filled for the suite's architectures (``warm_start.warm_model_infos``), before
+    any module fixture of this process starts vLLM (a session fixture is set up before module fixtures)."""
+    if importlib.util.find_spec("vllm") is not None:
+        warm_model_infos(Path(vllm_cache_root(e2e_dir / "model-infos")))
+
+
 _SHARED_STARTED = False
 
 
 @pytest.fixture(autouse=True)
 def _start_shared_jobs(request: pytest.FixtureRequest) -> None:
-    """At this process's first e2e test, fill vLLM's model-info cache, then start in the background the
-    shared jobs its tests read.
+    """At this process's first e2e test, start in the background the shared jobs its tests read.
 
     Alone, that is every selected test; under pytest-xdist (where every worker collects every test) the
     tests of this test's e2e group (``tests/e2e_groups.py``), the group this worker runs.
@@ -124,12 +131,8 @@ def _start_shared_jobs(request: pytest.FixtureRequest) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         group = e2e_scope(request.node.nodeid)
         items = [item for item in items if e2e_scope(item.nodeid) == group]
-    if importlib.util.find_spec("vllm") is None:
-        return
-    e2e_dir = request.getfixturevalue("e2e_dir")
-    warm_model_infos(Path(vllm_cache_root(e2e_dir / "model-infos")))
     names = jobs_used_by(items, SHARED)
-    if names:
+    if names and importlib.util.find_spec("vllm") is not None:
         request.getfixturevalue("shared_jobs").start(names)
 
 

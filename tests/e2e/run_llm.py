@@ -25,7 +25,8 @@ names counters of vLLM's own (e.g. ``vllm:spec_decode_num_drafts``; the job's ``
 ``disable_log_stats: false``) reported beside the connector's as ``vllm.<name>``. A prompt's ``lora`` (or null)
 names the adapter it runs with (the job's ``llm_kwargs`` must enable LoRA). A prompt with
 ``"embeds": {"seed": 1, "rows": 600}`` instead of tokens is given as random embeddings (the job's
-``llm_kwargs`` must set ``enable_prompt_embeds``).
+``llm_kwargs`` must set ``enable_prompt_embeds``). A phase with ``"chat": [[message, ...], ...]`` instead of
+``prompts`` sends those OpenAI-format conversations (text, audio parts) through ``LLM.chat``, one after another.
 Output: one line ``RESULT_JSON:{...}`` on stdout (with ``safety_net_firings``: planned puts the tiers of
 this process refused for lack of room, which ``e2e_support.run_job`` requires to be 0).
 """
@@ -143,7 +144,8 @@ def output_record(out: Any) -> dict[str, Any]:
     logprobs = [
         sorted([tid, lp.logprob] for tid, lp in step.items()) for step in (completion.logprobs or [])
     ]
-    return {"tokens": list(completion.token_ids), "logprobs": logprobs, "num_cached_tokens": out.num_cached_tokens}
+    return {"tokens": list(completion.token_ids), "logprobs": logprobs, "num_cached_tokens": out.num_cached_tokens,
+            "num_prompt_tokens": len(out.prompt_token_ids or [])}
 
 
 def llm_kwargs(job: dict[str, Any], prefix_caching: bool) -> dict[str, Any]:
@@ -183,7 +185,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             else:
                 _action(action, job)
         prompts, adapters = [], []
-        for prompt in phase["prompts"]:
+        for prompt in phase.get("prompts", []):
             lora = prompt.get("lora")
             adapters.append(LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None)
             item = TokensPrompt(prompt_token_ids=prompt["tokens"]) if "embeds" not in prompt else _embeds_prompt(
@@ -195,8 +197,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         before = _counters(llm) | _vllm_counters(llm, job.get("vllm_metrics", []))
         t0 = time.perf_counter()
         # A None entry runs that prompt on the base model (vLLM's type hint leaves it out).
-        outs = llm.generate(prompts, params, use_tqdm=False,
-                            lora_request=adapters if any(adapters) else None)  # type: ignore[arg-type]
+        if "chat" in phase:  # one at a time, as a client sends them to a server
+            outs = [out for messages in phase["chat"] for out in llm.chat(messages, params, use_tqdm=False)]
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False,
+                                lora_request=adapters if any(adapters) else None)  # type: ignore[arg-type]
         elapsed = time.perf_counter() - t0
         after = _counters(llm) | _vllm_counters(llm, job.get("vllm_metrics", []))
         delta = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}

@@ -8,23 +8,20 @@ without a connector (float32: tokens equal, logprobs within 1e-4), while the
 system text before the clip is still loaded from the cache; A repeated is
 served from the cache, and the loaded tokens are counted on ``/metrics``.
 
-Two vLLM starts in all: the reference (vLLM's OpenAI server, no connector,
-started first and stopped) and ``lmi-cache serve`` with the connector.
+Two vLLM starts in all: the reference (a vLLM job without a connector: the same
+conversations through ``LLM.chat``, one at a time) and ``lmi-cache serve`` with the connector.
 """
 from __future__ import annotations
 
 import base64
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from server_process import running_server
+from e2e_support import phase, run_job
 from test_serve_e2e import external_hit_tokens, free_port, metric_values, post, running_serve, serve_env
-from vllm_cache import LEAN_VLLM_ENV, vllm_cache_root
 
 from lmi_cache.devtools.tiny_audio_model import tone, wav_bytes
 
@@ -34,6 +31,7 @@ CHUNK = 128  # = vLLM's CPU block size: the system text spans whole chunks befor
 SYSTEM = " ".join(f"note{i} the listener answers about the sound" for i in range(40))
 SOUNDS = {"A": tone(200.0, 6.0), "B": tone(5000.0, 6.0)}
 LOGPROB_TOLERANCE = 1e-4
+MAX_TOKENS = 8
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
@@ -45,33 +43,33 @@ def chat(sound: str) -> dict[str, Any]:
             {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": clip, "format": "wav"}},
                                          {"type": "text", "text": "What is this sound?"}]},
         ],
-        "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 1,
+        "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True, "top_logprobs": 1,
+        "return_tokens_as_token_ids": True,
     }
 
 
 def answer(reply: dict[str, Any]) -> dict[str, Any]:
-    """What is compared: the generated tokens (as text pieces), their logprobs, and the prompt's cached tokens."""
+    """What is compared: the generated token ids, their logprobs, and the prompt's cached tokens."""
     content = reply["choices"][0]["logprobs"]["content"]
     details = reply["usage"].get("prompt_tokens_details") or {}
-    return {"tokens": [c["token"] for c in content], "logprobs": [c["logprob"] for c in content],
+    return {"tokens": [int(c["token"].removeprefix("token_id:")) for c in content],
+            "logprobs": [c["logprob"] for c in content],
             "prompt_tokens": reply["usage"]["prompt_tokens"], "cached": int(details.get("cached_tokens") or 0)}
 
 
 def reference_answers(model: Path, root: Path) -> dict[str, dict[str, Any]]:
-    """A's and B's answers from vLLM's own OpenAI server without a connector (prefix caching off)."""
-    root.mkdir()
-    for sub in ("rpc", "vllm-cache"):
-        (root / sub).mkdir()
-    port = free_port()
-    env = {**os.environ, **CPU_ENV, "VLLM_RPC_BASE_PATH": str(root / "rpc"),
-           "VLLM_CACHE_ROOT": vllm_cache_root(root), "HF_HUB_OFFLINE": "1", **LEAN_VLLM_ENV}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
-           "--no-enable-prefix-caching"]
-    with running_server(cmd, env=env, log_path=root / "vllm.log", ready_url=f"http://127.0.0.1:{port}/health",
-                        sigterm_whole_group=True):
-        return {sound: answer(post(f"http://127.0.0.1:{port}/v1/chat/completions", chat(sound)))
-                for sound in SOUNDS}
+    """A's and B's answers from vLLM without a connector (prefix caching off): the same chat requests."""
+    job = {"model": str(model), "connector": False, "llm_kwargs": {"max_model_len": 2048},
+           "phases": [{"name": sound, "chat": [chat(sound)["messages"]], "max_tokens": MAX_TOKENS, "logprobs": 1}
+                      for sound in SOUNDS]}
+    result = run_job(job, root)
+    answers = {}
+    for sound in SOUNDS:
+        (out,) = phase(result, sound)["outputs"]
+        chosen = [dict(map(tuple, step))[token] for step, token in zip(out["logprobs"], out["tokens"])]
+        answers[sound] = {"tokens": out["tokens"], "logprobs": chosen, "prompt_tokens": out["num_prompt_tokens"],
+                          "cached": out["num_cached_tokens"]}
+    return answers
 
 
 def cached_answers(model: Path, root: Path) -> dict[str, Any]:
