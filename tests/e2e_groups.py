@@ -18,7 +18,7 @@ E2E_PREFIX = f"{E2E_DIR.relative_to(E2E_DIR.parents[1]).as_posix()}/"  # how nod
 # at a time): move a module when one group ends minutes before the other.
 E2E_SECOND_GROUP = frozenset({
     "test_sliding_window_e2e.py", "test_sliding_window_session_e2e.py", "test_sliding_window_features_e2e.py",
-    "test_kv_events_e2e.py", "test_multimodal_e2e.py", "test_serve_e2e.py", "test_hybrid_ssm_e2e.py",
+    "test_kv_events_e2e.py", "test_multimodal_e2e.py", "test_hybrid_ssm_e2e.py",
     "test_front_e2e.py", "test_metrics_dp_e2e.py", "test_serve_lmi_e2e.py", "test_session_retention_e2e.py",
 })
 
