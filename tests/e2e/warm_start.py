@@ -113,7 +113,9 @@ def _warm_child(cache_root: str, architectures: tuple[str, ...], stderr: str) ->
         # vLLM inspects in a new interpreter so that no CUDA context is made in its own process; this child
         # has none to protect and exits right after. The cache files are vLLM's own (same keys and hashes).
         registry._run_in_subprocess = lambda fn: fn()
-        with open(Path(cache_root) / "modelinfos" / ".warm.lock", "w") as lock:
+        infos = Path(cache_root) / "modelinfos"  # the session's shared folder (a link), or a folder of its own
+        infos.mkdir(parents=True, exist_ok=True)
+        with open(infos / ".warm.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one worker inspects; the other then finds every entry cached
             for name in architectures:
                 if name not in registry.ModelRegistry.models:
