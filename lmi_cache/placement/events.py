@@ -22,6 +22,12 @@ What is published follows the directory, chunk by chunk:
   disk store first and the CPU removal after it, once the disk tier has
   confirmed it (or failed it): a router never sees the chunk in neither tier
   while it is still on its way.
+- within one batch (``take``), a chunk's store in a medium comes after its
+  parent chunk's store there: workers confirm a step's stores in the order they
+  finish (a promotion from disk, read by several threads, can land the second
+  chunk of a prompt before the first), and routers index a stored block only
+  under a parent they already hold (Dynamo's rule; llm-d drops an event with an
+  unknown parent), so a child announced first would never be indexed.
 
 Mediums are vLLM's: ``CPU`` for the CPU tier, ``STORAGE`` for the disk tier.
 """
@@ -160,7 +166,7 @@ class TierEventLog:
 
     def take(self) -> list[TierChange]:
         changes, self._changes = self._changes, []
-        return changes
+        return parents_first(changes)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -193,3 +199,52 @@ class TierEventLog:
             for digest in chunk.digests:
                 if self._chunks.get(digest) is chunk:
                     del self._chunks[digest]
+
+
+def _hashes(change: TierChange) -> tuple[BlockHash, ...]:
+    return change.blocks.block_hashes if isinstance(change, StoredBlocks) else change.block_hashes
+
+
+def _group(change: TierChange) -> int:
+    return change.blocks.group_idx if isinstance(change, StoredBlocks) else change.group_idx
+
+
+def parents_first(changes: list[TierChange]) -> list[TierChange]:
+    """``changes`` with each chunk's store moved to just after its parent chunk's store in the same medium and
+    group, when that comes later in the batch (or moved there itself); later changes of a moved chunk move with
+    it. Everything else keeps its order."""
+    stored_at = {(c.medium, c.blocks.group_idx, c.blocks.block_hashes[-1]): i
+                 for i, c in enumerate(changes) if isinstance(c, StoredBlocks) and c.blocks.block_hashes}
+    waiting: dict[int, list[int]] = {}  # index -> the changes that go right after it
+    moved: dict[tuple[str, int, BlockHash], int] = {}  # a moved chunk's blocks -> its store's index
+    out: list[TierChange] = []
+    done: set[int] = set()
+
+    def emit(index: int) -> None:  # and what waits for it, depth first (a long prompt's chain: no recursion)
+        stack = [index]
+        while stack:
+            current = stack.pop()
+            out.append(changes[current])
+            done.add(current)
+            stack.extend(reversed(waiting.pop(current, [])))
+
+    for index, change in enumerate(changes):
+        after = None
+        if isinstance(change, StoredBlocks) and change.blocks.parent_block_hash is not None:
+            parent = stored_at.get((change.medium, change.blocks.group_idx, change.blocks.parent_block_hash))
+            if parent is not None and parent not in done:  # later in the batch, or itself moved behind its parent
+                after = parent
+        if after is None:  # a later change of a chunk whose store moved goes after that store
+            stores = (moved.get((change.medium, _group(change), block)) for block in _hashes(change))
+            after = next((store for store in stores if store is not None and store not in done), None)
+        if after is None:
+            emit(index)
+            continue
+        waiting.setdefault(after, []).append(index)
+        if isinstance(change, StoredBlocks):
+            for block in change.blocks.block_hashes:
+                moved[(change.medium, change.blocks.group_idx, block)] = index
+    for index in sorted(i for held in waiting.values() for i in held if i not in done):
+        if index not in done:  # unreachable with well-formed batches; never lose a change
+            emit(index)
+    return out

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from lmi_cache.placement.events import ChunkBlocks, RemovedBlocks, StoredBlocks
+from lmi_cache.placement.events import ChunkBlocks, RemovedBlocks, StoredBlocks, parents_first
 from tests.kv_event_consumers import DynamoIndex, LlmdIndex, apply_all, decode_events
 
 pytestmark = pytest.mark.vllm
@@ -54,6 +54,20 @@ def test_both_consumers_follow_stores_demotions_and_removals(positional: bool) -
     assert dynamo.matched_blocks("host", tokens) == 0  # the chain starts with the removed blocks
     assert dynamo.matched_blocks("device", tokens) == 2  # Dynamo files vLLM's STORAGE medium under its default tier
     assert llmd.dropped == 0 and dynamo.dropped == 0
+
+
+def test_a_batch_confirmed_child_first_reaches_both_consumers_whole_once_ordered() -> None:
+    """A promotion that lands a prompt's second chunk before its first: as confirmed, Dynamo indexes only the
+    first chunk (the second's parent was unknown when it came); in the order the event log publishes, both."""
+    from lmi_cache.vllm_connector.kv_events import to_vllm_events
+
+    tokens = list(range(1, 17))
+    first, second = chunk_blocks(tokens, 0), chunk_blocks(tokens, 1)
+    as_confirmed = [StoredBlocks("CPU", second), StoredBlocks("CPU", first)]
+    for batch, host_blocks in ((as_confirmed, 2), (parents_first(as_confirmed), 4)):
+        llmd, dynamo = LlmdIndex(BLOCK, MODEL), DynamoIndex(BLOCK)
+        apply_all(decode_events(encode(to_vllm_events(batch), False)), llmd, dynamo)
+        assert dynamo.matched_blocks("host", tokens) == host_blocks
 
 
 def test_lora_name_and_block_size_are_what_the_consumers_hash_with() -> None:

@@ -4,13 +4,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lmi_cache.keys.hashing import ChunkKey
 from lmi_cache.placement import event_journal
 from lmi_cache.placement.event_journal import EventJournal
 from lmi_cache.placement.book import TierSpec
 from lmi_cache.placement.directory import REMOTE, PlacementDirectory
-from lmi_cache.placement.events import ChunkBlocks, RemovedBlocks, StoredBlocks
+from lmi_cache.placement.events import ChunkBlocks, RemovedBlocks, StoredBlocks, parents_first
 from lmi_cache.placement.messages import TierEvent
 
 CHUNK = 16
@@ -64,6 +66,34 @@ def test_a_chunk_is_announced_once_its_store_is_confirmed_not_when_planned() -> 
     assert d.take_events() == []  # pending: a router must not be told yet
     land(d, 1, tiers)
     assert d.take_events() == [StoredBlocks("CPU", blocks(1))]
+
+
+def test_stores_confirmed_child_first_in_one_step_are_announced_parent_first() -> None:
+    d = directory(cpu_chunks=4)
+    tiers = {n: plan(d, n) for n in (1, 2, 3)}
+    for n in (3, 2, 1):  # a worker's threads finished the prompt's chunks last to first
+        land(d, n, tiers[n])
+    assert d.take_events() == [StoredBlocks("CPU", blocks(n)) for n in (1, 2, 3)]
+
+
+def test_a_moved_store_takes_the_later_changes_of_its_chunk_along() -> None:
+    gone = RemovedBlocks("CPU", blocks(2).block_hashes)
+    other = RemovedBlocks("STORAGE", blocks(5).block_hashes)
+    assert parents_first([StoredBlocks("CPU", blocks(2)), gone, StoredBlocks("CPU", blocks(1)), other]) == [
+        StoredBlocks("CPU", blocks(1)), StoredBlocks("CPU", blocks(2)), gone, other]
+
+
+def test_a_parent_stored_in_another_medium_or_earlier_changes_nothing() -> None:
+    batch = [StoredBlocks("CPU", blocks(2)), StoredBlocks("STORAGE", blocks(1)), StoredBlocks("CPU", blocks(3))]
+    assert parents_first(batch) == batch
+
+
+@given(st.permutations([(medium, n) for medium in ("CPU", "STORAGE") for n in range(1, 7)]))
+def test_any_batch_order_comes_out_parents_first_and_whole(order: list[tuple[str, int]]) -> None:
+    out = parents_first([StoredBlocks(medium, blocks(n)) for medium, n in order])
+    assert sorted((c.medium, c.blocks.block_hashes[0] // 100) for c in out) == sorted(order)
+    position = {(c.medium, c.blocks.block_hashes[0] // 100): i for i, c in enumerate(out)}
+    assert all(position[(medium, n - 1)] < position[(medium, n)] for medium, n in order if n > 1)
 
 
 def test_write_through_announces_each_tier_under_its_medium() -> None:
