@@ -115,11 +115,7 @@ def start(tiny_model: Path, root: Path, disk: Path, stack: ExitStack) -> tuple[S
     subscriber = Subscriber(f"tcp://127.0.0.1:{events_port}")
     stack.callback(shutil.rmtree, root / "rpc", ignore_errors=True)
     stack.callback(subscriber.close)
-    # vLLM's own process layout (not tests/vllm_cache.LEAN_VLLM_ENV): one run with the model in the engine
-    # core's process missed an event here under load; until that is understood, this module keeps the layout
-    # it has always passed with.
-    env = serve_env(root, port, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-    server = stack.enter_context(running_serve(model_dir, root, env, port))
+    server = stack.enter_context(running_serve(model_dir, root, serve_env(root, port), port))
     return server, subscriber
 
 
